@@ -1,0 +1,48 @@
+"""Shape, dtype and device metadata for every node, without running the loss.
+
+``annotate(gm, example_tensors)`` runs torch.fx's ``FakeTensorProp`` with a ``ShapeEnv``: input and
+parameter shapes are static, and every data-dependent size (boolean-mask indexing, ``nonzero``)
+becomes an *unbacked* symbol. Each node's ``meta['val']`` is then a FakeTensor (or a structure of
+them); :func:`is_dynamic` says whether a value's shape depends on data. Nothing real is computed,
+no state is mutated and no device memory is used, so CUDA graphs can be planned on a CPU machine.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.utils import _pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+
+def fake_mode() -> FakeTensorMode:
+    return FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True, static_shapes=True)
+
+
+def annotate(gm: fx.GraphModule, example_tensors: Sequence[torch.Tensor]) -> None:
+    """Set ``meta['val']`` on every node of ``gm`` from fake copies of ``example_tensors``."""
+    mode = fake_mode()
+    fakes = [mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t
+             for t in example_tensors]
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+
+
+def value(node: fx.Node) -> Any:
+    return node.meta.get("val")
+
+
+def is_dynamic(val: Any) -> bool:
+    """Whether any tensor (or integer) in ``val`` has a data-dependent size or value."""
+    for leaf in pytree.tree_leaves(val):
+        if isinstance(leaf, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)):
+            if free_unbacked_symbols(leaf):
+                return True
+    return False
+
+
+def tensors_in(val: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in pytree.tree_leaves(val) if isinstance(leaf, torch.Tensor)]

@@ -1,0 +1,10 @@
+"""Certificates: frozen, JSON-round-trippable records of every rewrite decision."""
+
+from .codes import REGISTRY, Code, lookup
+from .model import DECISIONS, SCHEMA_VERSION, Certificate, Check, Guard, Site, Witness, jsonable
+from .render import render_certificate, render_certificates
+
+__all__ = [
+    "Certificate", "Check", "Code", "DECISIONS", "Guard", "REGISTRY", "SCHEMA_VERSION", "Site",
+    "Witness", "jsonable", "lookup", "render_certificate", "render_certificates",
+]

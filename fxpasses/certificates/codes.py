@@ -1,0 +1,186 @@
+"""The one registry of reason codes.
+
+Every refusal, run-time fallback and internal failure that fxpasses reports carries a code from
+this table. Codes are stable identifiers (tests assert codes, never message text); the explanation
+is one line, the hint says what a user can do about it. ``docs/codes.md`` is generated from this
+table (``python -m fxpasses.certificates.codes > docs/codes.md``) and a test keeps it in sync.
+
+Kinds:
+  refusal  a pass considered a site and did not rewrite it (decision "refused")
+  guard    a run-time check failed, so a call (or one site of a call) ran natively
+  failure  something broke inside fxpasses; the affected work ran natively (decision "failed")
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KINDS = ("refusal", "guard", "failure")
+
+
+@dataclass(frozen=True, slots=True)
+class Code:
+    name: str
+    kind: str
+    explanation: str
+    hint: str
+
+
+_CODES = (
+    # -- tracing and the pipeline -----------------------------------------------------------
+    Code("trace-control-flow", "refusal",
+         "Python control flow (if/while/bool/int) depends on a traced tensor value.",
+         "Declare the function that branches a leaf: optimize(..., leaf_functions=[fn])."),
+    Code("trace-failed", "refusal",
+         "Symbolic tracing of the loss raised an exception.",
+         "Declare the failing function or module a leaf, or simplify the code at the named line."),
+    Code("pass-raised", "failure",
+         "A pass raised an exception; the graph from before the pass was kept.",
+         "Report it with the certificate JSON; the loss keeps its previous graph."),
+    Code("lint-failed", "failure",
+         "The graph failed graph.lint() after a pass; the graph from before the pass was kept.",
+         "Report it with the certificate JSON; the loss keeps its previous graph."),
+    Code("fingerprint-mismatch", "failure",
+         "A pass said it changed the graph and did not, or changed it and said it did not.",
+         "A bug in that pass: report it. Its result was discarded."),
+    # -- whole-loss guards, checked on every call -----------------------------------------
+    Code("hook-added", "guard",
+         "A forward, forward-pre or backward hook was registered after optimization.",
+         "Register hooks before optimize(), or call .reoptimize() after registering them."),
+    Code("method-replaced", "guard",
+         "A method of a module in the loss was replaced (instance or class) after tracing.",
+         "Patch methods before optimize(), or call .reoptimize()."),
+    Code("module-replaced", "guard",
+         "A submodule of the loss was replaced by another object after optimization.",
+         "Replace modules before optimize(), or call .reoptimize()."),
+    Code("mode-changed", "guard",
+         "A module's train/eval mode differs from the one the loss was optimized in.",
+         "Expected during validation: eval calls run natively."),
+    Code("autocast-changed", "guard",
+         "The autocast state (enabled, dtype) differs from the one recorded at tracing.",
+         "Optimize under the autocast context you train with."),
+    Code("grad-mode-changed", "guard",
+         "Grad mode differs from the one recorded at tracing (e.g. a no_grad validation call).",
+         "Expected under torch.no_grad(): such calls run natively."),
+    Code("specialization-budget", "guard",
+         "A new input structure or loss attribute value would need another trace, and the budget "
+         "of specializations is spent.",
+         "Raise optimize(..., max_specializations=N) or keep non-tensor inputs stable."),
+    Code("optimized-path-raised", "guard",
+         "The optimized path raised an exception; the call was recomputed natively and that "
+         "specialization was disabled.",
+         "Read the recorded exception and node in explain(); report it if it is fxpasses' fault."),
+    # -- call pairing (PairCalls / PairRLE) -----------------------------------------------
+    Code("pair-single-call", "refusal",
+         "Only one call of this module method is in the graph: nothing to pair it with.",
+         "Nothing to do; pairing needs two calls of the same module and method."),
+    Code("pair-different-module", "refusal",
+         "The two calls go to different module objects (two flows with their own weights).",
+         "Share one module between the branches if they are meant to share weights."),
+    Code("method-overridden", "refusal",
+         "A subclass overrides inherited scoring or density code (altered scoring / custom "
+         "density), so the certified implementation is not the one that runs.",
+         "If the override is intended, pass PairRLE(allow_overrides=(YourClass,))."),
+    Code("method-patched", "refusal",
+         "The method is replaced on the instance (monkeypatched) rather than the class's own.",
+         "Remove the instance attribute, or subclass and allow the override explicitly."),
+    Code("hooks-present", "refusal",
+         "The module or one of its submodules has forward, forward-pre or backward hooks; "
+         "pairing would change how often and on what they fire.",
+         "Remove the hooks, or keep native calls."),
+    Code("global-hooks-present", "refusal",
+         "Global module hooks are registered (torch.nn.modules.module.register_module_*_hook).",
+         "Remove the global hooks, or keep native calls."),
+    Code("compiled-module", "refusal",
+         "The module or a submodule is compiled (torch.compile / Module.compile).",
+         "Pair the uncompiled module, or keep native calls."),
+    Code("not-training", "refusal",
+         "The module is in eval mode; validation keeps its native calls.",
+         "Optimize in training mode; eval calls run natively."),
+    Code("calls-dependent", "refusal",
+         "One call's input depends on the other call's output, so they cannot run as one.",
+         "Nothing to do: the calls are sequential by construction."),
+    Code("rows-op-unknown", "refusal",
+         "The module runs an op that is not in the row-preserving table.",
+         "If the op maps rows to rows, add a rule to fxpasses.analysis.row_rules."),
+    Code("rows-mixed", "refusal",
+         "The module combines values across rows (a reduction, sort, scan or matmul over the row "
+         "dimension, or training-mode batch statistics).",
+         "Such a module is not row-independent; pairing would change its results."),
+    Code("rows-state-mutated", "refusal",
+         "The module mutates a parameter or buffer in place (e.g. a counter or data-dependent "
+         "initialisation); pairing would change how often that happens.",
+         "Keep native calls, or move the state update out of the scored method."),
+    Code("rows-shape-dependent", "refusal",
+         "The module runs different ops for different row counts (Python control flow on the "
+         "number of rows).",
+         "Remove the row-count branch from the scored method."),
+    Code("rows-analysis-failed", "refusal",
+         "The module could not be traced on concrete example rows (make_fx raised).",
+         "Read the evidence; the module keeps its native calls."),
+    Code("pair-dtype-mismatch", "guard",
+         "At run time the two branches' rows had different dtypes; this call ran two native calls.",
+         "Expected when branches are computed in different precisions."),
+    Code("pair-device-mismatch", "guard",
+         "At run time the two branches' rows were on different devices; this call ran two native "
+         "calls.", "Keep both branches on one device."),
+    Code("pair-tensor-subclass", "guard",
+         "At run time a branch's rows were a tensor subclass; this call ran two native calls.",
+         "Pass plain torch.Tensor rows."),
+    # -- loss capture (CaptureLoss) -------------------------------------------------------
+    Code("no-cuda", "refusal",
+         "The loss's tensors are not on a CUDA device (or CUDA is unavailable): nothing to capture.",
+         "Run the loss on a CUDA device to capture it."),
+    Code("op-not-capturable", "refusal",
+         "An op is not in the capturable table; it runs eagerly between regions.",
+         "If the op is safe under CUDA graph capture, add it to fxpasses.analysis.capture_rules."),
+    Code("host-sync", "refusal",
+         "An op reads device data on the host (.item(), nonzero, boolean-mask indexing); it runs "
+         "eagerly between regions.",
+         "Express the selection with static shapes (masks, clamped counts) to capture it."),
+    Code("dynamic-shape", "refusal",
+         "The node's shape depends on data (downstream of a data-dependent op); it runs eagerly.",
+         "Reduce to a static shape (sum/mean) before the next region, or use static selections."),
+    Code("region-too-small", "refusal",
+         "The capturable region launches too few kernels for a replay to pay off.",
+         "Lower CaptureLoss(min_region_ops=...) if you want it captured anyway."),
+    Code("record-budget", "guard",
+         "The region was recorded for its budget of distinct input signatures; this signature "
+         "runs natively.",
+         "Raise CaptureLoss(max_recordings=...) or keep the region's input shapes stable."),
+    Code("capture-failed", "failure",
+         "Recording the region into a CUDA graph raised; the region runs natively from now on.",
+         "Read the recorded exception; report it if the op table let an unsafe op in."),
+    Code("replay-pending-backward", "guard",
+         "The previous replay's backward has not run yet; replaying would overwrite the "
+         "activations it needs, so this call ran the region natively.",
+         "Call backward before the next forward (the usual training loop does)."),
+)
+
+REGISTRY: dict[str, Code] = {code.name: code for code in _CODES}
+assert len(REGISTRY) == len(_CODES), "duplicate code names"
+assert all(code.kind in KINDS for code in _CODES)
+
+
+def lookup(name: str) -> Code:
+    """The registered code called ``name``; a KeyError names the unknown code."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown fxpasses code {name!r}; registered: {sorted(REGISTRY)}") from None
+
+
+def markdown() -> str:
+    """The reference page of every code, as committed in docs/codes.md."""
+    lines = ["# Reason codes", "",
+             "Generated from `fxpasses/certificates/codes.py` by "
+             "`python -m fxpasses.certificates.codes`; a test keeps the two in sync.", ""]
+    for kind in KINDS:
+        lines += [f"## {kind}", "", "| code | explanation | hint |", "| --- | --- | --- |"]
+        lines += [f"| `{c.name}` | {c.explanation} | {c.hint} |" for c in _CODES if c.kind == kind]
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")

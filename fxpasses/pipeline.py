@@ -1,0 +1,145 @@
+"""Running passes over a traced loss: the Pass protocol, results, verification, snapshots.
+
+A pass is a small stateless object with a ``name`` and ``run(gm) -> PassResult``. The pipeline
+hands each pass its own copy of the graph (sharing the submodules, so nothing is copied but the
+node list), and after the pass:
+
+1. ``graph.lint()`` and ``recompile()``;
+2. a fingerprint of the graph (a hash of its generated code), which must differ from the one before
+   exactly when the pass says ``modified`` — a mismatch is an internal error, reported;
+3. a :class:`Snapshot` of the code, for the before/after diff.
+
+A pass that raises, fails lint or lies about ``modified`` gets a "failed" certificate and its graph
+is discarded: the pipeline continues from the graph before it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import time
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch.fx as fx
+
+from .certificates import Certificate, Check, Site
+
+
+@runtime_checkable
+class Pass(Protocol):
+    """A graph rewrite: one certificate per candidate site it considered, refusals included."""
+
+    name: str
+
+    def run(self, gm: fx.GraphModule) -> "PassResult": ...
+
+
+@dataclass
+class PassResult:
+    graph_module: fx.GraphModule
+    modified: bool
+    certificates: list[Certificate] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The graph's generated code after a pipeline step."""
+
+    step: str
+    fingerprint: str
+    code: str
+    modified: bool
+    seconds: float = 0.0
+
+
+@dataclass
+class PipelineRun:
+    """What running the pipeline produced: the final graph, certificates, snapshots, counters."""
+
+    graph_module: fx.GraphModule
+    certificates: list[Certificate]
+    snapshots: list[Snapshot]
+
+    def counters(self) -> dict[str, dict[str, object]]:
+        """Per pass: sites seen, applied, refused (by code) and failed."""
+        out: dict[str, dict[str, object]] = {}
+        for cert in self.certificates:
+            entry = out.setdefault(cert.pass_name, {"seen": 0, "applied": 0, "refused": Counter(),
+                                                    "failed": Counter()})
+            entry["seen"] += 1
+            if cert.decision == "applied":
+                entry["applied"] += 1
+            else:
+                entry[cert.decision].update(cert.codes)
+        return out
+
+    def diff(self) -> str:
+        """Unified diff of the generated code, first snapshot to last."""
+        first, last = self.snapshots[0], self.snapshots[-1]
+        return "".join(difflib.unified_diff(
+            first.code.splitlines(keepends=True), last.code.splitlines(keepends=True),
+            fromfile=f"before ({first.step})", tofile=f"after ({last.step})"))
+
+
+def fingerprint(gm: fx.GraphModule) -> str:
+    return hashlib.sha256(gm.graph.python_code("self").src.encode()).hexdigest()[:16]
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new GraphModule over a copy of the graph; submodules and parameters are shared."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    new = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    new.meta = dict(gm.meta)
+    return new
+
+
+def _snapshot(step: str, gm: fx.GraphModule, modified: bool, seconds: float = 0.0) -> Snapshot:
+    return Snapshot(step, fingerprint(gm), gm.code, modified, seconds)
+
+
+def _failure(pass_name: str, code: str, exc: BaseException | None, detail: dict) -> Certificate:
+    evidence = dict(detail)
+    if exc is not None:
+        evidence.update(exception=type(exc).__name__, message=str(exc)[:500],
+                        traceback="".join(traceback.format_exception(exc))[-2000:])
+    check = Check("pass-completed", False, evidence, code)
+    return Certificate(pass_name, Site((), (), "whole graph"), "failed", (check,), (code,),
+                       message=f"{pass_name}: {code}: {evidence.get('message', '')}")
+
+
+def run_pipeline(gm: fx.GraphModule, passes: Sequence[Pass]) -> PipelineRun:
+    """Run ``passes`` in order over ``gm`` (see the module docstring)."""
+    snapshots = [_snapshot("traced", gm, False)]
+    certificates: list[Certificate] = []
+    current = gm
+    for p in passes:
+        before = snapshots[-1].fingerprint
+        start = time.perf_counter()
+        try:
+            result = p.run(copy_graph_module(current))
+        except Exception as exc:  # a broken pass must not break the loss
+            certificates.append(_failure(p.name, "pass-raised", exc, {}))
+            continue
+        try:
+            result.graph_module.graph.lint()
+            result.graph_module.recompile()
+        except Exception as exc:
+            certificates.append(_failure(p.name, "lint-failed", exc, {}))
+            continue
+        after = fingerprint(result.graph_module)
+        if (after != before) != bool(result.modified):
+            certificates.append(_failure(p.name, "fingerprint-mismatch", None, {
+                "claimed_modified": bool(result.modified), "fingerprint_before": before,
+                "fingerprint_after": after,
+                "message": f"pass said modified={result.modified}, fingerprint "
+                           f"{'changed' if after != before else 'unchanged'}"}))
+            continue
+        certificates.extend(result.certificates)
+        current = result.graph_module
+        snapshots.append(_snapshot(p.name, current, result.modified, time.perf_counter() - start))
+    return PipelineRun(current, certificates, snapshots)

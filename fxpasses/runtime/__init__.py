@@ -1,0 +1,37 @@
+"""Objects that rewritten graphs call at run time, and the counters they keep.
+
+A rewrite that needs run-time decisions (per-call guards, CUDA graph replay) puts a
+:class:`RuntimeSite` into the graph as a ``call_function`` target. Each site keeps a Counter of
+what happened on each call (e.g. ``paired``, ``pair-dtype-mismatch``), which
+``OptimizedLoss.stats`` gathers by walking the graph.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch.fx as fx
+
+
+class RuntimeSite:
+    """Base of call_function targets with a name torch.fx can print and per-site counters."""
+
+    __module__ = "fxpasses.runtime"
+
+    def __init__(self, site_id: str):
+        self.site_id = site_id
+        self.__name__ = site_id.replace("-", "_").replace(".", "_")
+        self.__qualname__ = self.__name__
+        self.counters: Counter[str] = Counter()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.site_id}>"
+
+
+def runtime_sites(gm: fx.GraphModule) -> list[RuntimeSite]:
+    """The RuntimeSite targets of ``gm``'s graph, in node order, each once."""
+    seen: dict[int, RuntimeSite] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, RuntimeSite):
+            seen.setdefault(id(node.target), node.target)
+    return list(seen.values())
