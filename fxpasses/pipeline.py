@@ -15,6 +15,7 @@ is discarded: the pipeline continues from the graph before it.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import hashlib
 import time
@@ -92,7 +93,8 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A new GraphModule over a copy of the graph; submodules and parameters are shared."""
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
+    old_output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    graph.output(out, type_expr=old_output.type)
     new = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
     new.meta = dict(gm.meta)
     return new
@@ -102,14 +104,16 @@ def _snapshot(step: str, gm: fx.GraphModule, modified: bool, seconds: float = 0.
     return Snapshot(step, fingerprint(gm), gm.code, modified, seconds)
 
 
-def _failure(pass_name: str, code: str, exc: BaseException | None, detail: dict) -> Certificate:
+def _failure(pass_name: str, code: str, exc: BaseException | None, detail: dict,
+             fingerprint: str) -> Certificate:
     evidence = dict(detail)
     if exc is not None:
         evidence.update(exception=type(exc).__name__, message=str(exc)[:500],
                         traceback="".join(traceback.format_exception(exc))[-2000:])
     check = Check("pass-completed", False, evidence, code)
     return Certificate(pass_name, Site((), (), "whole graph"), "failed", (check,), (code,),
-                       message=f"{pass_name}: {code}: {evidence.get('message', '')}")
+                       message=f"{pass_name}: {code}: {evidence.get('message', '')}",
+                       graph_fingerprint=fingerprint)
 
 
 def run_pipeline(gm: fx.GraphModule, passes: Sequence[Pass]) -> PipelineRun:
@@ -123,13 +127,13 @@ def run_pipeline(gm: fx.GraphModule, passes: Sequence[Pass]) -> PipelineRun:
         try:
             result = p.run(copy_graph_module(current))
         except Exception as exc:  # a broken pass must not break the loss
-            certificates.append(_failure(p.name, "pass-raised", exc, {}))
+            certificates.append(_failure(p.name, "pass-raised", exc, {}, before))
             continue
         try:
             result.graph_module.graph.lint()
             result.graph_module.recompile()
         except Exception as exc:
-            certificates.append(_failure(p.name, "lint-failed", exc, {}))
+            certificates.append(_failure(p.name, "lint-failed", exc, {}, before))
             continue
         after = fingerprint(result.graph_module)
         if (after != before) != bool(result.modified):
@@ -137,9 +141,10 @@ def run_pipeline(gm: fx.GraphModule, passes: Sequence[Pass]) -> PipelineRun:
                 "claimed_modified": bool(result.modified), "fingerprint_before": before,
                 "fingerprint_after": after,
                 "message": f"pass said modified={result.modified}, fingerprint "
-                           f"{'changed' if after != before else 'unchanged'}"}))
+                           f"{'changed' if after != before else 'unchanged'}"}, before))
             continue
-        certificates.extend(result.certificates)
+        certificates.extend(dataclasses.replace(c, graph_fingerprint=before)
+                            for c in result.certificates)
         current = result.graph_module
         snapshots.append(_snapshot(p.name, current, result.modified, time.perf_counter() - start))
     return PipelineRun(current, certificates, snapshots)

@@ -23,8 +23,14 @@ def flatten_call(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
 
 
 def _leaf_names(args: tuple, kwargs: dict, arg_names: tuple[str, ...]) -> list[str]:
-    """Readable identifiers for each leaf, from its key path (``inputs.o2m.scores`` -> ...)."""
-    paths, _ = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
+    """Readable identifiers for each leaf, from its key path (``inputs.o2m.scores`` -> ...).
+
+    Pytree nodes registered without key functions get positional names (``leaf_3``).
+    """
+    try:
+        paths, _ = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
+    except ValueError:
+        return [f"leaf_{i}" for i in range(len(pytree.tree_leaves((tuple(args), dict(kwargs)))))]
     names = []
     for path, _leaf in paths:
         text = pytree.keystr(path[1:])

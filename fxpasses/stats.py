@@ -62,15 +62,7 @@ def failing_node(gm: fx.GraphModule, exc: BaseException) -> str:
     for frame in traceback.extract_tb(exc.__traceback__):
         if frame.filename == filename:
             lineno = frame.lineno
-    if lineno is None:
+    lines = gm.code.splitlines()  # the source torch.fx compiled, line for line
+    if lineno is None or not 0 < lineno <= len(lines):
         return "?"
-    lineno_map = getattr(gm, "_lineno_map", None)
-    if lineno_map and lineno in lineno_map and lineno_map[lineno] is not None:
-        nodes = list(gm.graph.nodes)
-        index = lineno_map[lineno]
-        if 0 <= index < len(nodes):
-            return nodes[index].name
-    lines = gm.code.splitlines()
-    if 0 < lineno <= len(lines):
-        return lines[lineno - 1].strip().split(" = ")[0]
-    return "?"
+    return lines[lineno - 1].strip().split(" = ")[0]

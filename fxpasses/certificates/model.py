@@ -157,6 +157,7 @@ class Certificate:
     guards: tuple[Guard, ...] = ()
     witness: Witness | None = None
     message: str = ""
+    graph_fingerprint: str = ""  # of the graph the decision was taken on (set by the pipeline)
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -210,6 +211,7 @@ class Certificate:
             guards=tuple(Guard(**g) for g in data["guards"]),
             witness=None if witness is None else Witness(**witness),
             message=data["message"],
+            graph_fingerprint=data.get("graph_fingerprint", ""),
             schema_version=version,
         )
 

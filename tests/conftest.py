@@ -1,0 +1,47 @@
+"""Shared fixtures: a small two-branch flow loss used by the foundation tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+
+class TinyFlow(nn.Module):
+    """Two linear layers scoring (N, 2) rows; row-independent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(2, 8)
+        self.outer = nn.Linear(8, 1)
+
+    def log_prob(self, x: torch.Tensor) -> torch.Tensor:
+        return self.outer(torch.tanh(self.inner(x))).squeeze(-1) - 0.5 * (x * x).sum(-1)
+
+
+class TwoBranchLoss(nn.Module):
+    """alpha * mean(-log p(a)) + (1 - alpha) * mean(-log p(b)), the flow shared by both branches."""
+
+    def __init__(self, alpha: float = 0.25) -> None:
+        super().__init__()
+        self.flow = TinyFlow()
+        self.alpha = alpha
+        self.register_buffer("scale", torch.tensor(2.0))
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        la = -self.flow.log_prob(a / self.scale).mean()
+        lb = -self.flow.log_prob(b / self.scale).mean()
+        return self.alpha * la + (1 - self.alpha) * lb
+
+
+@pytest.fixture
+def two_branch_loss() -> TwoBranchLoss:
+    torch.manual_seed(0)
+    return TwoBranchLoss()
+
+
+@pytest.fixture
+def two_branch_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(5, 2, generator=g, requires_grad=True),
+            torch.randn(3, 2, generator=g, requires_grad=True))

@@ -1,0 +1,211 @@
+"""optimize(): the empty pipeline is exact, every whole-loss guard falls back, errors are clear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+from hypothesis import HealthCheck, given, settings, strategies as st
+from torch import nn
+
+from fxpasses import PassResult, optimize
+from fxpasses.certificates import Certificate, Site
+
+
+def _inputs(rows_a, rows_b, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows_a, 2, generator=g, dtype=dtype, requires_grad=True),
+            torch.randn(rows_b, 2, generator=g, dtype=dtype, requires_grad=True))
+
+
+def _value_and_grads(loss, a, b):
+    a, b = a.detach().requires_grad_(), b.detach().requires_grad_()
+    params = [p for p in loss.parameters()]
+    out = loss(a, b)
+    grads = torch.autograd.grad(out, [a, b, *params])
+    return out.detach(), grads
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows_a=st.integers(1, 40), rows_b=st.integers(1, 40), seed=st.integers(0, 2**31 - 1),
+       dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_empty_pipeline_is_bit_exact(two_branch_loss, rows_a, rows_b, seed, dtype):
+    loss = two_branch_loss.to(dtype)
+    fast = optimize(loss)
+    a, b = _inputs(rows_a, rows_b, seed, dtype)
+    ref_value, ref_grads = _value_and_grads(loss, a, b)
+    value, grads = _value_and_grads(fast, a, b)
+    assert torch.equal(value, ref_value)
+    assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
+    assert fast.stats.optimized == 1 and not fast.stats.native
+
+
+def test_state_dict_keys_and_parameters_are_the_originals(two_branch_loss):
+    fast = optimize(two_branch_loss)
+    assert list(fast.state_dict()) == list(two_branch_loss.state_dict())
+    assert all(p is q for p, q in zip(fast.parameters(), two_branch_loss.parameters()))
+
+
+def _guard_cases():
+    """(name, action on the loss, expected reason code)."""
+    def forward_hook(loss):
+        loss.flow.inner.register_forward_hook(lambda *args: None)
+
+    def pre_hook(loss):
+        loss.flow.register_forward_pre_hook(lambda *args: None)
+
+    def backward_hook(loss):
+        loss.flow.outer.register_full_backward_hook(lambda *args: None)
+
+    def instance_method(loss):
+        original = loss.flow.log_prob
+        loss.flow.log_prob = lambda x: original(x) * 2
+
+    def class_method(loss):
+        cls = type(loss.flow)
+        original = cls.log_prob
+        cls.log_prob = lambda self, x: original(self, x) * 2
+        return lambda: setattr(cls, "log_prob", original)
+
+    def replace_module(loss):
+        loss.flow.inner = nn.Linear(2, 8)
+
+    def eval_mode(loss):
+        loss.eval()
+
+    return [("forward hook", forward_hook, "hook-added"), ("pre hook", pre_hook, "hook-added"),
+            ("backward hook", backward_hook, "hook-added"),
+            ("instance method", instance_method, "method-replaced"),
+            ("class method", class_method, "method-replaced"),
+            ("module replaced", replace_module, "module-replaced"),
+            ("eval mode", eval_mode, "mode-changed")]
+
+
+@pytest.mark.parametrize("name,change,code", _guard_cases(), ids=[c[0] for c in _guard_cases()])
+def test_each_whole_loss_guard_sends_the_next_call_native(two_branch_loss, name, change, code):
+    fast = optimize(two_branch_loss)
+    a, b = _inputs(4, 3)
+    fast(a, b)
+    undo = change(two_branch_loss)
+    try:
+        out = fast(a, b)
+        assert torch.equal(out, two_branch_loss(a, b))  # the native (changed) semantics
+        assert fast.stats.native == {code: 1} and fast.stats.optimized == 1
+    finally:
+        if undo:
+            undo()
+
+
+def test_global_hook_sends_the_next_call_native(two_branch_loss):
+    fast = optimize(two_branch_loss)
+    a, b = _inputs(4, 3)
+    fast(a, b)
+    handle = nn.modules.module.register_module_forward_hook(lambda *args: None)
+    try:
+        fast(a, b)
+    finally:
+        handle.remove()
+    fast(a, b)  # removing the hook restores the recorded state: optimized again
+    assert fast.stats.native == {"hook-added": 1} and fast.stats.optimized == 2
+
+
+def test_grad_mode_and_autocast_changes_run_natively(two_branch_loss):
+    fast = optimize(two_branch_loss)
+    a, b = _inputs(4, 3)
+    fast(a, b)
+    with torch.no_grad():
+        fast(a, b)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fast(a, b)
+    assert fast.stats.native == {"grad-mode-changed": 1, "autocast-changed": 1}
+
+
+def test_reoptimize_accepts_the_current_state(two_branch_loss):
+    fast = optimize(two_branch_loss)
+    a, b = _inputs(4, 3)
+    fast(a, b)
+    two_branch_loss.flow.register_forward_hook(lambda *args: None)
+    fast(a, b)
+    fast.reoptimize()
+    fast(a, b)
+    assert fast.stats.native == {"hook-added": 1} and fast.stats.optimized == 2
+
+
+def _boom(x):
+    raise RuntimeError("injected failure")
+
+
+class InjectFailure:
+    """Test pass: route the first log_prob result through a function that raises."""
+
+    name = "inject-failure"
+
+    def run(self, gm: fx.GraphModule) -> PassResult:
+        node = next(n for n in gm.graph.nodes if n.op == "call_method" and n.target == "log_prob")
+        with gm.graph.inserting_after(node):
+            boom = gm.graph.call_function(_boom, (node,))
+        node.replace_all_uses_with(boom, delete_user_cb=lambda user: user is not boom)
+        return PassResult(gm, True, [Certificate("inject-failure", Site((node.name,)), "applied")])
+
+
+def test_exception_in_optimized_path_returns_native_result(two_branch_loss):
+    fast = optimize(two_branch_loss, passes=[InjectFailure()])
+    a, b = _inputs(4, 3)
+    out = fast(a, b)
+    assert torch.equal(out, two_branch_loss(a, b))
+    (exc,) = fast.stats.exceptions
+    assert exc.type == "RuntimeError" and exc.message == "injected failure"
+    assert exc.node == "_boom"
+    fast(a, b)  # the specialization is disabled: native without raising again
+    assert fast.stats.native == {"optimized-path-raised": 2} and len(fast.stats.exceptions) == 1
+
+
+def test_trace_failure_runs_natively_with_a_refusal():
+    class Branchy(nn.Module):
+        def forward(self, a, b):
+            if a.sum() > 0:
+                return a.sum()
+            return b.sum()
+
+    fast = optimize(Branchy())
+    a, b = _inputs(4, 3)
+    assert torch.equal(fast(a, b), Branchy()(a, b))
+    (cert,) = fast.certificates
+    assert cert.codes == ("trace-control-flow",)
+    fast(a, b)  # not traced again
+    assert fast.stats.native == {"trace-control-flow": 2} and len(fast.specializations) == 1
+
+
+def test_new_input_structure_or_attribute_gets_a_new_specialization_up_to_the_budget(two_branch_loss):
+    fast = optimize(two_branch_loss, max_specializations=2)
+    a, b = _inputs(4, 3)
+    fast(a, b)
+    two_branch_loss.alpha = 0.5  # a scalar attribute baked into the trace: retrace
+    assert torch.equal(fast(a, b), two_branch_loss(a, b))
+    two_branch_loss.alpha = 0.75
+    fast(a, b)
+    assert len(fast.specializations) == 2
+    assert fast.stats.optimized == 2 and fast.stats.native == {"specialization-budget": 1}
+
+
+def test_bad_arguments_are_rejected_at_optimize_time(two_branch_loss):
+    with pytest.raises(TypeError, match="callable"):
+        optimize(3)
+    with pytest.raises(TypeError, match="pass an instance: InjectFailure"):
+        optimize(two_branch_loss, passes=[InjectFailure])
+    with pytest.raises(TypeError, match="is not a pass"):
+        optimize(two_branch_loss, passes=["PairRLE"])
+    with pytest.raises(ValueError, match="appears twice"):
+        optimize(two_branch_loss, passes=[InjectFailure(), InjectFailure()])
+    with pytest.raises(TypeError, match="list of pass objects"):
+        optimize(two_branch_loss, passes="PairRLE")
+    with pytest.raises(ValueError, match="max_specializations"):
+        optimize(two_branch_loss, max_specializations=0)
+
+
+def test_explain_mentions_pipeline_counters_and_guards(two_branch_loss):
+    fast = optimize(two_branch_loss, passes=[InjectFailure()])
+    assert "not traced yet" in fast.explain()
+    fast(*_inputs(4, 3))
+    text = fast.explain()
+    assert "inject-failure" in text and "optimized-path-raised" in text and "hook-added" in text

@@ -1,0 +1,122 @@
+"""The pass pipeline: lint, fingerprints that must agree with `modified`, failures contained."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from fxpasses import PassResult, optimize, run_pipeline, trace
+from fxpasses.certificates import Certificate, Check, Site
+from fxpasses.pipeline import fingerprint
+
+
+class RefuseEveryDensityCall:
+    """Considers each log_prob call and refuses it (as a pass whose checks fail would)."""
+
+    name = "refuse-all"
+
+    def run(self, gm: fx.GraphModule) -> PassResult:
+        certs = [Certificate.from_checks(self.name, Site((n.name,)), [
+            Check("is-training", False, {"training": False}, "not-training")])
+            for n in gm.graph.nodes if n.op == "call_method" and n.target == "log_prob"]
+        return PassResult(gm, False, certs)
+
+
+class RemoveNegation:
+    """Rewrites -x into 0 - x: a modification that keeps values."""
+
+    name = "remove-neg"
+
+    def __init__(self, claim: bool | None = None):
+        self.claim = claim
+
+    def run(self, gm: fx.GraphModule) -> PassResult:
+        changed = False
+        for node in list(gm.graph.nodes):
+            if node.op == "call_function" and node.target is operator.neg:
+                with gm.graph.inserting_before(node):
+                    sub = gm.graph.call_function(operator.sub, (0.0, node.args[0]))
+                node.replace_all_uses_with(sub)
+                gm.graph.erase_node(node)
+                changed = True
+        return PassResult(gm, changed if self.claim is None else self.claim, [])
+
+
+class Raises:
+    name = "raises"
+
+    def run(self, gm):
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        with gm.graph.inserting_before(output):  # damage the copy it was given
+            gm.graph.call_function(torch.relu, (next(iter(gm.graph.nodes)),))
+        raise RuntimeError("pass bug")
+
+
+class BreaksLint:
+    name = "breaks-lint"
+
+    def run(self, gm):
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        first = next(iter(gm.graph.nodes))
+        first.prepend(output)  # output before the nodes it uses: lint must fail
+        return PassResult(gm, True, [])
+
+
+def _traced(loss, inputs):
+    return trace(loss, inputs)
+
+
+def test_refused_rewrite_leaves_graph_and_results_unchanged(two_branch_loss, two_branch_inputs):
+    gm = _traced(two_branch_loss, two_branch_inputs)
+    before = fingerprint(gm)
+    run = run_pipeline(gm, [RefuseEveryDensityCall()])
+    assert fingerprint(run.graph_module) == before
+    assert [c.codes for c in run.certificates] == [("not-training",), ("not-training",)]
+    assert all(c.graph_fingerprint == before for c in run.certificates)
+    fast = optimize(two_branch_loss, passes=[RefuseEveryDensityCall()])
+    assert torch.equal(fast(*two_branch_inputs), two_branch_loss(*two_branch_inputs))
+
+
+def test_modification_is_recorded_with_a_diff(two_branch_loss, two_branch_inputs):
+    run = run_pipeline(_traced(two_branch_loss, two_branch_inputs), [RemoveNegation()])
+    assert run.snapshots[-1].modified and run.snapshots[0].fingerprint != run.snapshots[-1].fingerprint
+    assert "-    neg = -mean" in run.diff() and "sub = 0.0 - mean" in run.diff()
+
+
+def test_fingerprint_catches_a_pass_that_lies_about_modified(two_branch_loss, two_branch_inputs):
+    gm = _traced(two_branch_loss, two_branch_inputs)
+    run = run_pipeline(gm, [RemoveNegation(claim=False)])  # changed, says unchanged
+    (cert,) = run.certificates
+    assert cert.decision == "failed" and cert.codes == ("fingerprint-mismatch",)
+    assert fingerprint(run.graph_module) == fingerprint(gm)  # its result was discarded
+    run = run_pipeline(gm, [RefuseEveryDensityCall(), _ClaimsChange()])  # unchanged, says changed
+    assert run.certificates[-1].codes == ("fingerprint-mismatch",)
+
+
+class _ClaimsChange:
+    name = "claims-change"
+
+    def run(self, gm):
+        return PassResult(gm, True, [])
+
+
+def test_raising_or_lint_breaking_pass_is_contained(two_branch_loss, two_branch_inputs):
+    gm = _traced(two_branch_loss, two_branch_inputs)
+    run = run_pipeline(gm, [Raises(), BreaksLint(), RemoveNegation()])
+    assert [(c.pass_name, c.codes) for c in run.certificates] == [
+        ("raises", ("pass-raised",)), ("breaks-lint", ("lint-failed",))]
+    assert run.certificates[0].checks[0].evidence["message"] == "pass bug"
+    assert [s.step for s in run.snapshots] == ["traced", "remove-neg"]  # later passes still ran
+    assert fingerprint(gm) == run.snapshots[0].fingerprint  # the input graph was never touched
+    fast = optimize(two_branch_loss, passes=[Raises(), BreaksLint()])
+    assert torch.equal(fast(*two_branch_inputs), two_branch_loss(*two_branch_inputs))
+    assert fast.stats.optimized == 1
+
+
+def test_counters_group_by_pass_and_code(two_branch_loss, two_branch_inputs):
+    run = run_pipeline(_traced(two_branch_loss, two_branch_inputs), [RefuseEveryDensityCall(), Raises()])
+    counters = run.counters()
+    assert counters["refuse-all"]["seen"] == 2 and counters["refuse-all"]["refused"]["not-training"] == 2
+    assert counters["raises"]["failed"]["pass-raised"] == 1
