@@ -17,8 +17,10 @@ Each call of an OptimizedLoss:
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -26,7 +28,8 @@ import torch.fx as fx
 from torch import nn
 
 from .analysis.meta import annotate
-from .certificates import Certificate
+from .certificates import Certificate, Check, Site
+from .certificates.io import save
 from .guards import AMBIENT_GUARDS, LossState, ambient_difference, ambient_state, user_classes
 from .pipeline import Pass, PipelineRun, run_pipeline
 from .report import build_report, render_report
@@ -121,6 +124,7 @@ class OptimizedLoss(nn.Module):
         try:
             flat = gm(*special.signature.tensors(leaves))
         except Exception as exc:  # never lose the training step
+            torch._C._set_grad_enabled(True)  # the graph may have raised inside a no_grad block
             self._stats.exceptions.append(RecordedException(
                 type(exc).__name__, str(exc)[:500], failing_node(gm, exc), special.index))
             special.disabled = "optimized-path-raised"
@@ -154,10 +158,15 @@ class OptimizedLoss(nn.Module):
         special.signature = info.signature
         start = time.perf_counter()
         leaves, _ = flatten_call(args, kwargs)
-        annotate(gm, info.signature.tensors(leaves))
+        tensors = info.signature.tensors(leaves)
+        try:
+            annotate(gm, tensors)
+        except Exception as exc:  # passes that need shapes will refuse for lack of them
+            special.certificates.append(_metadata_failure(exc))
+            tensors = None
         special.seconds["annotate"] = time.perf_counter() - start
         start = time.perf_counter()
-        special.run = run_pipeline(gm, self._passes)
+        special.run = run_pipeline(gm, self._passes, tensors)
         special.seconds["pipeline"] = time.perf_counter() - start
         special.graph_module = special.run.graph_module
         special.certificates.extend(special.run.certificates)
@@ -209,6 +218,19 @@ class OptimizedLoss(nn.Module):
     def explain(self, verbose: bool = True) -> str:
         """Pipeline, certificates, per-pass counters, run-time counters and the graph diff."""
         return render_report(build_report(self), verbose=verbose)
+
+    def save_certificates(self, path: str | os.PathLike) -> Path:
+        """Write the report (pipeline, certificates, snapshots, counters) to ``path`` as JSON;
+        ``fxpasses.certificates.io.load(path)`` reads it back, ``fxpasses explain`` shows it."""
+        return save(build_report(self), path)
+
+
+def _metadata_failure(exc: Exception) -> Certificate:
+    check = Check("fake-tensor-propagation", False, {
+        "exception": type(exc).__name__, "message": str(exc)[:500], "tool": "FakeTensorProp"},
+        "metadata-failed")
+    return Certificate("annotate", Site((), (), "whole graph"), "failed", (check,), ("metadata-failed",),
+                       message=f"shape propagation failed: {type(exc).__name__}: {str(exc)[:200]}")
 
 
 def _validate(loss_fn: Any, passes: Sequence[Any]) -> tuple[Pass, ...]:

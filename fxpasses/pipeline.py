@@ -5,9 +5,10 @@ hands each pass its own copy of the graph (sharing the submodules, so nothing is
 node list), and after the pass:
 
 1. ``graph.lint()`` and ``recompile()``;
-2. a fingerprint of the graph (a hash of its generated code), which must differ from the one before
+2. metadata propagated again (``meta['val']``) when example inputs are given;
+3. a fingerprint of the graph (a hash of its generated code), which must differ from the one before
    exactly when the pass says ``modified`` — a mismatch is an internal error, reported;
-3. a :class:`Snapshot` of the code, for the before/after diff.
+4. a :class:`Snapshot` of the code, for the before/after diff.
 
 A pass that raises, fails lint or lies about ``modified`` gets a "failed" certificate and its graph
 is discarded: the pipeline continues from the graph before it.
@@ -24,8 +25,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence, runtime_checkable
 
+import torch
 import torch.fx as fx
 
+from .analysis.meta import annotate
 from .certificates import Certificate, Check, Site
 
 
@@ -116,8 +119,14 @@ def _failure(pass_name: str, code: str, exc: BaseException | None, detail: dict,
                        graph_fingerprint=fingerprint)
 
 
-def run_pipeline(gm: fx.GraphModule, passes: Sequence[Pass]) -> PipelineRun:
-    """Run ``passes`` in order over ``gm`` (see the module docstring)."""
+def run_pipeline(gm: fx.GraphModule, passes: Sequence[Pass],
+                 example_tensors: Sequence[torch.Tensor] | None = None) -> PipelineRun:
+    """Run ``passes`` in order over ``gm`` (see the module docstring).
+
+    With ``example_tensors``, node metadata is propagated again after each modifying pass, so the
+    next pass sees shapes for the nodes the previous one created; a graph that cannot be
+    propagated fails like one that fails lint.
+    """
     snapshots = [_snapshot("traced", gm, False)]
     certificates: list[Certificate] = []
     current = gm
@@ -132,6 +141,8 @@ def run_pipeline(gm: fx.GraphModule, passes: Sequence[Pass]) -> PipelineRun:
         try:
             result.graph_module.graph.lint()
             result.graph_module.recompile()
+            if example_tensors is not None and result.modified:
+                annotate(result.graph_module, example_tensors)
         except Exception as exc:
             certificates.append(_failure(p.name, "lint-failed", exc, {}, before))
             continue

@@ -177,6 +177,27 @@ def _density_calls_as_nodes(tracer: LossTracer, root: nn.Module, methods: tuple[
 _MISSING = object()
 
 
+@contextlib.contextmanager
+def _grad_mode_changes_as_nodes(tracer: LossTracer) -> Iterator[None]:
+    """Record ``torch.no_grad()`` / ``enable_grad()`` / ``set_grad_enabled`` as graph nodes.
+
+    Plain symbolic tracing drops them, which would let gradients flow through code the loss
+    runs without grad (an assigner, say): a silent change of gradients. Every grad-mode switch
+    made while tracing becomes a ``torch._C._set_grad_enabled(mode)`` node, in place.
+    """
+    original = torch._C._set_grad_enabled
+
+    def recording(mode: bool) -> None:
+        tracer.create_node("call_function", original, (bool(mode),), {})
+        original(mode)
+
+    torch._C._set_grad_enabled = recording
+    try:
+        yield
+    finally:
+        torch._C._set_grad_enabled = original
+
+
 def _node_making(tracer: LossTracer, path: str, name: str, bound: Callable, recorded: list[str]):
     def call(*args: Any, **kwargs: Any) -> Any:
         if not any(isinstance(a, fx.Proxy) for a in (*args, *kwargs.values())):
@@ -233,7 +254,8 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
     tracer = LossTracer(policy, call, signature, leaves)
     density_nodes: list[str] = []
     try:
-        with _density_calls_as_nodes(tracer, root, policy.density_methods, density_nodes):
+        with _density_calls_as_nodes(tracer, root, policy.density_methods, density_nodes), \
+                _grad_mode_changes_as_nodes(tracer):
             graph = tracer.trace(root)
     except Exception as exc:  # any trace error becomes a refusal certificate
         raise TraceFailure(_failure_certificate(loss_fn, exc), exc) from exc

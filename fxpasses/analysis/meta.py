@@ -18,6 +18,8 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ..runtime import propagating
+
 
 def fake_mode() -> FakeTensorMode:
     return FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True, static_shapes=True)
@@ -28,7 +30,8 @@ def annotate(gm: fx.GraphModule, example_tensors: Sequence[torch.Tensor]) -> Non
     mode = fake_mode()
     fakes = [mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t
              for t in example_tensors]
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+    with propagating():
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
 
 
 def value(node: fx.Node) -> Any:

@@ -8,9 +8,29 @@ what happened on each call (e.g. ``paired``, ``pair-dtype-mismatch``), which
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections import Counter
+from typing import Iterator
 
 import torch.fx as fx
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def propagating() -> Iterator[None]:
+    """Sites run on fake tensors for metadata inside this context: not calls, not counted."""
+    previous = getattr(_state, "propagating", False)
+    _state.propagating = True
+    try:
+        yield
+    finally:
+        _state.propagating = previous
+
+
+def is_propagating() -> bool:
+    return getattr(_state, "propagating", False)
 
 
 class RuntimeSite:

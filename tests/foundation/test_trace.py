@@ -171,3 +171,24 @@ def test_density_methods_are_restored_after_tracing(two_branch_loss, two_branch_
 def test_non_callable_is_rejected():
     with pytest.raises(TypeError, match="callable"):
         trace(42)
+
+
+class DetachedTargets(nn.Module):
+    """Targets computed under no_grad, as an assigner does: no gradient may flow through them."""
+
+    def forward(self, x):
+        with torch.no_grad():
+            target = x.sigmoid() * 2
+        return ((x - target) ** 2).sum()
+
+
+def test_no_grad_blocks_are_kept_so_gradients_do_not_change():
+    loss = DetachedTargets()
+    gm = trace(loss, (torch.randn(4),))
+    modes = [n.args[0] for n in gm.graph.nodes if n.target is torch._C._set_grad_enabled]
+    assert modes == [False, True]
+    x = torch.randn(4, requires_grad=True)
+    (grad,) = torch.autograd.grad(_run(gm, x), x)
+    (expected,) = torch.autograd.grad(loss(x), x)
+    assert torch.equal(grad, expected)
+    assert torch.is_grad_enabled()

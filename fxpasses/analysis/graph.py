@@ -1,0 +1,44 @@
+"""A networkx view of a torch.fx graph, for reachability questions.
+
+Nodes of the DiGraph are the ``fx.Node`` objects; an edge ``u -> v`` means ``v`` uses ``u``'s
+value. torch.fx has no reachability query of its own; networkx has them all.
+"""
+
+from __future__ import annotations
+
+from itertools import combinations
+from typing import Iterable
+
+import networkx as nx
+import torch.fx as fx
+
+
+def to_digraph(graph: fx.Graph) -> nx.DiGraph:
+    g = nx.DiGraph()
+    for node in graph.nodes:
+        g.add_node(node)
+        for user in node.users:
+            g.add_edge(node, user)
+    return g
+
+
+def dependent_pairs(g: nx.DiGraph, nodes: Iterable[fx.Node]) -> list[tuple[str, str]]:
+    """Pairs ``(a, b)`` of ``nodes`` where ``b`` depends on ``a``'s value (a path a -> b).
+
+    Merging nodes into one keeps the graph acyclic exactly when this list is empty.
+    """
+    found = []
+    for a, b in combinations(list(nodes), 2):
+        if nx.has_path(g, a, b):
+            found.append((a.name, b.name))
+        elif nx.has_path(g, b, a):
+            found.append((b.name, a.name))
+    return found
+
+
+def downstream(g: nx.DiGraph, nodes: Iterable[fx.Node]) -> set[fx.Node]:
+    """Every node that depends on any of ``nodes`` (the nodes themselves excluded)."""
+    out: set[fx.Node] = set()
+    for node in nodes:
+        out |= nx.descendants(g, node)
+    return out

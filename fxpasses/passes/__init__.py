@@ -1,0 +1,6 @@
+"""Rewrite passes: each is a small object with a ``name`` and ``run(gm) -> PassResult``."""
+
+from .pair_calls import PairCalls
+from .pair_rle import PairRLE
+
+__all__ = ["PairCalls", "PairRLE"]

@@ -1,0 +1,120 @@
+"""Named preconditions about a module, each returning a Check with its evidence.
+
+Every function here evaluates one fact and never raises for a failed fact: the pass runs them all
+(no short-circuit), so a refusal lists every reason.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import inspect
+import textwrap
+from typing import Any, Callable
+
+from torch import nn
+
+from ..certificates import Check
+from ..guards import count_global_hooks, count_hooks
+
+
+def _source_of(fn: Callable) -> str:
+    try:
+        return textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        return ""
+
+
+def _source_hash(fn: Callable) -> str:
+    source = _source_of(fn)
+    return hashlib.sha256(source.encode()).hexdigest()[:16] if source else "unavailable"
+
+
+def _is_abstract(fn: Any) -> bool:
+    """An abstract declaration: ``@abstractmethod``, or a body that only raises NotImplementedError."""
+    if getattr(fn, "__isabstractmethod__", False):
+        return True
+    source = _source_of(fn)
+    if not source:
+        return False
+    try:
+        body = ast.parse(source).body[0].body
+    except (SyntaxError, IndexError, AttributeError):
+        return False
+    body = [s for s in body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    if len(body) != 1 or not isinstance(body[0], ast.Raise):
+        return False
+    exc = body[0].exc
+    name = exc.func if isinstance(exc, ast.Call) else exc
+    return isinstance(name, ast.Name) and name.id == "NotImplementedError"
+
+
+def _user_mro(cls: type) -> list[type]:
+    return [c for c in cls.__mro__ if c not in nn.Module.__mro__]
+
+
+def method_identity(module: nn.Module, method: str) -> Check:
+    """The method is the class's own: not replaced on the instance (a monkeypatch)."""
+    cls = type(module)
+    fn = getattr(cls, method, None)
+    evidence = {"class": f"{cls.__module__}.{cls.__qualname__}", "method": method,
+                "qualname": getattr(fn, "__qualname__", "?"), "source_sha256": _source_hash(fn),
+                "defined_at": _definition_site(fn)}
+    patched = method in vars(module)
+    if patched:
+        evidence["instance_attribute"] = type(vars(module)[method]).__name__
+    return Check("method-is-class-own", not patched, evidence, None if not patched else "method-patched")
+
+
+def _definition_site(fn: Any) -> str:
+    code = getattr(fn, "__code__", None)
+    return f"{code.co_filename}:{code.co_firstlineno}" if code else "?"
+
+
+def no_overrides(module: nn.Module, allowed: tuple[type, ...]) -> Check:
+    """No class in the module's MRO overrides callable code of a user base class (custom density).
+
+    An override of an abstract declaration is an implementation, not an alteration.
+    """
+    mro = _user_mro(type(module))
+    overrides = []
+    for i, cls in enumerate(mro):
+        if cls in allowed:
+            continue
+        for name, value in vars(cls).items():
+            if name.startswith("__") or not callable(value):
+                continue
+            for base in mro[i + 1:]:
+                if name in vars(base) and callable(vars(base)[name]) and not _is_abstract(vars(base)[name]):
+                    overrides.append(f"{cls.__qualname__}.{name} overrides {base.__qualname__}.{name}")
+                    break
+    evidence = {"mro": tuple(c.__qualname__ for c in mro), "overrides": tuple(overrides),
+                "allowed": tuple(c.__qualname__ for c in allowed)}
+    return Check("no-altered-scoring", not overrides, evidence,
+                 None if not overrides else "method-overridden")
+
+
+def no_module_hooks(module: nn.Module) -> Check:
+    counts = count_hooks(module.modules())
+    ok = not any(counts.values())
+    return Check("no-module-hooks", ok, counts, None if ok else "hooks-present")
+
+
+def no_global_hooks() -> Check:
+    counts = count_global_hooks()
+    ok = not any(counts.values())
+    return Check("no-global-hooks", ok, counts, None if ok else "global-hooks-present")
+
+
+def not_compiled(module: nn.Module) -> Check:
+    compiled = [name or "<self>" for name, m in module.named_modules()
+                if type(m).__name__ == "OptimizedModule"
+                or getattr(m, "_compiled_call_impl", None) is not None]
+    return Check("not-compiled", not compiled, {"compiled_modules": tuple(compiled)},
+                 None if not compiled else "compiled-module")
+
+
+def in_training(module: nn.Module) -> Check:
+    evaluating = [name or "<self>" for name, m in module.named_modules() if not m.training]
+    return Check("training-mode", not evaluating, {"eval_modules": tuple(evaluating)},
+                 None if not evaluating else "not-training")

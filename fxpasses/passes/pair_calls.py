@@ -1,0 +1,278 @@
+"""PairCalls: run several calls of one module method as one call on row-stacked inputs.
+
+    # f(cat(x, y)) == cat(f(x), f(y))   when f maps each row from that row alone
+    a = m.f(x); b = m.f(y)   ==>   a, b = PairedCall(m, x, y)   # one m.f(cat(x, y)), split by rows
+
+Candidate sites are the calls (``call_method`` on a ``get_attr`` module, or ``call_module`` for
+``forward``) grouped by module object and method. Every check in :mod:`fxpasses.passes.checks`
+plus the graph-level ones below runs on every site; the rewrite happens only when all hold and a
+float64 witness agrees. Each site gets one certificate, refusals included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ..analysis.graph import dependent_pairs, downstream, to_digraph
+from ..analysis.meta import is_dynamic, value
+from ..analysis.rows import analyze_rows
+from ..analysis.witness import pairing_witness, witness_holds
+from ..certificates import Certificate, Check, Guard, Site
+from ..pipeline import PassResult
+from ..runtime.paired import PairedCall
+from ..trace import node_location
+from . import checks
+
+_WITNESS_ROWS = ((5, 3), (0, 4), (2, 0))
+
+
+@dataclass
+class CallSite:
+    """Calls of one method on one module object."""
+
+    module: nn.Module
+    path: str
+    method: str
+    calls: list[fx.Node]
+
+    def rows(self, call: fx.Node) -> fx.Node:
+        return call.args[1] if call.op == "call_method" else call.args[0]
+
+    def site(self, description: str = "") -> Site:
+        return Site(tuple(c.name for c in self.calls), tuple(node_location(c) for c in self.calls),
+                    description or f"{len(self.calls)} calls of {self.path}.{self.method}")
+
+
+def _is_mutation(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        return name.endswith("_") and not name.endswith("__") or node.is_impure()
+    return node.op == "call_module" and node.is_impure()
+
+
+class PairCalls:
+    """Pair every group of calls of ``methods`` on one module (see the module docstring).
+
+    ``modules``: restrict to these module paths or classes (default: any module).
+    ``allow_overrides``: classes whose overriding of inherited scoring code is intended.
+    """
+
+    name = "PairCalls"
+
+    def __init__(self, methods: Sequence[str] = ("log_prob",), *, modules: Sequence[Any] = (),
+                 allow_overrides: Sequence[type] = ()):
+        if isinstance(methods, str):
+            methods = (methods,)
+        self.methods = tuple(methods)
+        self.modules = tuple(modules)
+        self.allow_overrides = tuple(allow_overrides)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(methods={self.methods})"
+
+    # -- candidates -----------------------------------------------------------------------
+    def _wanted(self, path: str, module: nn.Module) -> bool:
+        if not self.modules:
+            return True
+        return any(m == path or (isinstance(m, type) and isinstance(module, m)) for m in self.modules)
+
+    def _call_sites(self, gm: fx.GraphModule) -> list[CallSite]:
+        grouped: dict[tuple[int, str], CallSite] = {}
+        for node in gm.graph.nodes:
+            if node.op == "call_method" and node.target in self.methods \
+                    and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr":
+                path, method = node.args[0].target, node.target
+            elif node.op == "call_module" and "forward" in self.methods:
+                path, method = node.target, "forward"
+            else:
+                continue
+            module = gm.get_submodule(path)
+            if not self._wanted(path, module):
+                continue
+            key = (id(module), method)
+            grouped.setdefault(key, CallSite(module, path, method, [])).calls.append(node)
+        return list(grouped.values())
+
+    # -- the pass -------------------------------------------------------------------------
+    def run(self, gm: fx.GraphModule) -> PassResult:
+        sites = self._call_sites(gm)
+        certificates: list[Certificate] = []
+        modified = False
+        by_kind: dict[tuple[type, str], list[CallSite]] = defaultdict(list)
+        for s in sites:
+            by_kind[(type(s.module), s.method)].append(s)
+        for group in by_kind.values():
+            singles = [s for s in group if len(s.calls) == 1]
+            if len(singles) > 1:
+                certificates.append(self._different_modules(singles))
+            elif singles:
+                certificates.append(self._single(singles[0]))
+            for s in group:
+                if len(s.calls) > 1:
+                    cert = self._decide(gm, s)
+                    if cert.applied:
+                        new_nodes = self._rewrite(gm, s)
+                        cert = dataclasses.replace(cert, effect={**cert.effect, "new_nodes": new_nodes})
+                        modified = True
+                    certificates.append(cert)
+        return PassResult(gm, modified, certificates)
+
+    def _single(self, s: CallSite) -> Certificate:
+        check = Check("has-partner", False, {"module": s.path, "method": s.method, "calls": 1},
+                      "pair-single-call")
+        return Certificate.from_checks(self.name, s.site(), [check])
+
+    def _different_modules(self, singles: list[CallSite]) -> Certificate:
+        evidence = {"modules": tuple(s.path for s in singles),
+                    "ids": tuple(hex(id(s.module)) for s in singles),
+                    "class": type(singles[0].module).__qualname__}
+        check = Check("same-module", False, evidence, "pair-different-module")
+        calls = [c for s in singles for c in s.calls]
+        site = Site(tuple(c.name for c in calls), tuple(node_location(c) for c in calls),
+                    f"{len(calls)} calls of {singles[0].method} on different modules")
+        return Certificate.from_checks(self.name, site, [check])
+
+    def _decide(self, gm: fx.GraphModule, s: CallSite) -> Certificate:
+        module = s.module
+        rows_check, analysis = self._row_checks(s)
+        the_checks = [
+            Check("same-module", True, {"module": s.path, "id": hex(id(module)),
+                                        "class": type(module).__qualname__, "calls": len(s.calls)}),
+            self._call_signature(s),
+            checks.method_identity(module, s.method),
+            checks.no_overrides(module, self.allow_overrides),
+            checks.no_module_hooks(module),
+            checks.no_global_hooks(),
+            checks.not_compiled(module),
+            checks.in_training(module),
+            *self._graph_checks(gm, s),
+            *rows_check,
+        ]
+        per_call = analysis.linear_calls if analysis is not None else None
+        effect = {"calls_before": len(s.calls), "calls_after": 1}
+        if per_call is not None:
+            effect.update(linear_calls_before=per_call * len(s.calls), linear_calls_after=per_call)
+        guards = (
+            Guard("rows-plain-tensors", "every branch's rows are plain torch.Tensor", "pair-tensor-subclass"),
+            Guard("rows-one-dtype", "all branches' rows share one dtype", "pair-dtype-mismatch"),
+            Guard("rows-one-device", "all branches' rows share one device", "pair-device-mismatch"),
+            Guard("no-new-hooks", "no hook registered since optimization (whole-loss guard)", "hook-added"),
+            Guard("method-unchanged", f"{type(module).__qualname__}.{s.method} not replaced since "
+                  "optimization (whole-loss guard)", "method-replaced"),
+        )
+        cert = Certificate.from_checks(self.name, s.site(), the_checks, effect=effect, guards=guards)
+        if not cert.applied:
+            return cert
+        witness = pairing_witness(module, s.method, self._trailing(s), [
+            tuple(counts[i % len(counts)] for i in range(len(s.calls))) for counts in _WITNESS_ROWS])
+        holds = witness_holds(witness)
+        the_checks.append(Check("witness", holds, {"max_abs_value_diff": witness.max_abs_value_diff,
+                                                   "max_abs_grad_diff": witness.max_abs_grad_diff},
+                                None if holds else "pair-witness-mismatch"))
+        return Certificate.from_checks(self.name, s.site(), the_checks, effect=effect, guards=guards,
+                                       witness=witness)
+
+    def _call_signature(self, s: CallSite) -> Check:
+        bad = [c.name for c in s.calls
+               if c.kwargs or len(c.args) != (2 if c.op == "call_method" else 1)]
+        return Check("rows-only-argument", not bad, {"calls_with_other_arguments": tuple(bad)},
+                     None if not bad else "pair-call-signature")
+
+    def _graph_checks(self, gm: fx.GraphModule, s: CallSite) -> list[Check]:
+        g = to_digraph(gm.graph)
+        dependent = dependent_pairs(g, s.calls)
+        independent = Check("calls-independent", not dependent, {
+            "dependencies": tuple(f"{a} -> {b}" for a, b in dependent), "analysis": "networkx.has_path"},
+            None if not dependent else "calls-dependent")
+        moved, jumped = self._reordering(gm, s, g) if not dependent else ([], [])
+        mutations = [n.name for n in [*moved, *jumped] if _is_mutation(n)]
+        reorder = Check("reorder-pure", not mutations, {
+            "moved_nodes": len(moved), "mutations": tuple(mutations)},
+            None if not mutations else "pair-reorder-mutation")
+        return [independent, reorder]
+
+    @staticmethod
+    def _reordering(gm: fx.GraphModule, s: CallSite, g) -> tuple[list[fx.Node], list[fx.Node]]:
+        """Nodes the rewrite moves after the merged call, and the nodes they jump over."""
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        last = max(s.calls, key=order.__getitem__)
+        earlier = [c for c in s.calls if c is not last]
+        dependents = downstream(g, earlier)
+        moved = [n for n in gm.graph.nodes if n in dependents and order[n] < order[last]]
+        if not moved:
+            return [], []
+        start = order[moved[0]]
+        jumped = [n for n in gm.graph.nodes
+                  if start < order[n] < order[last] and n not in dependents and n not in s.calls]
+        return moved, jumped
+
+    @staticmethod
+    def _trailing(s: CallSite) -> tuple[int, ...]:
+        return tuple(int(d) for d in value(s.rows(s.calls[0])).shape[1:])
+
+    def _row_checks(self, s: CallSite) -> tuple[list[Check], Any]:
+        vals = [value(s.rows(c)) if isinstance(s.rows(c), fx.Node) else None for c in s.calls]
+        if any(not isinstance(v, torch.Tensor) for v in vals):
+            check = Check("rows-metadata", False, {"reason": "an input is not a tensor with metadata"},
+                          "rows-analysis-failed")
+            return [check], None
+        layout = {"trailing": tuple(tuple(int(d) for d in v.shape[1:]) if v.dim() and not
+                                    is_dynamic(v.shape[1:]) else None for v in vals),
+                  "dtypes": tuple(str(v.dtype) for v in vals),
+                  "devices": tuple(str(v.device) for v in vals)}
+        same = all(t is not None for t in layout["trailing"]) and len(set(layout["trailing"])) == 1
+        shape_check = Check("rows-same-layout", same, layout, None if same else "pair-row-shape-mismatch")
+        if not same:
+            return [shape_check], None
+        v = vals[0]
+        example = torch.randn((5, *layout["trailing"][0]), dtype=v.dtype, device=_real_device(v.device))
+        analysis = analyze_rows(s.module, s.method, example)
+        rows = Check("row-independent", analysis.ok, analysis.evidence, analysis.code)
+        return [shape_check, rows], analysis
+
+    # -- the rewrite ----------------------------------------------------------------------
+    def _rewrite(self, gm: fx.GraphModule, s: CallSite) -> tuple[str, ...]:
+        """Replace the calls by one PairedCall and getitems; returns the new nodes' names."""
+        graph = gm.graph
+        g = to_digraph(graph)
+        moved, _ = self._reordering(gm, s, g)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        last = max(s.calls, key=order.__getitem__)
+        site = PairedCall(f"pair_{s.path.replace('.', '_')}_{s.method}", s.method)
+        with graph.inserting_after(last):
+            module_node = graph.get_attr(s.path)
+        with graph.inserting_after(module_node):
+            paired = graph.call_function(site, (module_node, *[s.rows(c) for c in s.calls]))
+        anchor, new_nodes = paired, [module_node.name, paired.name]
+        for i, call in enumerate(s.calls):
+            with graph.inserting_after(anchor):
+                part = graph.call_function(operator.getitem, (paired, i))
+            part.meta = dict(call.meta)
+            call.replace_all_uses_with(part)
+            anchor = part
+            new_nodes.append(part.name)
+        for node in moved:  # users of earlier calls now follow the merged call, in their order
+            anchor.append(node)
+            anchor = node
+        for call in s.calls:
+            owner = call.args[0] if call.op == "call_method" else None
+            graph.erase_node(call)
+            if owner is not None and not owner.users:
+                graph.erase_node(owner)
+        return tuple(new_nodes)
+
+
+def _real_device(device: torch.device) -> torch.device:
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return torch.device("cpu")
+    return device
