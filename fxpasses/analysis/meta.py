@@ -27,6 +27,9 @@ def fake_mode() -> FakeTensorMode:
 
 def annotate(gm: fx.GraphModule, example_tensors: Sequence[torch.Tensor]) -> None:
     """Set ``meta['val']`` on every node of ``gm`` from fake copies of ``example_tensors``."""
+    for node in gm.graph.nodes:  # a fresh ShapeEnv: old symbols must not be rebound to new ones
+        node.meta.pop("val", None)
+        node.meta.pop("unbacked_bindings", None)
     mode = fake_mode()
     fakes = [mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t
              for t in example_tensors]

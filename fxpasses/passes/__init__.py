@@ -1,6 +1,7 @@
 """Rewrite passes: each is a small object with a ``name`` and ``run(gm) -> PassResult``."""
 
+from .capture_loss import CaptureLoss
 from .pair_calls import PairCalls
 from .pair_rle import PairRLE
 
-__all__ = ["PairCalls", "PairRLE"]
+__all__ = ["CaptureLoss", "PairCalls", "PairRLE"]

@@ -34,9 +34,15 @@ def is_propagating() -> bool:
 
 
 class RuntimeSite:
-    """Base of call_function targets with a name torch.fx can print and per-site counters."""
+    """Base of call_function targets with a name torch.fx can print and per-site counters.
+
+    ``pure``: the site has no side effects beyond its outputs (nodes may be reordered around it).
+    ``capturable``: the site may run inside a CUDA graph region when its shapes are static.
+    """
 
     __module__ = "fxpasses.runtime"
+    pure = False
+    capturable = False
 
     def __init__(self, site_id: str):
         self.site_id = site_id

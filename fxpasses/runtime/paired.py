@@ -33,7 +33,13 @@ def guard_failure(rows: tuple[torch.Tensor, ...]) -> str | None:
 
 
 class PairedCall(RuntimeSite):
-    """``site(module, *rows) -> tuple(method(r) for r in rows)``, as one call when guards hold."""
+    """``site(module, *rows) -> tuple(method(r) for r in rows)``, as one call when guards hold.
+
+    Pure and capturable: the row analysis admitted only row-preserving ops without state changes.
+    """
+
+    pure = True
+    capturable = True
 
     def __init__(self, site_id: str, method: str):
         super().__init__(site_id)

@@ -1,0 +1,206 @@
+"""CaptureLoss: CUDA-graph capture of the loss's capturable regions, forward and backward.
+
+The graph is partitioned (:mod:`fxpasses.analysis.capture`) into maximal regions of capturable
+nodes; each region is fused into a submodule by torch.fx's ``fuse_by_partitions`` and its call is
+replaced by a :class:`~fxpasses.runtime.capture.CapturedRegion`, which records and replays it
+(:mod:`fxpasses.runtime.capture`). Everything else runs eagerly between regions. Certificates: one
+per region (applied), one per refusal code (the nodes and ops that stay eager, and why), and one
+per paired call site saying whether it runs inside a region or between regions.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from typing import Sequence
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
+
+from ..analysis.capture import CapturePlan, Verdict, plan_regions
+from ..analysis.meta import tensors_in, value
+from ..certificates import Certificate, Check, Guard, Site
+from ..pipeline import PassResult
+from ..runtime import RuntimeSite
+from ..runtime.capture import CapturedRegion, Recorder
+from ..trace import node_location
+
+_PREFIX = "capture_region_"
+_VIEW_METHODS = {"view", "reshape", "squeeze", "unsqueeze", "expand", "expand_as", "view_as",
+                 "permute", "transpose", "t", "detach", "flatten", "unflatten", "narrow", "select"}
+_EXAMPLES = 8
+
+
+def _is_view(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _VIEW_METHODS
+    if node.op == "call_function" and node.target is operator.getitem:
+        return isinstance(value(node.args[0]), torch.Tensor) or not isinstance(node.args[1], int)
+    return node.op == "call_function" and getattr(node.target, "__name__", "") in _VIEW_METHODS
+
+
+def _reaches_output_through_views(node: fx.Node) -> bool:
+    """Whether ``node``'s memory can be returned to the caller (directly or as a view)."""
+    stack, seen = [node], set()
+    while stack:
+        current = stack.pop()
+        for user in current.users:
+            if user.op == "output":
+                return True
+            if user not in seen and _is_view(user):
+                seen.add(user)
+                stack.append(user)
+    return False
+
+
+def _owned_outputs(fused: fx.Node) -> frozenset[int]:
+    """Flat output positions of a fused region that the caller may keep (they are cloned)."""
+    getitems = [u for u in fused.users if u.op == "call_function" and u.target is operator.getitem]
+    if getitems and len(getitems) == len(fused.users):
+        return frozenset(u.args[1] for u in getitems if _reaches_output_through_views(u))
+    return frozenset({0}) if _reaches_output_through_views(fused) else frozenset()
+
+
+def _histogram(nodes: Sequence[fx.Node], verdicts: dict[fx.Node, Verdict]) -> dict[str, int]:
+    return dict(Counter(verdicts[n].op for n in nodes).most_common(12))
+
+
+class CaptureLoss:
+    """Capture the loss's static regions in CUDA graphs (see the module docstring).
+
+    ``max_recordings``: distinct input signatures recorded per region before it runs eagerly.
+    ``min_region_ops``: regions launching fewer ops are not worth a replay.
+    ``recorder``: how regions are recorded (default: CUDA graphs; tests pass a fake one).
+    ``devices``: device types whose tensors may be captured.
+    """
+
+    name = "CaptureLoss"
+
+    def __init__(self, *, max_recordings: int = 4, min_region_ops: int = 4,
+                 recorder: Recorder | None = None, devices: Sequence[str] = ("cuda",)):
+        if max_recordings < 1:
+            raise ValueError(f"max_recordings must be >= 1, got {max_recordings}")
+        self.max_recordings = max_recordings
+        self.min_region_ops = min_region_ops
+        self.recorder = recorder
+        self.devices = tuple(devices)
+
+    def __repr__(self) -> str:
+        return f"CaptureLoss(max_recordings={self.max_recordings}, min_region_ops={self.min_region_ops})"
+
+    def run(self, gm: fx.GraphModule) -> PassResult:
+        devices = {t.device.type for n in gm.graph.nodes for t in tensors_in(value(n))}
+        if not devices & set(self.devices):
+            check = Check("tensors-on-device", False, {"devices_seen": tuple(sorted(devices)),
+                                                       "capture_devices": self.devices,
+                                                       "cuda_available": torch.cuda.is_available()},
+                          "no-cuda")
+            return PassResult(gm, False, [Certificate.from_checks(self.name, Site((), (), "whole loss"),
+                                                                  [check])])
+        plan = plan_regions(gm, self.devices, self.min_region_ops)
+        certificates = self._refusals(plan) + self._too_small(plan)
+        region_certs = [self._region_certificate(i, nodes, plan) for i, nodes in enumerate(plan.regions)]
+        paired = self._paired_sites(plan)
+        if plan.regions:
+            self._fuse(gm, plan)
+        return PassResult(gm, bool(plan.regions), region_certs + paired + certificates)
+
+    # -- rewrite --------------------------------------------------------------------------
+    def _fuse(self, gm: fx.GraphModule, plan: CapturePlan) -> None:
+        partitions = [dict.fromkeys(nodes) for nodes in plan.regions]
+        try:
+            fuse_by_partitions(gm, partitions, prefix=_PREFIX)
+        except TypeError:  # torch < 2.6 has no prefix argument
+            fuse_by_partitions(gm, partitions)
+        fused = [n for n in gm.graph.nodes if n.op == "call_module" and
+                 n.target.startswith((_PREFIX, "fused_"))]
+        for node in fused:
+            region = gm.get_submodule(node.target)
+            site = CapturedRegion(node.target, region, owned=_owned_outputs(node),
+                                  max_recordings=self.max_recordings, recorder=self.recorder)
+            with gm.graph.inserting_before(node):
+                call = gm.graph.call_function(site, node.args, node.kwargs)
+            call.meta = dict(node.meta)
+            node.replace_all_uses_with(call)
+            gm.graph.erase_node(node)
+            gm.delete_submodule(node.target)
+
+    # -- certificates ---------------------------------------------------------------------
+    def _region_certificate(self, index: int, nodes: list[fx.Node], plan: CapturePlan) -> Certificate:
+        inside = set(nodes)
+        inputs = {a for n in nodes for a in n.all_input_nodes if a not in inside}
+        outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+        owned = [n.name for n in outputs if _reaches_output_through_views(n)]
+        the_checks = [
+            Check("ops-capturable", True, {"ops": _histogram(nodes, plan.verdicts),
+                                           "table": "fxpasses.analysis.capture_rules"}),
+            Check("static-shapes", True, {"evidence": "no unbacked (data-dependent) size in any "
+                                          "node's FakeTensorProp metadata"}),
+            Check("on-capture-device", True, {"devices": self.devices}),
+            Check("no-barrier-inside", True, {"partitioner": "torch.fx CapabilityBasedPartitioner",
+                                              "split_at": "grad-mode switches, in-place and unknown ops"}),
+        ]
+        effect = {"region": f"{_PREFIX}{index}", "nodes": len(nodes),
+                  "kernel_ops": plan.kernel_ops(nodes), "inputs": len(inputs),
+                  "outputs": len(outputs), "owned_outputs": tuple(owned),
+                  "copy_in": "every tensor input is copied into its static buffer before a replay",
+                  "copy_out": f"{len(owned)} caller-visible outputs and every input gradient are "
+                              "cloned out of graph memory per replay",
+                  "memory_pool": "one private pool per region (forward, backward, all recordings)"}
+        guards = (
+            Guard("signature", "input shapes, strides, dtypes, devices, requires_grad, constants, "
+                  "grad mode and autocast match a recording (else record, within budget)",
+                  "record-budget", {"max_recordings": self.max_recordings}),
+            Guard("backward-done", "the previous replay's backward has run (or its graph was "
+                  "freed)", "replay-pending-backward"),
+            Guard("capture-ok", "recording did not fail", "capture-failed"),
+            Guard("no-new-hooks", "whole-loss guard", "hook-added"),
+        )
+        site = Site(tuple(n.name for n in nodes), tuple(dict.fromkeys(
+            loc for n in nodes if (loc := node_location(n)))), f"capture region {index}")
+        return Certificate.from_checks(self.name, site, the_checks, effect=effect, guards=guards)
+
+    def _refusals(self, plan: CapturePlan) -> list[Certificate]:
+        by_code: dict[str, list[fx.Node]] = {}
+        for node, verdict in plan.verdicts.items():
+            if verdict.code and not isinstance(node.target, RuntimeSite):
+                by_code.setdefault(verdict.code, []).append(node)
+        certs = []
+        for code, nodes in by_code.items():
+            examples = tuple(f"{n.name} ({plan.verdicts[n].op}"
+                             f"{', ' + plan.verdicts[n].detail if plan.verdicts[n].detail else ''})"
+                             f" at {node_location(n) or '?'}" for n in nodes[:_EXAMPLES])
+            check = Check("capturable", False, {"nodes": len(nodes), "ops": _histogram(nodes, plan.verdicts),
+                                                "examples": examples}, code)
+            site = Site(tuple(n.name for n in nodes), (), f"{len(nodes)} nodes run eagerly: {code}")
+            certs.append(Certificate.from_checks(self.name, site, [check]))
+        return certs
+
+    def _too_small(self, plan: CapturePlan) -> list[Certificate]:
+        certs = []
+        for nodes in plan.too_small:
+            check = Check("region-size", False, {"kernel_ops": plan.kernel_ops(nodes),
+                                                 "min_region_ops": self.min_region_ops,
+                                                 "ops": _histogram(nodes, plan.verdicts)},
+                          "region-too-small")
+            certs.append(Certificate.from_checks(self.name, Site(tuple(n.name for n in nodes)), [check]))
+        return certs
+
+    def _paired_sites(self, plan: CapturePlan) -> list[Certificate]:
+        """Where each run-time site (a paired call) runs: inside a region or between regions."""
+        in_region = {n for r in plan.regions for n in r}
+        certs = []
+        for node, verdict in plan.verdicts.items():
+            if not isinstance(node.target, RuntimeSite):
+                continue
+            inside = node in in_region
+            check = Check("site-in-region", inside, {"site": node.target.site_id,
+                                                     "runs": "inside a region" if inside else
+                                                     "eagerly between regions",
+                                                     "reason": verdict.detail or verdict.code or ""},
+                          None if inside else (verdict.code or "op-not-capturable"))
+            certs.append(Certificate.from_checks(self.name, Site((node.name,), (node_location(node),),
+                                                                 f"run-time site {node.target.site_id}"),
+                                                 [check]))
+        return certs

@@ -1,0 +1,71 @@
+"""An eager emulation of CUDA graph recording, for testing capture logic without a GPU.
+
+It keeps exactly the static-buffer semantics of :class:`~fxpasses.runtime.capture.CudaGraphRecorder`
+— inputs copied into static buffers, every replay overwriting the same output and gradient
+tensors — but a "replay" re-runs the region eagerly and copies the results into those buffers.
+So ownership bugs (an output the caller keeps being overwritten by the next replay) and
+pending-backward bugs show up on a CPU exactly as they would on a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .capture import GraphRecorder, _Capture
+
+
+class _Forward:
+    def __init__(self, fn: Callable, capture: _Capture):
+        self.fn, self.capture = fn, capture
+
+    def replay(self) -> None:
+        with torch.no_grad():
+            fresh = pytree.tree_leaves(self.fn(*self.capture.inputs))
+            for static, value in zip(self.capture.outputs, fresh):
+                if isinstance(static, torch.Tensor):
+                    static.copy_(value)
+
+
+class _Backward:
+    def __init__(self, fn: Callable, capture: _Capture):
+        self.fn, self.capture = fn, capture
+
+    def replay(self) -> None:
+        c = self.capture
+        with torch.enable_grad():
+            fresh = pytree.tree_leaves(self.fn(*c.inputs))
+            grads = torch.autograd.grad([fresh[i] for i in c.grad_output_index],
+                                        [c.inputs[i] for i in c.grad_input_index], c.grad_outputs,
+                                        allow_unused=True)
+        with torch.no_grad():
+            for static, value in zip(c.grad_inputs, grads):
+                if static is not None and value is not None:
+                    static.copy_(value)
+
+
+class EmulatedRecorder(GraphRecorder):
+    """Records like CudaGraphRecorder, replays eagerly into the same static buffers."""
+
+    def __init__(self, warmup: int = 1):
+        super().__init__(warmup)
+        self.recorded = 0
+
+    def new_pool(self) -> Any:
+        return None
+
+    def _graph(self) -> Any:
+        return object()  # replaced by _Forward / _Backward once the buffers exist
+
+    def _capturing(self, graph: Any, pool: Any, run: Callable[[], Any]) -> Any:
+        return run()
+
+    def record(self, fn: Callable, args: Sequence[Any], owned: frozenset[int], pool: Any) -> _Capture:
+        capture = super().record(fn, args, owned, pool)
+        capture.forward = _Forward(fn, capture)
+        if capture.backward is not None:
+            capture.backward = _Backward(fn, capture)
+        self.recorded += 1
+        return capture
