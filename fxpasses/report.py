@@ -1,28 +1,36 @@
 """The report of an OptimizedLoss: one JSON document, and its readable rendering.
 
-``build_report(opt)`` gathers the pipeline, every specialization (its certificates, snapshots'
-fingerprints, per-pass counters and before/after diff) and the run-time counters into JSON data.
-``render_report`` turns that data into the text that ``explain()`` and ``fxpasses explain`` print,
-so a saved report and a live loss explain themselves identically.
+``build_report(opt)`` gathers what a user asks after ``optimize()``: the pipeline, the versions,
+every specialization (its certificates, per-pass counters, graph snapshots with fingerprint and
+code, the before/after diff) and the run-time counters (optimized vs native calls by reason code,
+per-site counters such as paired calls, replays and recordings). It is exactly what
+``OptimizedLoss.save_certificates`` writes (:mod:`fxpasses.certificates.io`). ``render_report``
+turns that data into the text that ``explain()`` and ``fxpasses explain`` print, so a saved report
+and a live loss explain themselves identically.
 """
 
 from __future__ import annotations
 
+import platform
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from .certificates import Certificate, SCHEMA_VERSION, render_certificate
+from .certificates.io import REPORT_SCHEMA
 from .certificates.model import _as_evidence, _to_json_data
 
 if TYPE_CHECKING:
-    from .optimize import OptimizedLoss
-
-REPORT_SCHEMA = 1
+    from .optimize import OptimizedLoss, Specialization
 
 
-def _counters(certs: list[Certificate]) -> dict[str, dict[str, Any]]:
+def pass_counters(certs: list[Certificate]) -> dict[str, dict[str, Any]]:
+    """Per pass: sites seen, applied, and refused / failed counts by code."""
     out: dict[str, dict[str, Any]] = {}
     for cert in certs:
-        entry = out.setdefault(cert.pass_name, {"seen": 0, "applied": 0, "refused": {}, "failed": {}})
+        entry = out.setdefault(cert.pass_name,
+                               {"seen": 0, "applied": 0, "refused": {}, "failed": {}})
         entry["seen"] += 1
         if cert.applied:
             entry["applied"] += 1
@@ -32,73 +40,88 @@ def _counters(certs: list[Certificate]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def build_report(opt: "OptimizedLoss") -> dict[str, Any]:
-    stats = opt.stats
-    specializations = []
-    for special in opt.specializations:
-        run = special.run
-        specializations.append({
-            "index": special.index,
-            "inputs": list(special.signature.placeholder_names) if special.signature else [],
-            "disabled": special.disabled,
-            "seconds": {k: round(v, 6) for k, v in special.seconds.items()},
-            "snapshots": [{"step": s.step, "fingerprint": s.fingerprint, "modified": s.modified,
-                           "seconds": round(s.seconds, 6)} for s in run.snapshots] if run else [],
-            "counters": _counters(special.certificates),
-            "certificates": [c.to_dict() for c in special.certificates],
-            "diff": run.diff() if run else "",
-            "code": run.snapshots[-1].code if run else "",
-        })
+def _specialization(special: "Specialization") -> dict[str, Any]:
+    run = special.run
     return {
-        "report_schema": REPORT_SCHEMA,
-        "certificate_schema": SCHEMA_VERSION,
-        "loss": type(opt._loss).__name__,
-        "pipeline": [p.name for p in opt.passes],
-        "guards": [_to_json_data(_as_evidence(g)) for g in opt.guards()],
-        "specializations": specializations,
-        "stats": stats.as_dict(),
+        "index": special.index,
+        "inputs": list(special.signature.placeholder_names) if special.signature else [],
+        "disabled": special.disabled,
+        "seconds": {k: round(v, 6) for k, v in special.seconds.items()},
+        "snapshots": [{"step": s.step, "fingerprint": s.fingerprint, "modified": s.modified,
+                       "seconds": round(s.seconds, 6), "code": s.code}
+                      for s in run.snapshots] if run else [],
+        "counters": pass_counters(special.certificates),
+        "certificates": [c.to_dict() for c in special.certificates],
+        "diff": run.diff() if run else "",
     }
 
 
-def certificates_of(report: dict[str, Any]) -> list[Certificate]:
-    return [Certificate.from_dict(c) for s in report["specializations"] for c in s["certificates"]]
+def build_report(opt: "OptimizedLoss") -> dict[str, Any]:
+    """The JSON data of ``opt``'s report (schema ``REPORT_SCHEMA``); see the module docstring."""
+    from . import __version__  # here, not at the top: fxpasses/__init__ imports this module
+
+    return {
+        "report_schema": REPORT_SCHEMA,
+        "certificate_schema": SCHEMA_VERSION,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "versions": {"fxpasses": __version__, "torch": str(torch.__version__),
+                     "python": platform.python_version()},
+        "loss": type(opt._loss).__name__,
+        "pipeline": [p.name for p in opt.passes],
+        "guards": [_to_json_data(_as_evidence(g)) for g in opt.guards()],
+        "specializations": [_specialization(s) for s in opt.specializations],
+        "stats": opt.stats.as_dict(),
+    }
 
 
-def render_report(report: dict[str, Any], verbose: bool = True, diff: bool = True) -> str:
-    lines = [f"fxpasses report: loss {report['loss']}, pipeline: "
-             f"{' -> '.join(report['pipeline']) or '(no passes)'}"]
+def _render_runtime(report: dict[str, Any]) -> list[str]:
     stats = report["stats"]
     native = ", ".join(f"{k}: {v}" for k, v in stats["native"].items()) or "none"
-    lines.append(f"calls: {stats['calls']}  optimized: {stats['optimized']}  "
-                 f"native: {sum(stats['native'].values())} ({native})")
+    lines = [f"calls: {stats['calls']}  optimized: {stats['optimized']}  "
+             f"native: {sum(stats['native'].values())} ({native})"]
     for site, counters in stats["sites"].items():
-        lines.append(f"  site {site}: " + ", ".join(f"{k}: {v}" for k, v in sorted(counters.items())))
+        counts = ", ".join(f"{k}: {v}" for k, v in sorted(counters.items()))
+        lines.append(f"  site {site}: {counts}")
     for exc in stats["exceptions"]:
         lines.append(f"  exception at node {exc['node']}: {exc['type']}: {exc['message']}")
     lines.append("whole-loss guards (else native): " + ", ".join(
         f"{g['id']} [{g['code']}]" for g in report["guards"]))
+    return lines
+
+
+def _render_specialization(special: dict[str, Any], verbose: bool, diff: bool) -> list[str]:
+    timing = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in special["seconds"].items())
+    lines = ["", f"== specialization {special['index']}: inputs "
+             f"{', '.join(special['inputs']) or '-'}" + (f" ({timing})" if timing else "")]
+    if special["disabled"]:
+        lines.append(f"   runs natively: {special['disabled']}")
+    for name, c in special["counters"].items():
+        refused = ", ".join(f"{k}: {v}" for k, v in c["refused"].items()) or "-"
+        failed = ", ".join(f"{k}: {v}" for k, v in c["failed"].items())
+        lines.append(f"   {name}: sites {c['seen']}, applied {c['applied']}, refused {refused}"
+                     + (f", failed {failed}" if failed else ""))
+    if special["snapshots"]:
+        lines.append("   graph: " + " -> ".join(
+            f"{s['step']} {s['fingerprint'][:8]}{'*' if s['modified'] else ''}"
+            for s in special["snapshots"]))
+    for data in special["certificates"]:
+        text = render_certificate(Certificate.from_dict(data), verbose)
+        lines.extend("   " + line for line in text.splitlines())
+    if diff and special["diff"]:
+        lines.append("   graph diff:")
+        lines.extend("   " + line for line in special["diff"].splitlines())
+    return lines
+
+
+def render_report(report: dict[str, Any], verbose: bool = True, diff: bool = True) -> str:
+    """Readable text of ``report``: ``verbose`` adds every check's evidence, ``diff`` the diff."""
+    versions = ", ".join(f"{k} {v}" for k, v in report["versions"].items())
+    lines = [f"fxpasses report: loss {report['loss']}, pipeline: "
+             f"{' -> '.join(report['pipeline']) or '(no passes)'}",
+             f"({versions}; {report['created']})"]
+    lines += _render_runtime(report)
     if not report["specializations"]:
         lines.append("not traced yet: the first call traces and optimizes the loss")
     for special in report["specializations"]:
-        timing = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in special["seconds"].items())
-        lines.append("")
-        lines.append(f"== specialization {special['index']}: inputs "
-                     f"{', '.join(special['inputs']) or '-'}" + (f" ({timing})" if timing else ""))
-        if special["disabled"]:
-            lines.append(f"   runs natively: {special['disabled']}")
-        for name, c in special["counters"].items():
-            refused = ", ".join(f"{k}: {v}" for k, v in c["refused"].items()) or "-"
-            failed = ", ".join(f"{k}: {v}" for k, v in c["failed"].items())
-            lines.append(f"   {name}: sites {c['seen']}, applied {c['applied']}, refused {refused}"
-                         + (f", failed {failed}" if failed else ""))
-        if special["snapshots"]:
-            lines.append("   graph: " + " -> ".join(
-                f"{s['step']} {s['fingerprint'][:8]}{'*' if s['modified'] else ''}"
-                for s in special["snapshots"]))
-        for data in special["certificates"]:
-            text = render_certificate(Certificate.from_dict(data), verbose)
-            lines.extend("   " + line for line in text.splitlines())
-        if diff and special["diff"]:
-            lines.append("   graph diff:")
-            lines.extend("   " + line for line in special["diff"].splitlines())
+        lines += _render_specialization(special, verbose, diff)
     return "\n".join(lines)

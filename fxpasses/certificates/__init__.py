@@ -1,10 +1,12 @@
 """Certificates: frozen, JSON-round-trippable records of every rewrite decision."""
 
 from .codes import REGISTRY, Code, lookup
+from .io import certificates_of, load, save
 from .model import DECISIONS, SCHEMA_VERSION, Certificate, Check, Guard, Site, Witness, jsonable
 from .render import render_certificate, render_certificates
 
 __all__ = [
     "Certificate", "Check", "Code", "DECISIONS", "Guard", "REGISTRY", "SCHEMA_VERSION", "Site",
-    "Witness", "jsonable", "lookup", "render_certificate", "render_certificates",
+    "Witness", "certificates_of", "jsonable", "load", "lookup", "render_certificate",
+    "render_certificates", "save",
 ]

@@ -1,0 +1,175 @@
+"""Re-verifying certificates against a graph: does the decision still describe this graph?
+
+A certificate records the fingerprint of the graph its pass decided on and the names of the site's
+nodes; a report records each pipeline step's generated code. Re-verification compares them with a
+``GraphModule`` (e.g. the loss traced again after its source changed) and names every difference:
+
+  fingerprint-changed  the graph is not the one the decision was taken on
+  no-fingerprint       the certificate records no graph (it was made outside a pipeline)
+  node-missing         a site node is not in the graph
+  node-changed         a site node computes something else: another op, target or inputs
+
+Nodes are compared through the code torch.fx generated for them (``gm.code``, one statement per
+node), read with :mod:`ast`: the graph itself is not saved, its code is, so a saved report can be
+checked without the objects it was made from. (torch.fx has no parser back from code to a Graph;
+:func:`statements` is the small reader this needs.)
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from typing import Any
+
+import torch.fx as fx
+
+from ..pipeline import fingerprint
+from .model import Certificate
+
+PROBLEM_KINDS = ("fingerprint-changed", "no-fingerprint", "node-missing", "node-changed")
+
+
+@dataclass(frozen=True)
+class Statement:
+    """What one node computes, as torch.fx printed it, and the nodes it reads."""
+
+    expr: str
+    inputs: tuple[str, ...] = ()
+
+
+def statements(code: str) -> dict[str, Statement]:
+    """Node name -> :class:`Statement` for a GraphModule's generated ``code``, in graph order.
+
+    Placeholders are ``Statement("input")``; the output node is ``"output"``. The ``x = None``
+    statements torch.fx emits to free values early are not nodes and are skipped.
+    """
+    tree = ast.parse(code)
+    forward = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "forward")
+    args = forward.args
+    params = [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]
+    nodes = {a.arg: Statement("input") for a in params if a is not None and a.arg != "self"}
+    for stmt in forward.body:
+        if isinstance(stmt, ast.Return):
+            name, value = "output", stmt.value
+        elif isinstance(stmt, (ast.Assign, ast.AnnAssign)) and _node_target(stmt) is not None:
+            name, value = _node_target(stmt), stmt.value
+        else:
+            continue
+        reads = (n.id for n in ast.walk(value) if isinstance(n, ast.Name) and n.id in nodes)
+        nodes[name] = Statement(ast.unparse(value), tuple(dict.fromkeys(reads)))
+    return nodes
+
+
+def _node_target(stmt: ast.Assign | ast.AnnAssign) -> str | None:
+    targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+    value = stmt.value
+    if len(targets) != 1 or not isinstance(targets[0], ast.Name) or value is None:
+        return None
+    if isinstance(value, ast.Constant) and value.value is None:  # freeing a value, not a node
+        return None
+    return targets[0].id
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One way a graph differs from what a certificate was decided on."""
+
+    kind: str  # one of PROBLEM_KINDS
+    certificate: str = ""  # "pass @ nodes"; empty for the graph as a whole
+    node: str = ""
+    expected: str = ""
+    actual: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in PROBLEM_KINDS:
+            raise ValueError(f"unknown problem kind {self.kind!r}; known: {PROBLEM_KINDS}")
+
+    def __str__(self) -> str:
+        where = f"{self.certificate}: " if self.certificate else ""
+        node = f" {self.node}" if self.node else ""
+        change = f": expected {self.expected!r}, found {self.actual!r}" if self.expected else ""
+        return f"{where}{self.kind}{node}{change}"
+
+
+@dataclass(frozen=True)
+class Verification:
+    """The outcome: ``ok`` when no problem was found; ``checked`` certificates were compared."""
+
+    problems: tuple[Problem, ...]
+    checked: int
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def kinds(self) -> set[str]:
+        return {p.kind for p in self.problems}
+
+    def render(self) -> str:
+        head = f"{self.checked} certificate(s) checked: " + ("ok" if self.ok else
+                                                             f"{len(self.problems)} problem(s)")
+        return "\n".join([head, *(f"  {p}" for p in self.problems)])
+
+
+def _label(cert: Certificate) -> str:
+    return f"{cert.pass_name} @ {', '.join(cert.site.nodes) or '-'}"
+
+
+def _fingerprint_problem(expected: str, gm: fx.GraphModule, label: str = "") -> list[Problem]:
+    if not expected:
+        return [Problem("no-fingerprint", label)]
+    actual = fingerprint(gm)
+    if actual == expected:
+        return []
+    return [Problem("fingerprint-changed", label, "", expected, actual)]
+
+
+def _site_problems(cert: Certificate, now: dict[str, Statement],
+                   recorded: dict[str, Statement] | None) -> list[Problem]:
+    problems = []
+    for node in cert.site.nodes:
+        if node not in now:
+            problems.append(Problem("node-missing", _label(cert), node))
+        elif recorded is not None and node in recorded and recorded[node] != now[node]:
+            problems.append(Problem("node-changed", _label(cert), node, recorded[node].expr,
+                                    now[node].expr))
+    return problems
+
+
+def verify_certificate(cert: Certificate, gm: fx.GraphModule,
+                       recorded_code: str | None = None) -> Verification:
+    """Check ``cert`` against ``gm``: fingerprint, site nodes present and, when the code of the
+    graph the certificate was decided on is given, each site node unchanged."""
+    recorded = statements(recorded_code) if recorded_code is not None else None
+    problems = _fingerprint_problem(cert.graph_fingerprint, gm, _label(cert))
+    problems += _site_problems(cert, statements(gm.code), recorded)
+    return Verification(tuple(problems), 1)
+
+
+def _snapshot(special: dict[str, Any], step: str) -> dict[str, Any]:
+    steps = [s["step"] for s in special["snapshots"]]
+    if step not in steps:
+        raise ValueError(f"specialization {special['index']} has no graph step {step!r}; it has "
+                         f"{steps or 'none (its trace failed)'}")
+    return special["snapshots"][steps.index(step)]
+
+
+def verify_report(report: dict[str, Any], gm: fx.GraphModule, *, step: str = "traced",
+                  specialization: int = 0) -> Verification:
+    """Check a report's certificates against ``gm``, the graph of pipeline ``step``.
+
+    By default ``gm`` stands for the traced graph: ``fxpasses.trace`` of the same loss on inputs of
+    the same structure. Its fingerprint is compared with the step's (one problem for the graph),
+    and every certificate decided on that step's graph has its site nodes checked against ``gm``
+    and the recorded code. Certificates decided on another step's graph are not checked.
+    """
+    special = report["specializations"][specialization]
+    snapshot = _snapshot(special, step)
+    certs = [c for c in map(Certificate.from_dict, special["certificates"])
+             if c.graph_fingerprint == snapshot["fingerprint"]]
+    now, recorded = statements(gm.code), statements(snapshot["code"])
+    problems = _fingerprint_problem(snapshot["fingerprint"], gm)
+    for cert in certs:
+        problems += _site_problems(cert, now, recorded)
+    return Verification(tuple(problems), len(certs))
+

@@ -1,0 +1,115 @@
+"""The report: what it records, how it renders, and its file round trip."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+import torch
+
+import fxpasses
+from fxpasses import optimize
+from fxpasses.certificates.io import certificates_of, load, save
+from fxpasses.cli import import_file
+from fxpasses.pipeline import fingerprint
+from fxpasses.report import build_report, render_report
+
+samples = import_file(Path(__file__).with_name("samples.py"))
+
+
+@pytest.fixture(scope="module")
+def fast():
+    return samples.optimized()
+
+
+def test_report_counts_sites_decisions_and_calls(fast):
+    report = build_report(fast)
+    assert report["pipeline"] == ["DropTimesOne", "RefuseMethods"]
+    (special,) = report["specializations"]
+    assert special["counters"] == {
+        "DropTimesOne": {"seen": 2, "applied": 2, "refused": {}, "failed": {}},
+        "RefuseMethods": {"seen": 3, "applied": 0, "refused": {"op-not-capturable": 3},
+                          "failed": {}}}
+    assert [(s["step"], s["modified"]) for s in special["snapshots"]] == [
+        ("traced", False), ("DropTimesOne", True), ("RefuseMethods", False)]
+    assert special["snapshots"][-1]["code"] == fast.graph_module.code
+    assert special["snapshots"][-1]["fingerprint"] == fingerprint(fast.graph_module)
+    assert "-    mul = x * 1" in special["diff"]
+    assert report["stats"]["calls"] == 2 and report["stats"]["optimized"] == 2
+    assert report["versions"]["torch"] == torch.__version__
+    assert report["versions"]["fxpasses"] == fxpasses.__version__
+    assert datetime.fromisoformat(report["created"]).tzinfo is not None
+
+
+def test_sample_rewrite_keeps_values_and_gradients_in_float64():
+    fast, native = samples.optimized(calls=0), samples.make_loss()
+    args, kwargs = samples.make_inputs()
+    x = args[0]
+    want = native(*args, **kwargs)
+    want_grads = torch.autograd.grad(want, [x, *native.parameters()])
+    got = fast(*args, **kwargs)
+    got_grads = torch.autograd.grad(got, [x, *fast.parameters()])
+    assert fast.stats.optimized == 1 and got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+
+
+def test_saved_file_loads_back_equal_and_renders_the_same(fast, tmp_path):
+    report = build_report(fast)
+    path = save(report, tmp_path / "report.json")
+    loaded = load(path)
+    assert loaded == report
+    assert certificates_of(loaded) == fast.certificates
+    assert render_report(loaded) == render_report(report)
+
+
+def test_save_certificates_writes_the_report(fast, tmp_path):
+    path = fast.save_certificates(tmp_path / "certs.json")
+    saved, live = load(path), build_report(fast)
+    saved.pop("created"), live.pop("created")
+    assert saved == live
+
+
+@pytest.mark.parametrize("content", [
+    "not json", "[1, 2]", json.dumps({"specializations": []}),
+    json.dumps({"report_schema": 999, "specializations": []})])
+def test_load_rejects_what_is_not_a_report(tmp_path, content):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(ValueError):
+        load(path)
+
+
+def test_load_rejects_an_invalid_certificate(fast, tmp_path):
+    report = build_report(fast)
+    report["specializations"][0]["certificates"][0]["codes"] = ["no-such-code"]
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(report))
+    with pytest.raises(ValueError):
+        load(path)
+
+
+def test_render_shows_counters_certificates_and_diff(fast):
+    report = build_report(fast)
+    text = render_report(report)
+    assert "RefuseMethods: sites 3, applied 0, refused op-not-capturable: 3" in text
+    assert "FAIL method-allowed  [op-not-capturable]" in text and "graph diff:" in text
+    brief = render_report(report, verbose=False, diff=False)
+    assert "op-not-capturable" in brief
+    assert "FAIL method-allowed" not in brief and "graph diff:" not in brief
+
+
+def test_report_of_a_loss_whose_trace_failed(tmp_path):
+    def branchy(x):
+        return x.sum() if x.sum() > 0 else -x.sum()
+
+    fast = optimize(branchy)
+    fast(torch.ones(3))
+    report = load(save(build_report(fast), tmp_path / "r.json"))
+    (special,) = report["specializations"]
+    assert special["snapshots"] == [] and special["disabled"] == "trace-control-flow"
+    assert certificates_of(report)[0].codes == ("trace-control-flow",)
+    assert "runs natively: trace-control-flow" in render_report(report)
