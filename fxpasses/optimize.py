@@ -36,7 +36,7 @@ from .report import build_report, render_report
 from .runtime import runtime_sites
 from .signature import CallSignature, flatten_call
 from .stats import RecordedException, RunStats, failing_node
-from .trace import LeafPolicy, TraceFailure, trace
+from .trace import LeafPolicy, TraceFailure, node_location, trace
 
 _SCALARS = (bool, int, float, str, type(None))
 
@@ -159,11 +159,9 @@ class OptimizedLoss(nn.Module):
         start = time.perf_counter()
         leaves, _ = flatten_call(args, kwargs)
         tensors = info.signature.tensors(leaves)
-        try:
-            annotate(gm, tensors)
-        except Exception as exc:  # passes that need shapes will refuse for lack of them
-            special.certificates.append(_metadata_failure(exc))
-            tensors = None
+        failures = annotate(gm, tensors)
+        if failures:  # passes refuse, or keep eager, what has no metadata
+            special.certificates.append(_metadata_failure(*failures[0], len(failures)))
         special.seconds["annotate"] = time.perf_counter() - start
         start = time.perf_counter()
         special.run = run_pipeline(gm, self._passes, tensors)
@@ -225,12 +223,14 @@ class OptimizedLoss(nn.Module):
         return save(build_report(self), path)
 
 
-def _metadata_failure(exc: Exception) -> Certificate:
+def _metadata_failure(node: fx.Node, exc: Exception, count: int) -> Certificate:
     check = Check("fake-tensor-propagation", False, {
-        "exception": type(exc).__name__, "message": str(exc)[:500], "tool": "FakeTensorProp"},
-        "metadata-failed")
-    return Certificate("annotate", Site((), (), "whole graph"), "failed", (check,), ("metadata-failed",),
-                       message=f"shape propagation failed: {type(exc).__name__}: {str(exc)[:200]}")
+        "node": node.name, "location": node_location(node), "exception": type(exc).__name__,
+        "message": str(exc)[:500], "failed_nodes": count, "tool": "FakeTensorProp"}, "metadata-failed")
+    return Certificate("annotate", Site((node.name,), (node_location(node),), "shape propagation"),
+                       "failed", (check,), ("metadata-failed",),
+                       message=f"no shapes from node {node.name} on: {type(exc).__name__}: "
+                               f"{str(exc).splitlines()[0][:200]}")
 
 
 def _validate(loss_fn: Any, passes: Sequence[Any]) -> tuple[Pass, ...]:

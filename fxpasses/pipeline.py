@@ -119,6 +119,10 @@ def _failure(pass_name: str, code: str, exc: BaseException | None, detail: dict,
                        graph_fingerprint=fingerprint)
 
 
+def _unannotated(gm: fx.GraphModule) -> set[str]:
+    return {n.name for n in gm.graph.nodes if "val" not in n.meta and n.op != "output"}
+
+
 def run_pipeline(gm: fx.GraphModule, passes: Sequence[Pass],
                  example_tensors: Sequence[torch.Tensor] | None = None) -> PipelineRun:
     """Run ``passes`` in order over ``gm`` (see the module docstring).
@@ -142,7 +146,10 @@ def run_pipeline(gm: fx.GraphModule, passes: Sequence[Pass],
             result.graph_module.graph.lint()
             result.graph_module.recompile()
             if example_tensors is not None and result.modified:
-                annotate(result.graph_module, example_tensors)
+                failures = annotate(result.graph_module, example_tensors)
+                new_failures = {n.name for n, _ in failures} - _unannotated(current)
+                if new_failures:
+                    raise RuntimeError(f"shape propagation fails after the pass at {sorted(new_failures)}")
         except Exception as exc:
             certificates.append(_failure(p.name, "lint-failed", exc, {}, before))
             continue

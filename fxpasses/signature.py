@@ -52,6 +52,7 @@ class CallSignature:
     tensor_slots: tuple[int, ...]
     constants: tuple[tuple[int, Any], ...]
     placeholder_names: tuple[str, ...]
+    tensor_kinds: tuple[tuple[torch.dtype, str], ...] = ()  # dtype and device type per tensor
     out_spec: Any = None
     meta: dict = field(default_factory=dict)
 
@@ -67,14 +68,20 @@ class CallSignature:
             while name in unique:
                 name += "_"
             unique.append(name)
-        return cls(spec, slots, consts, tuple(unique))
+        kinds = tuple((leaves[i].dtype, leaves[i].device.type) for i in slots)
+        return cls(spec, slots, consts, tuple(unique), kinds)
 
     def matches(self, leaves: list[Any], spec: Any) -> bool:
-        """Whether a flattened call has this structure and these constant leaves."""
+        """Whether a flattened call has this structure, these constants, tensor dtypes and devices.
+
+        Analyses (shapes, row independence, capturability) hold for the dtypes and devices they
+        saw, so a call with others gets its own trace.
+        """
         if spec != self.in_spec:
             return False
-        for i in self.tensor_slots:
-            if not isinstance(leaves[i], torch.Tensor):
+        for i, (dtype, device) in zip(self.tensor_slots, self.tensor_kinds):
+            leaf = leaves[i]
+            if not isinstance(leaf, torch.Tensor) or leaf.dtype != dtype or leaf.device.type != device:
                 return False
         return all(_same_constant(leaves[i], value) for i, value in self.constants)
 

@@ -16,8 +16,6 @@ from typing import Sequence
 
 import torch
 import torch.fx as fx
-from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
-from torch.fx.passes.operator_support import OperatorSupportBase
 
 from ..runtime import RuntimeSite
 from . import capture_rules as rules
@@ -90,21 +88,13 @@ def classify(node: fx.Node, gm: fx.GraphModule, devices: Sequence[str] = ("cuda"
     return Verdict(True, None, op)
 
 
-class _Support(OperatorSupportBase):
-    def __init__(self, verdicts: dict[fx.Node, Verdict]):
-        self.verdicts = verdicts
-
-    def is_node_supported(self, submodules, node: fx.Node) -> bool:
-        return self.verdicts[node].capturable
-
-
 def _launches(node: fx.Node) -> bool:
     """Whether a capturable node launches device work (getitem of tuples and sizes do not)."""
     if node.op == "call_method" and node.target in ("size", "dim", "numel"):
         return False
     if node.op == "call_function" and node.target is rules.operator.getitem:
         return isinstance(value(node.args[0]), torch.Tensor)
-    return True
+    return not (node.op == "call_function" and node.target is getattr)
 
 
 @dataclass
@@ -123,22 +113,52 @@ def plan_regions(gm: fx.GraphModule, devices: Sequence[str] = ("cuda",),
     """Classify every node and group the capturable ones into regions (see module docstring)."""
     verdicts = {n: classify(n, gm, devices) for n in gm.graph.nodes}
     plan = CapturePlan(verdicts)
-    if not any(v.capturable for v in verdicts.values()):
-        return plan
-    partitioner = CapabilityBasedPartitioner(gm, _Support(verdicts), allows_single_node_partition=True)
-    segment, segments = 0, {}
-    for node in gm.graph.nodes:
-        if verdicts[node].barrier:
-            segment += 1
-        segments[node] = segment
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for partition in partitioner.propose_partitions():
-        by_segment: dict[int, list[fx.Node]] = {}
-        for node in sorted(partition.nodes, key=order.__getitem__):
-            if verdicts[node].capturable:  # the partitioner pulls in getitem users: x[mask] too
-                by_segment.setdefault(segments[node], []).append(node)
-        for nodes in by_segment.values():
-            bucket = plan.regions if plan.kernel_ops(nodes) >= min_region_ops else plan.too_small
-            bucket.append(nodes)
+    for nodes in _grow_regions(gm.graph, verdicts):
+        bucket = plan.regions if plan.kernel_ops(nodes) >= min_region_ops else plan.too_small
+        bucket.append(sorted(nodes, key=order.__getitem__))
     plan.regions.sort(key=lambda r: order[r[0]])
     return plan
+
+
+def _grow_regions(graph: fx.Graph, verdicts: dict[fx.Node, Verdict]) -> list[list[fx.Node]]:
+    """Greedy convex regions in one pass over the nodes in graph order.
+
+    ``leaves[n]`` is the set of regions with a path to ``n`` that leaves the region on the way.
+    A capturable node may join region R only if R is not in the union of its inputs' ``leaves``:
+    then contracting R stays acyclic. It tries the
+    regions of its inputs first, then the latest region of its segment, else opens a new one.
+    Regions never span a barrier (a new segment starts at each one).
+
+    Written by hand: torch.fx's CapabilityBasedPartitioner (torch 2.13) loops forever when a
+    boolean mask and the tensor it indexes both have only getitem users, as every x[mask] has.
+    """
+    region_of: dict[fx.Node, int] = {}
+    leaves: dict[fx.Node, set[int]] = {}
+    regions: list[list[fx.Node]] = []
+    segment_of_region: list[int] = []
+    segment = 0
+    latest: int | None = None
+    for node in graph.nodes:
+        verdict = verdicts[node]
+        if verdict.barrier:
+            segment, latest = segment + 1, None
+        inputs = node.all_input_nodes
+        through: set[int] = set().union(*(leaves.get(i, set()) for i in inputs)) if inputs else set()
+        if verdict.capturable:
+            direct = [region_of[i] for i in inputs if i in region_of]
+            candidates = [r for r in dict.fromkeys(reversed(direct)) if segment_of_region[r] == segment]
+            if latest is not None:
+                candidates.append(latest)
+            chosen = next((r for r in candidates if r not in through), None)
+            if chosen is None:
+                chosen = len(regions)
+                regions.append([])
+                segment_of_region.append(segment)
+            regions[chosen].append(node)
+            region_of[node] = chosen
+            latest = chosen
+            leaves[node] = through | {r for r in direct if r != chosen}
+        else:
+            leaves[node] = through | {region_of[i] for i in inputs if i in region_of}
+    return [r for r in regions if r]

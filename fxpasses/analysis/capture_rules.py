@@ -51,7 +51,8 @@ _OPERATORS = """add sub mul truediv floordiv mod pow neg pos abs invert and_ or_
 
 CAPTURABLE_FUNCTIONS: set[Any] = (_resolve(torch, _ELEMENTWISE + " " + _SHAPE_AND_REDUCE)
                                   | _resolve(F, _FUNCTIONAL) | _resolve(operator, _OPERATORS)
-                                  | _resolve(torch.linalg, "vector_norm norm"))
+                                  | _resolve(torch.linalg, "vector_norm norm")
+                                  | {getattr})  # x.shape, x.dtype: host reads of metadata
 CAPTURABLE_METHODS: set[str] = set((_ELEMENTWISE + " " + _SHAPE_AND_REDUCE).split()) | set("""
     view view_as reshape_as expand expand_as contiguous float double half bfloat16 int long bool
     type_as repeat new_zeros new_ones new_full new_empty new_tensor size dim numel
@@ -114,11 +115,16 @@ _IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itr
 
 
 def is_mutation(node: fx.Node) -> bool:
-    """In-place ops (``x.add_(...)``, ``torch.relu_``, ``x += y``)."""
-    if node.op == "call_function" and node.target in _IN_PLACE_OPERATORS:
+    """In-place ops: ``x.add_(...)``, ``torch.relu_(x)``, ``operator.iadd`` (not ``operator.and_``)."""
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    if node.op != "call_function":
+        return False
+    if node.target in _IN_PLACE_OPERATORS:
         return True
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return node.op in ("call_method", "call_function") and name.endswith("_") and not name.endswith("__")
+    name = getattr(node.target, "__name__", "")
+    in_place_name = name.endswith("_") and not name.endswith("__")
+    return in_place_name and getattr(node.target, "__module__", None) not in ("_operator", "operator")
 
 
 def op_name(node: fx.Node) -> str:

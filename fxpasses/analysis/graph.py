@@ -10,6 +10,7 @@ from itertools import combinations
 from typing import Iterable
 
 import networkx as nx
+import torch
 import torch.fx as fx
 
 
@@ -42,3 +43,13 @@ def downstream(g: nx.DiGraph, nodes: Iterable[fx.Node]) -> set[fx.Node]:
     for node in nodes:
         out |= nx.descendants(g, node)
     return out
+
+
+def grad_modes(graph: fx.Graph) -> dict[fx.Node, bool]:
+    """The grad mode each node runs in, following recorded ``_set_grad_enabled`` switches."""
+    mode, modes = True, {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            mode = bool(node.args[0])
+        modes[node] = mode
+    return modes

@@ -25,16 +25,48 @@ def fake_mode() -> FakeTensorMode:
     return FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True, static_shapes=True)
 
 
-def annotate(gm: fx.GraphModule, example_tensors: Sequence[torch.Tensor]) -> None:
-    """Set ``meta['val']`` on every node of ``gm`` from fake copies of ``example_tensors``."""
+class _PartialFakeTensorProp(FakeTensorProp):
+    """FakeTensorProp that keeps going past a node it cannot propagate.
+
+    A node that raises (typically a data-dependent guard such as BatchNorm's batch-size check on
+    an unbacked row count) and every node downstream of it get no ``meta['val']``; the others
+    do. Passes treat a node without metadata conservatively (refuse, or keep it eager).
+    """
+
+    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode):
+        super().__init__(gm, mode)
+        self.failures: list[tuple[fx.Node, Exception]] = []
+
+    def run_node(self, n: fx.Node) -> Any:
+        if any(self.env.get(a) is _FAILED for a in n.all_input_nodes):
+            return _FAILED
+        try:
+            return super().run_node(n)
+        except Exception as exc:
+            self.failures.append((n, exc))
+            n.meta.pop("val", None)
+            return _FAILED
+
+
+_FAILED = object()
+
+
+def annotate(gm: fx.GraphModule, example_tensors: Sequence[torch.Tensor]) -> list[tuple[fx.Node, Exception]]:
+    """Set ``meta['val']`` on the nodes of ``gm`` from fake copies of ``example_tensors``.
+
+    Returns the nodes that could not be propagated, with their exceptions (their descendants
+    have no metadata either); an empty list means every node has metadata.
+    """
     for node in gm.graph.nodes:  # a fresh ShapeEnv: old symbols must not be rebound to new ones
         node.meta.pop("val", None)
         node.meta.pop("unbacked_bindings", None)
     mode = fake_mode()
     fakes = [mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t
              for t in example_tensors]
+    prop = _PartialFakeTensorProp(gm, mode)
     with propagating():
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+        prop.propagate_dont_convert_inputs(*fakes)
+    return prop.failures
 
 
 def value(node: fx.Node) -> Any:

@@ -110,10 +110,12 @@ _CODES = (
          "The branches' rows differ in trailing shape, or a trailing size depends on data.",
          "Rows can only be stacked when every dimension but the first agrees."),
     Code("pair-reorder-mutation", "refusal",
-         "Merging the calls would move an in-place or side-effecting op past other nodes.",
+         "Merging the calls would move an in-place or side-effecting op past other nodes, or move "
+         "a node into a different grad mode.",
          "Avoid in-place ops between the two branches' calls, or keep native calls."),
     Code("pair-witness-mismatch", "refusal",
-         "The float64 witness found the paired call differs from the separate calls beyond rounding.",
+         "The float64 witness found the paired call differs from the separate calls beyond rounding, "
+         "or the separate calls raise on its sample rows (an empty branch, say).",
          "The analysis missed something: report it with the certificate JSON."),
     Code("rows-op-unknown", "refusal",
          "The module runs an op that is not in the row-preserving table.",

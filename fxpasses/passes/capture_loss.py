@@ -138,7 +138,7 @@ class CaptureLoss:
             Check("static-shapes", True, {"evidence": "no unbacked (data-dependent) size in any "
                                           "node's FakeTensorProp metadata"}),
             Check("on-capture-device", True, {"devices": self.devices}),
-            Check("no-barrier-inside", True, {"partitioner": "torch.fx CapabilityBasedPartitioner",
+            Check("no-barrier-inside", True, {"partitioner": "fxpasses convex greedy regions; fuse_by_partitions",
                                               "split_at": "grad-mode switches, in-place and unknown ops"}),
         ]
         effect = {"region": f"{_PREFIX}{index}", "nodes": len(nodes),

@@ -21,7 +21,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..analysis.graph import dependent_pairs, downstream, to_digraph
+from ..analysis.capture_rules import is_mutation
+from ..analysis.graph import dependent_pairs, downstream, grad_modes, to_digraph
 from ..analysis.meta import is_dynamic, value
 from ..analysis.rows import analyze_rows
 from ..analysis.witness import pairing_witness, witness_holds
@@ -51,13 +52,11 @@ class CallSite:
                     description or f"{len(self.calls)} calls of {self.path}.{self.method}")
 
 
-def _is_mutation(node: fx.Node) -> bool:
-    if node.op == "call_method":
-        return node.target.endswith("_") and not node.target.endswith("__")
-    if node.op == "call_function":
-        name = getattr(node.target, "__name__", "")
-        return name.endswith("_") and not name.endswith("__") or node.is_impure()
-    return node.op == "call_module" and node.is_impure()
+def _order_matters(node: fx.Node) -> bool:
+    """Side effects that fix a node's place (grad-mode switches are compared separately)."""
+    if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+        return False
+    return is_mutation(node) or (node.op.startswith("call_") and node.is_impure())
 
 
 class PairCalls:
@@ -173,8 +172,14 @@ class PairCalls:
         cert = Certificate.from_checks(self.name, s.site(), the_checks, effect=effect, guards=guards)
         if not cert.applied:
             return cert
-        witness = pairing_witness(module, s.method, self._trailing(s), [
-            tuple(counts[i % len(counts)] for i in range(len(s.calls))) for counts in _WITNESS_ROWS])
+        draws = [tuple(counts[i % len(counts)] for i in range(len(s.calls))) for counts in _WITNESS_ROWS]
+        try:
+            witness = pairing_witness(module, s.method, self._trailing(s), draws)
+        except Exception as exc:  # e.g. a density that raises on an empty branch natively
+            the_checks.append(Check("witness", False, {"exception": type(exc).__name__,
+                                                       "message": str(exc)[:300], "row_counts": draws},
+                                    "pair-witness-mismatch"))
+            return Certificate.from_checks(self.name, s.site(), the_checks, effect=effect, guards=guards)
         holds = witness_holds(witness)
         the_checks.append(Check("witness", holds, {"max_abs_value_diff": witness.max_abs_value_diff,
                                                    "max_abs_grad_diff": witness.max_abs_grad_diff},
@@ -195,10 +200,14 @@ class PairCalls:
             "dependencies": tuple(f"{a} -> {b}" for a, b in dependent), "analysis": "networkx.has_path"},
             None if not dependent else "calls-dependent")
         moved, jumped = self._reordering(gm, s, g) if not dependent else ([], [])
-        mutations = [n.name for n in [*moved, *jumped] if _is_mutation(n)]
-        reorder = Check("reorder-pure", not mutations, {
-            "moved_nodes": len(moved), "mutations": tuple(mutations)},
-            None if not mutations else "pair-reorder-mutation")
+        mutations = [n.name for n in [*moved, *jumped] if _order_matters(n)]
+        modes = grad_modes(gm.graph)
+        last = max(s.calls, key=list(gm.graph.nodes).index)
+        mode_changes = [n.name for n in moved if modes[n] != modes[last]]
+        ok = not mutations and not mode_changes
+        reorder = Check("reorder-pure", ok, {
+            "moved_nodes": len(moved), "mutations": tuple(mutations),
+            "grad_mode_changes": tuple(mode_changes)}, None if ok else "pair-reorder-mutation")
         return [independent, reorder]
 
     @staticmethod

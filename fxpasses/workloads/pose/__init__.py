@@ -1,0 +1,24 @@
+"""The reference workload: a YOLO-style dual-branch pose loss with an RLE flow (seed WP-199b).
+
+    from fxpasses.workloads.pose import DualBranchPoseLoss, make_batch
+    loss = DualBranchPoseLoss()                 # RealNVP flow shared by both branches
+    out = loss(make_batch(4, seed=0))           # 640 px, 8400 anchors, 17 keypoints
+    out.total.backward()
+
+Modules: :mod:`.flow` (RealNVP densities), :mod:`.boxes` (CIoU and friends), :mod:`.assigner`
+(task-aligned assignment), :mod:`.inputs` (named pytree inputs and output), :mod:`.loss` (the
+loss), :mod:`.batches` (seeded synthetic batches).
+"""
+
+from __future__ import annotations
+
+from .assigner import Assignment, TaskAlignedAssigner
+from .batches import STRIDES, make_anchors, make_batch
+from .flow import RealNVP, SplitRealNVP
+from .inputs import BranchPrediction, DualLossOutput, PoseLossInputs, PoseTargets, input_order
+from .loss import COCO_OKS_SIGMAS, DualBranchPoseLoss, KeypointRows
+
+__all__ = ["Assignment", "BranchPrediction", "COCO_OKS_SIGMAS", "DualBranchPoseLoss",
+           "DualLossOutput", "KeypointRows", "PoseLossInputs", "PoseTargets", "RealNVP",
+           "STRIDES", "SplitRealNVP", "TaskAlignedAssigner", "input_order", "make_anchors",
+           "make_batch"]

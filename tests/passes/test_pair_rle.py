@@ -1,0 +1,311 @@
+"""PairRLE on small flows: the rewrite, its executed effect, every refusal code, run-time guards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from fxpasses import optimize
+from fxpasses.passes import PairRLE
+from fxpasses.testing import assert_equivalent
+
+
+class Coupling(nn.Module):
+    def __init__(self, hidden: int = 16):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(1, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
+                                 nn.Linear(hidden, 2))
+
+
+class SmallFlow(nn.Module):
+    """A two-coupling RealNVP: 6 linear calls per log_prob. Casts rows to its own dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.couplings = nn.ModuleList([Coupling(), Coupling()])
+
+    def log_prob(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.couplings[0].net[0].weight.dtype)
+        log_det = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
+        for i, coupling in enumerate(self.couplings):
+            keep, move = (x[:, :1], x[:, 1:]) if i % 2 == 0 else (x[:, 1:], x[:, :1])
+            s, t = coupling.net(keep).chunk(2, dim=-1)
+            s = torch.tanh(s)
+            move = move * torch.exp(s) + t
+            x = torch.cat([keep, move], dim=-1) if i % 2 == 0 else torch.cat([move, keep], dim=-1)
+            log_det = log_det + s.sum(-1)
+        return -0.5 * (x * x).sum(-1) + log_det
+
+
+class SelectedRowsLoss(nn.Module):
+    """Two branches select their visible rows (boolean masks) and score them with one flow."""
+
+    def __init__(self, flow: nn.Module | None = None, alpha: float = 0.7):
+        super().__init__()
+        self.flow = flow if flow is not None else SmallFlow()
+        self.alpha = alpha
+
+    def branch(self, pred, target, visible, sigma):
+        residual = (pred[visible] - target[visible]) / sigma[visible]  # selection precedes arithmetic
+        log_p = self.flow.log_prob(residual)
+        return -log_p.sum() / visible.sum().clamp(min=1)
+
+    def forward(self, pred_a, pred_b, target, visible_a, visible_b, sigma):
+        a = self.branch(pred_a, target, visible_a, sigma)
+        b = self.branch(pred_b, target, visible_b, sigma)
+        return self.alpha * a + (1 - self.alpha) * b
+
+
+def make_inputs(rows: int, seed: int, frac_a: float, frac_b: float, poison: bool,
+                dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    target = torch.randn(rows, 2, generator=g, dtype=dtype)
+    visible_a = torch.rand(rows, generator=g) < frac_a
+    visible_b = torch.rand(rows, generator=g) < frac_b
+    if poison:  # unlabelled points carry non-finite coordinates: they must not matter
+        hidden = ~(visible_a | visible_b)
+        target[hidden] = torch.where(torch.rand(int(hidden.sum()), 2, generator=g) < 0.5,
+                                     torch.tensor(float("nan"), dtype=dtype),
+                                     torch.tensor(float("inf"), dtype=dtype))
+    pred_a = (target.nan_to_num(0.0, 0.0, 0.0) + 0.1 * torch.randn(rows, 2, generator=g, dtype=dtype))
+    pred_b = (target.nan_to_num(0.0, 0.0, 0.0) + 0.1 * torch.randn(rows, 2, generator=g, dtype=dtype))
+    sigma = 0.5 + torch.rand(rows, 2, generator=g, dtype=dtype)
+    return (pred_a.requires_grad_(), pred_b.requires_grad_(), target, visible_a, visible_b,
+            sigma.requires_grad_())
+
+
+class CountLinear(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.linear:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _linear_calls(fn, *args) -> int:
+    with CountLinear() as counter:
+        fn(*args)
+    return counter.calls
+
+
+def _pairing(fast) -> dict:
+    return next(v for k, v in fast.stats.sites.items() if "pair_" in k)
+
+
+def _only_cert(fast):
+    (cert,) = [c for c in fast.certificates if c.pass_name == "PairRLE"]
+    return cert
+
+
+@pytest.fixture(scope="module")
+def float64_pair():
+    torch.manual_seed(0)
+    loss = SelectedRowsLoss().double()
+    fast = optimize(loss, passes=[PairRLE()])
+    fast(*make_inputs(64, 0, 0.5, 0.5, True))
+    assert _only_cert(fast).applied
+    return loss, fast
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.integers(0, 300), seed=st.integers(0, 2**31 - 1),
+       frac_a=st.sampled_from([0.0, 0.05, 0.5, 1.0]), frac_b=st.sampled_from([0.0, 0.3, 0.9, 1.0]),
+       poison=st.booleans())
+def test_float64_values_and_all_gradients_match_native(float64_pair, rows, seed, frac_a, frac_b, poison):
+    loss, fast = float64_pair
+    assert_equivalent(loss, fast, make_inputs(rows, seed, frac_a, frac_b, poison), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.slow
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.one_of(st.integers(0, 16), st.integers(0, 4000)), seed=st.integers(0, 2**31 - 1),
+       frac_a=st.floats(0, 1), frac_b=st.floats(0, 1), poison=st.booleans())
+def test_thousand_cases_values_and_gradients(float64_pair, rows, seed, frac_a, frac_b, poison):
+    loss, fast = float64_pair
+    args = make_inputs(rows, seed, frac_a, frac_b, poison)
+    ref_args = [a.detach().requires_grad_(a.requires_grad) for a in args]
+    got_args = [a.detach().requires_grad_(a.requires_grad) for a in args]
+    ref, got = loss(*ref_args), fast(*got_args)
+    grads = [a for a in ref_args if a.requires_grad] + list(loss.parameters())
+    ref_g = torch.autograd.grad(ref, grads)
+    got_g = torch.autograd.grad(got, [a for a in got_args if a.requires_grad] + list(loss.parameters()))
+    assert torch.isfinite(got) and torch.allclose(got, ref, rtol=1e-12, atol=1e-12)
+    for r, g in zip(ref_g, got_g):
+        assert torch.isfinite(g).all() and torch.allclose(g, r, rtol=1e-10, atol=1e-12)
+
+
+def test_pairing_halves_the_executed_linear_calls(float64_pair):
+    loss, fast = float64_pair
+    args = make_inputs(50, 1, 0.6, 0.4, False)
+    assert _linear_calls(loss, *args) == 12
+    before = _pairing(fast).get("paired", 0)
+    assert _linear_calls(fast, *args) == 6
+    assert _pairing(fast)["paired"] == before + 1
+    cert = _only_cert(fast)
+    assert cert.effect["linear_calls_before"] == 12 and cert.effect["linear_calls_after"] == 6
+
+
+def test_certificate_carries_a_float64_witness(float64_pair):
+    cert = _only_cert(float64_pair[1])
+    assert cert.witness is not None and cert.witness.dtype == "torch.float64"
+    assert cert.witness.max_abs_value_diff <= 1e-12 and cert.witness.max_abs_grad_diff <= 1e-12
+    assert (0, 4) in cert.witness.shapes["row_counts"]  # an empty branch is witnessed
+    assert {c.id for c in cert.checks} >= {"method-is-class-own", "no-module-hooks", "no-global-hooks",
+                                           "not-compiled", "training-mode", "calls-independent",
+                                           "row-independent", "witness"}
+
+
+# -- refusals: one per code -------------------------------------------------------------------
+
+def _refusal_codes(loss, args=None) -> tuple:
+    fast = optimize(loss, passes=[PairRLE()])
+    args = args or make_inputs(40, 3, 0.5, 0.5, False, dtype=torch.float32)
+    out = fast(*args)
+    assert torch.allclose(out, loss(*args))
+    return _only_cert(fast).codes
+
+
+def test_monkeypatched_log_prob_is_refused():
+    loss = SelectedRowsLoss()
+    original = loss.flow.log_prob
+    loss.flow.log_prob = lambda x: original(x)
+    assert _refusal_codes(loss) == ("method-patched",)
+
+
+class CustomDensity(SmallFlow):
+    def log_prob(self, x):
+        return super().log_prob(x) - 1.0
+
+
+def test_custom_density_subclass_is_refused_unless_allowed():
+    assert _refusal_codes(SelectedRowsLoss(CustomDensity())) == ("method-overridden",)
+    fast = optimize(SelectedRowsLoss(CustomDensity()), passes=[PairRLE(allow_overrides=(CustomDensity,))])
+    fast(*make_inputs(40, 3, 0.5, 0.5, False, dtype=torch.float32))
+    assert _only_cert(fast).applied
+
+
+def test_hook_on_a_submodule_is_refused():
+    loss = SelectedRowsLoss()
+    loss.flow.couplings[1].net[0].register_forward_hook(lambda *args: None)
+    assert _refusal_codes(loss) == ("hooks-present",)
+
+
+def test_global_hook_is_refused():
+    handle = nn.modules.module.register_module_forward_pre_hook(lambda *args: None)
+    try:
+        assert _refusal_codes(SelectedRowsLoss()) == ("global-hooks-present",)
+    finally:
+        handle.remove()
+
+
+def test_hook_registered_after_optimize_sends_the_next_call_native():
+    loss = SelectedRowsLoss()
+    fast = optimize(loss, passes=[PairRLE()])
+    args = make_inputs(40, 3, 0.5, 0.5, False, dtype=torch.float32)
+    fast(*args)
+    assert _only_cert(fast).applied
+    calls = []
+    loss.flow.couplings[0].net.register_forward_hook(lambda *a: calls.append(1))
+    out = fast(*args)
+    assert torch.equal(out, loss(*args)) and fast.stats.native == {"hook-added": 1}
+    assert len(calls) == 4  # two native calls in fast(), two in loss(): the hook fired per branch
+
+
+def test_compiled_flow_is_refused():
+    loss = SelectedRowsLoss()
+    loss.flow.couplings[0].net.compile()  # Module.compile: compiled on first call, never called here
+    assert "compiled-module" in _refusal_codes(loss)
+
+
+def test_eval_mode_keeps_native_calls():
+    assert _refusal_codes(SelectedRowsLoss().eval()) == ("not-training",)
+
+
+class DependentBranches(SelectedRowsLoss):
+    def forward(self, pred_a, pred_b, target, visible_a, visible_b, sigma):
+        a = self.branch(pred_a, target, visible_a, sigma)
+        b = self.branch(pred_b * a.detach(), target, visible_b, sigma)  # b's rows depend on a's flow call
+        return a + b
+
+
+def test_dependent_branches_are_refused():
+    assert _refusal_codes(DependentBranches()) == ("calls-dependent",)
+
+
+class NormalisedFlow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(2)
+        self.inner = nn.Linear(2, 1)
+
+    def log_prob(self, x):
+        return self.inner(self.norm(x)).squeeze(-1)
+
+
+def test_batchnorm_in_training_inside_the_flow_is_refused_naming_the_op():
+    loss = SelectedRowsLoss(NormalisedFlow())
+    fast = optimize(loss, passes=[PairRLE()])
+    fast(*make_inputs(40, 3, 0.5, 0.5, False, dtype=torch.float32))
+    cert = _only_cert(fast)
+    assert cert.codes == ("rows-mixed",)
+    evidence = next(c.evidence for c in cert.checks if c.id == "row-independent")
+    assert "batch_norm" in str(evidence)
+
+
+def test_every_reason_is_listed_not_just_the_first():
+    loss = SelectedRowsLoss().eval()
+    loss.flow.couplings[0].register_forward_hook(lambda *args: None)
+    assert set(_refusal_codes(loss)) == {"not-training", "hooks-present"}
+
+
+class TwoFlows(SelectedRowsLoss):
+    def __init__(self):
+        super().__init__()
+        self.other = SmallFlow()
+
+    def forward(self, pred_a, pred_b, target, visible_a, visible_b, sigma):
+        a = self.branch(pred_a, target, visible_a, sigma)
+        residual = (pred_b[visible_b] - target[visible_b]) / sigma[visible_b]
+        return a - self.other.log_prob(residual).mean()
+
+
+def test_two_different_flows_are_not_paired():
+    assert _refusal_codes(TwoFlows()) == ("pair-different-module",)
+
+
+# -- run-time guards --------------------------------------------------------------------------
+
+class MixedPrecisionBranches(SelectedRowsLoss):
+    def forward(self, pred_a, pred_b, target, visible_a, visible_b, sigma):
+        a = self.branch(pred_a, target, visible_a, sigma)
+        b = self.branch(pred_b.double(), target.double(), visible_b, sigma.double())
+        return a + b
+
+
+def test_dtype_mismatch_at_run_time_runs_two_native_calls():
+    loss = MixedPrecisionBranches()
+    fast = optimize(loss, passes=[PairRLE()])
+    args = make_inputs(40, 3, 0.5, 0.5, False, dtype=torch.float32)
+    assert torch.allclose(fast(*args), loss(*args))
+    assert _pairing(fast) == {"pair-dtype-mismatch": 1}
+    assert _linear_calls(fast, *args) == 12
+
+
+class Tagged(torch.Tensor):
+    """A tensor subclass, e.g. from a tracing or quantisation library."""
+
+
+def test_tensor_subclass_at_run_time_runs_two_native_calls():
+    loss = SelectedRowsLoss()
+    fast = optimize(loss, passes=[PairRLE()])
+    args = make_inputs(40, 3, 0.5, 0.5, False, dtype=torch.float32)
+    fast(*args)
+    tagged = (args[0].detach().as_subclass(Tagged).requires_grad_(), *args[1:])
+    assert torch.allclose(fast(*tagged).as_subclass(torch.Tensor), loss(*args))
+    assert _pairing(fast) == {"paired": 1, "pair-tensor-subclass": 1}
