@@ -37,6 +37,14 @@ from .signature import CallSignature, flatten_call
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
+_WORKLOADS_DIR = os.path.join(_OWN_DIR, "workloads")
+
+
+def _is_user_file(path: str) -> bool:
+    """Frames outside torch and fxpasses' machinery (the bundled workloads are user code)."""
+    if path.startswith(_WORKLOADS_DIR):
+        return True
+    return not path.startswith((_TORCH_DIR, _OWN_DIR, "<"))
 META_KEY = "fxpasses"
 
 
@@ -212,7 +220,7 @@ def _node_making(tracer: LossTracer, path: str, name: str, bound: Callable, reco
 def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
     """The innermost traceback frame outside torch and fxpasses: the user's line."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not f.filename.startswith((_TORCH_DIR, _OWN_DIR)) and not f.filename.startswith("<")]
+              if _is_user_file(f.filename)]
     return frames[-1] if frames else None
 
 
@@ -287,6 +295,6 @@ def node_location(node: fx.Node) -> str:
         line = line.strip()
         if line.startswith('File "'):
             path, _, rest = line[6:].partition('", line ')
-            if not path.startswith((_TORCH_DIR, _OWN_DIR)):
+            if _is_user_file(path):
                 last = f"{path}:{rest.split(',')[0]}"
     return last

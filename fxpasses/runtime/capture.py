@@ -172,8 +172,8 @@ class GraphRecorder:
 
     def record(self, fn: Callable, args: Sequence[Any], owned: frozenset[int], pool: Any) -> "_Capture":
         with torch.no_grad():
-            inputs = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device).copy_(a)
-                      if isinstance(a, torch.Tensor) else a for a in args]
+            # empty_like keeps dense strides; expanded (stride 0) inputs get their own memory
+            inputs = [torch.empty_like(a).copy_(a) if isinstance(a, torch.Tensor) else a for a in args]
         grad_mode = torch.is_grad_enabled()
         for static, arg in zip(inputs, args):
             if isinstance(arg, torch.Tensor) and arg.requires_grad and grad_mode:

@@ -17,6 +17,19 @@ from torch.utils import _pytree as pytree
 from .capture import GraphRecorder, _Capture
 
 
+def _overwrite(buffers: list[Any], index: int, value: torch.Tensor) -> None:
+    """Write ``value`` into the static buffer in place, as a graph replay does.
+
+    A buffer whose elements share memory (an expanded view) cannot be written element-wise; it is
+    rebound instead, so only dense buffers model the overwrite exactly.
+    """
+    static = buffers[index]
+    if all(stride != 0 or size <= 1 for size, stride in zip(static.shape, static.stride())):
+        static.copy_(value)
+    else:
+        buffers[index] = value.detach()
+
+
 class _Forward:
     def __init__(self, fn: Callable, capture: _Capture):
         self.fn, self.capture = fn, capture
@@ -24,9 +37,9 @@ class _Forward:
     def replay(self) -> None:
         with torch.no_grad():
             fresh = pytree.tree_leaves(self.fn(*self.capture.inputs))
-            for static, value in zip(self.capture.outputs, fresh):
+            for i, (static, value) in enumerate(zip(self.capture.outputs, fresh)):
                 if isinstance(static, torch.Tensor):
-                    static.copy_(value)
+                    _overwrite(self.capture.outputs, i, value)
 
 
 class _Backward:
@@ -41,9 +54,9 @@ class _Backward:
                                         [c.inputs[i] for i in c.grad_input_index], c.grad_outputs,
                                         allow_unused=True)
         with torch.no_grad():
-            for static, value in zip(c.grad_inputs, grads):
+            for i, (static, value) in enumerate(zip(c.grad_inputs, grads)):
                 if static is not None and value is not None:
-                    static.copy_(value)
+                    _overwrite(c.grad_inputs, i, value)
 
 
 class EmulatedRecorder(GraphRecorder):

@@ -1,0 +1,232 @@
+"""CaptureLoss on CPU: partitioning per op class, refusal codes, guards and budget, ownership.
+
+Capture itself is exercised with :class:`EmulatedRecorder`, which keeps CUDA graphs' static-buffer
+semantics (every replay overwrites the same output and gradient tensors) on a CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.fx as fx
+from torch import nn
+
+from fxpasses import LeafPolicy, optimize, trace
+from fxpasses.analysis.capture import plan_regions
+from fxpasses.analysis.meta import annotate, fake_mode
+from fxpasses.passes import CaptureLoss, PairRLE
+from fxpasses.runtime.emulated import EmulatedRecorder
+from fxpasses.testing import assert_equivalent
+from fxpasses.workloads.pose import DualBranchPoseLoss, make_batch
+
+
+def opaque(x):
+    """A function declared a leaf: unknown to the capture tables."""
+    return x * 2
+
+
+class Mixed(nn.Module):
+    """One op of every class: capturable, host-sync, dynamic, unknown, in-place, grad switch."""
+
+    def forward(self, pred, target, mask):
+        with torch.no_grad():
+            weight = (target.sigmoid() * 2).clamp(0, 1).exp().sqrt()  # 5 capturable ops, no grad
+        diff = (pred - target) * weight
+        selected = diff[mask]                                  # host-sync: boolean-mask indexing
+        dynamic = (selected.abs() * 2 + 1).sum()              # dynamic shapes
+        count = mask.sum().clamp(min=1)
+        smooth = (pred.exp() * 3 - 1).tanh() + 0.0
+        smooth.mul_(0.5)                                       # in-place: a barrier
+        tail = (opaque(smooth) + 1).mean() * pred.mean()      # opaque: unknown op, a barrier
+        return dynamic / count + tail, tail
+
+
+def _traced(loss, args, policy=None):
+    gm = trace(loss, args, policy=policy or LeafPolicy(leaf_functions=(opaque,)))
+    annotate(gm, list(args))
+    return gm
+
+
+def _args(rows=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    pred = torch.randn(rows, 3, generator=g, requires_grad=True)
+    target = torch.randn(rows, 3, generator=g)
+    return pred, target, target[:, 0] > 0
+
+
+def test_partition_decisions_per_op_class():
+    gm = _traced(Mixed(), _args())
+    plan = plan_regions(gm, devices=("cpu",), min_region_ops=1)
+    by_name = {n.name: v for n, v in plan.verdicts.items()}
+    assert by_name["sigmoid"].capturable and by_name["sub"].capturable
+    assert by_name["getitem"].code == "host-sync"
+    assert {by_name[n].code for n in ("abs_1", "mul_2", "add", "sum_1")} == {"dynamic-shape"}
+    assert by_name["opaque"].code == "op-not-capturable" and by_name["opaque"].barrier
+    assert by_name["mul_"].code == "op-not-capturable" and by_name["mul_"].barrier
+    switches = [v for n, v in by_name.items() if n.startswith("_set_grad_enabled")]
+    assert len(switches) == 2 and all(v.barrier for v in switches)
+    regions = [[n.name for n in r] for r in plan.regions]
+    assert ["sigmoid", "mul", "clamp", "exp", "sqrt"] in regions  # the no_grad block alone
+    for region in plan.regions:  # no region spans a barrier
+        positions = [list(gm.graph.nodes).index(n) for n in region]
+        barriers = [i for i, n in enumerate(gm.graph.nodes) if plan.verdicts[n].barrier]
+        assert not any(min(positions) < b < max(positions) for b in barriers)
+
+
+def test_regions_need_capture_devices_and_fake_cuda_tensors_plan_on_a_cpu():
+    gm = trace(Mixed(), _args(), policy=LeafPolicy(leaf_functions=(opaque,)))
+    with fake_mode():
+        fakes = [torch.empty(12, 3, device="cuda"), torch.empty(12, 3, device="cuda"),
+                 torch.empty(12, dtype=torch.bool, device="cuda")]
+    annotate(gm, fakes)
+    assert plan_regions(gm).regions  # CUDA (fake) tensors: regions
+    cpu = _traced(Mixed(), _args())
+    plan = plan_regions(cpu)  # default devices: cuda only
+    assert not plan.regions and "no-cuda" in {v.code for v in plan.verdicts.values()}
+
+
+def test_no_cuda_is_a_refusal_and_the_loss_runs_unchanged():
+    loss = Mixed()
+    fast = optimize(loss, passes=[CaptureLoss()], leaf_functions=[opaque])
+    args = _args()
+    assert all(torch.equal(a, b) for a, b in zip(fast(*args), loss(*args)))
+    (cert,) = fast.certificates
+    assert cert.codes == ("no-cuda",) and not fast.specializations[0].run.snapshots[-1].modified
+
+
+def _captured(loss, recorder=None, **options):
+    recorder = recorder or EmulatedRecorder()
+    return optimize(loss, passes=[CaptureLoss(devices=("cpu",), recorder=recorder, **options)],
+                    leaf_functions=[opaque]), recorder
+
+
+def _regions(fast):
+    return {k: v for k, v in fast.stats.sites.items() if "capture_region" in k}
+
+
+def test_captured_values_and_gradients_match_native_over_steps():
+    loss = Mixed()
+    fast, recorder = _captured(loss)
+    for seed in range(4):
+        assert_equivalent(loss, fast, _args(seed=seed), rtol=1e-6, atol=1e-6, parameters=False)
+    fast(*_args())  # the oracle ran copies; certificates are on the original
+    codes = {c.codes for c in fast.certificates if not c.applied}
+    assert {("host-sync",), ("dynamic-shape",), ("op-not-capturable",)} <= codes
+
+
+def test_held_outputs_and_accumulated_gradients_are_not_overwritten_by_replays():
+    loss = Mixed()
+    fast, _ = _captured(loss)
+    pred, target, mask = _args(seed=1)
+    first = fast(pred, target, mask)
+    first[0].backward()
+    kept = [t.detach().clone() for t in first]
+    grad_after_one = pred.grad.clone()
+    second = fast(*_args(seed=2))  # replays overwrite the static buffers
+    second[0].backward()
+    assert all(torch.equal(a, b) for a, b in zip(first, kept))  # the caller's outputs kept their values
+    fast(pred, target, mask)[0].backward()  # accumulate a second gradient into pred.grad
+    assert torch.allclose(pred.grad, 2 * grad_after_one)
+    assert all(v.get("replayed", 0) >= 2 for v in _regions(fast).values())
+
+
+def test_replay_waits_for_the_pending_backward():
+    loss = Mixed()
+    fast, _ = _captured(loss)
+    a, b = _args(seed=3), _args(seed=4)
+    out_a = fast(*a)[0]
+    out_b = fast(*b)[0]  # a's backward is pending: regions run eagerly, a's activations survive
+    ref_a, ref_b = loss(*[x.detach().requires_grad_(x.requires_grad) for x in a])[0], None
+    (grad_a,) = torch.autograd.grad(out_a, a[0])
+    (grad_b,) = torch.autograd.grad(out_b, b[0])
+    a_ref = a[0].detach().requires_grad_()
+    (expected_a,) = torch.autograd.grad(loss(a_ref, *a[1:])[0], a_ref)
+    b_ref = b[0].detach().requires_grad_()
+    (expected_b,) = torch.autograd.grad(loss(b_ref, *b[1:])[0], b_ref)
+    assert torch.allclose(grad_a, expected_a) and torch.allclose(grad_b, expected_b)
+    assert torch.allclose(out_a, ref_a)
+    assert any(v.get("replay-pending-backward") for v in _regions(fast).values())
+
+
+def test_replay_resumes_when_an_unused_result_is_freed():
+    fast, _ = _captured(Mixed())
+    fast(*_args(seed=5))  # result dropped without backward: its graph is freed
+    fast(*_args(seed=6))
+    assert not any(v.get("replay-pending-backward") for v in _regions(fast).values())
+
+
+def test_recording_budget_then_eager():
+    loss = Mixed()
+    fast, recorder = _captured(loss, max_recordings=2)
+    for rows in (8, 9, 10, 8):  # three signatures; the fourth call reuses the first recording
+        assert_equivalent(loss, fast, _args(rows=rows), rtol=1e-6, atol=1e-6, parameters=False)
+    regions = _regions(fast)
+    assert all(v["recorded"] == 2 and v["record-budget"] == 1 for v in regions.values())
+
+
+class FailingRecorder(EmulatedRecorder):
+    def record(self, *args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_capture_failure_runs_the_region_eagerly_from_then_on():
+    loss = Mixed()
+    fast, _ = _captured(loss, recorder=FailingRecorder())
+    for seed in range(2):
+        assert_equivalent(loss, fast, _args(seed=seed), rtol=1e-6, atol=1e-6, parameters=False)
+    assert all(v == {"capture-failed": 2} for v in _regions(fast).values())
+
+
+def test_small_regions_are_refused():
+    fast, _ = _captured(Mixed(), min_region_ops=100)
+    fast(*_args())
+    assert {c.codes for c in fast.certificates if c.codes} >= {("region-too-small",)}
+    assert not _regions(fast)
+
+
+def test_hook_added_after_capture_sends_the_next_call_native():
+    loss = Mixed()
+    fast, _ = _captured(loss)
+    fast(*_args())
+    loss.register_forward_hook(lambda *args: None)
+    fast(*_args())
+    assert fast.stats.native == {"hook-added": 1}
+
+
+@pytest.fixture(scope="module")
+def pose_float64():
+    torch.manual_seed(0)
+    loss = DualBranchPoseLoss().double()
+    fast = optimize(loss, passes=[PairRLE(), CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder())])
+    return loss, fast
+
+
+def test_pose_loss_with_both_passes_matches_native_in_float64(pose_float64):
+    loss, fast = pose_float64
+    for seed in range(3):
+        batch = make_batch(2, seed=seed, image_size=96, dtype=torch.float64)
+        assert_equivalent(loss, fast, (batch,), rtol=1e-9, atol=1e-10)  # on a copy of fast
+    fast(batch)
+    certs = fast.certificates
+    assert any(c.pass_name == "PairRLE" and c.applied for c in certs)
+    regions = [c for c in certs if c.pass_name == "CaptureLoss" and c.applied]
+    assert len(regions) >= 2
+    paired = [c for c in certs if c.pass_name == "CaptureLoss" and c.site.description.startswith("run-time")]
+    assert [c.codes for c in paired] == [("dynamic-shape",)]  # the paired flow runs between regions
+
+
+def test_tensor_alpha_changed_between_replays_is_honoured(pose_float64):
+    loss, fast = pose_float64
+    batch = make_batch(2, seed=7, image_size=96, dtype=torch.float64)
+    for value in (0.25, 0.9):
+        alpha = torch.tensor(value, dtype=torch.float64)
+        out = fast(batch, alpha)
+        assert out.alpha is alpha
+        expected = loss(batch, alpha)
+        assert torch.allclose(out.total, expected.total, rtol=1e-12)
+        out.total.backward()  # the step's backward: the next call may replay
+    index = fast.specializations[-1].index  # the alpha override is its own input structure
+    replays = [v for k, v in fast.stats.sites.items() if k.startswith(f"{index}:capture_region")]
+    assert replays and all(v.get("replayed", 0) == 2 for v in replays)
