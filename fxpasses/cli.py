@@ -273,7 +273,12 @@ def run_explain(args: argparse.Namespace) -> int:
 
 
 # -- the command -----------------------------------------------------------------------------
-SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (add_explain,)
+def add_demo(subparsers: Any) -> None:
+    from .demo import add_demo as add  # imports the workload only when the parser is built
+    add(subparsers)
+
+
+SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (add_demo, add_explain)
 
 
 def build_parser() -> argparse.ArgumentParser:

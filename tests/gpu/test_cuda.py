@@ -1,0 +1,134 @@
+"""On a CUDA device: both passes on the reference loss, against native, in fp32 and bf16 autocast.
+
+Differences are measured, not assumed: each test records the relative difference of the loss
+and the relative L2 difference of every input gradient, and writes them to
+``$FXPASSES_MEASURE_DIR/cuda_differences.json`` when that variable is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from fxpasses import optimize
+from fxpasses.passes import CaptureLoss, PairRLE
+from fxpasses.workloads.pose import DualBranchPoseLoss, make_batch
+
+pytestmark = pytest.mark.cuda
+MEASURED: dict[str, dict] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _write_measurements():
+    yield
+    folder = os.environ.get("FXPASSES_MEASURE_DIR")
+    if folder and MEASURED:
+        with open(os.path.join(folder, "cuda_differences.json"), "w") as f:
+            json.dump(MEASURED, f, indent=1, sort_keys=True)
+
+
+def _batch(size, seed, dtype=torch.float32):
+    return make_batch(size, seed=seed, device="cuda", dtype=dtype)
+
+
+def _inputs_requiring_grad(batch):
+    return [t for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _fresh(batch):
+    return torch.utils._pytree.tree_map(
+        lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t, batch)
+
+
+def _run(fn, batch, autocast):
+    batch = _fresh(batch)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        out = fn(batch)
+    grads = torch.autograd.grad(out.total, _inputs_requiring_grad(batch))
+    return out.total.detach().float(), [g.float() for g in grads]
+
+
+def _differences(loss, fast, batches, autocast):
+    worst_value = worst_grad = 0.0
+    for batch in batches:
+        ref_value, ref_grads = _run(loss, batch, autocast)
+        value, grads = _run(fast, batch, autocast)
+        worst_value = max(worst_value, ((value - ref_value).abs() / ref_value.abs()).item())
+        for g, r in zip(grads, ref_grads):
+            assert torch.isfinite(g).all()
+            worst_grad = max(worst_grad, ((g - r).norm() / r.norm().clamp(min=1e-30)).item())
+    return worst_value, worst_grad
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("passes", ["PairRLE", "CaptureLoss", "PairRLE+CaptureLoss"])
+def test_values_and_gradients_against_native(passes, autocast):
+    torch.manual_seed(0)
+    loss = DualBranchPoseLoss().cuda()
+    chosen = [{"PairRLE": PairRLE, "CaptureLoss": CaptureLoss}[p]() for p in passes.split("+")]
+    fast = optimize(loss, passes=chosen)
+    batches = [_batch(4, seed) for seed in range(3)]
+    value, grad = _differences(loss, fast, batches, autocast)
+    MEASURED[f"{passes} {'bf16-autocast' if autocast else 'fp32'}"] = {
+        "loss_rel_diff": value, "grad_rel_l2_diff": grad, "native_calls": dict(fast.stats.native),
+        "sites": fast.stats.sites}
+    assert not fast.stats.native and not fast.stats.exceptions, fast.stats.render()
+    limit = (3e-2, 3e-2) if autocast else (1e-4, 1e-3)
+    assert value < limit[0] and grad < limit[1], (value, grad)
+    if "CaptureLoss" in passes:
+        replays = [v.get("replayed", 0) for k, v in fast.stats.sites.items() if "capture_region" in k]
+        assert replays and min(replays) >= 2
+
+
+def test_recording_budget_then_native_regions():
+    loss = DualBranchPoseLoss().cuda()
+    fast = optimize(loss, passes=[CaptureLoss(max_recordings=2)])
+    for size in (2, 3, 4, 2):
+        batch = _batch(size, size)
+        out = fast(batch)
+        assert torch.allclose(out.total, loss(batch).total, rtol=1e-4)
+        out.total.backward()
+    # batch size changes every static shape: a new signature per size, then the budget
+    regions = [v for k, v in fast.stats.sites.items() if "capture_region" in k]
+    assert regions and all(v["recorded"] == 2 and v["record-budget"] == 1 for v in regions)
+
+
+def test_output_held_across_two_steps_keeps_its_value():
+    loss = DualBranchPoseLoss().cuda()
+    fast = optimize(loss, passes=[PairRLE(), CaptureLoss()])
+    first = fast(_batch(4, 0))
+    first.total.backward()
+    kept = {k: v.detach().clone() for k, v in first.branches["o2m"].items()}
+    total = first.total.detach().clone()
+    second = fast(_batch(4, 1))
+    second.total.backward()
+    assert not torch.equal(second.total, total)
+    assert torch.equal(first.total, total)
+    assert all(torch.equal(first.branches["o2m"][k], v) for k, v in kept.items())
+
+
+def test_hook_added_after_capture_sends_the_next_call_native():
+    loss = DualBranchPoseLoss().cuda()
+    fast = optimize(loss, passes=[PairRLE(), CaptureLoss()])
+    fast(_batch(4, 0)).total.backward()
+    fired = []
+    loss.flow.register_forward_hook(lambda *args: fired.append(1))
+    fast(_batch(4, 1)).total.backward()
+    assert fast.stats.native == {"hook-added": 1}
+
+
+def test_tensor_alpha_changed_between_replays_is_honoured():
+    loss = DualBranchPoseLoss().cuda()
+    fast = optimize(loss, passes=[PairRLE(), CaptureLoss()])
+    batch = _batch(4, 0)
+    for value in (0.2, 0.6, 0.95):
+        alpha = torch.tensor(value, device="cuda")
+        out = fast(batch, alpha)
+        assert out.alpha is alpha
+        assert torch.allclose(out.total, loss(batch, alpha).total, rtol=1e-5)
+        out.total.backward()
+    replays = [v.get("replayed", 0) for k, v in fast.stats.sites.items() if "capture_region" in k]
+    assert replays and min(replays) == 3
