@@ -177,6 +177,8 @@ def add_explain(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--brief", action="store_true", help="leave out each check's evidence")
     p.add_argument("--no-diff", action="store_true", help="leave out the graph diff")
+    p.add_argument("--device", default="cpu",
+                   help="move the loss and its input tensors to this device (default cpu)")
     p.add_argument("--save", metavar="PATH", help="also write the report to PATH (JSON)")
     p.add_argument("--svg", metavar="PATH", help="draw before/after graphs (needs Graphviz dot)")
     p.add_argument("--png", metavar="PATH", help="as --svg, in PNG")
@@ -195,6 +197,23 @@ def _backward(out: Any) -> None:
         sum(grads).backward()
 
 
+def _on_device(device: str, loss: Any, call_args: tuple, call_kwargs: dict) -> tuple:
+    """The loss's modules and the input tensors on ``device`` (leaves keep requires_grad)."""
+    if isinstance(loss, torch.nn.Module):
+        loss.to(device)
+    else:
+        for value in vars(loss).values():
+            if isinstance(value, torch.nn.Module):
+                value.to(device)
+
+    def move(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        return t.detach().to(device).requires_grad_(t.requires_grad) if t.is_leaf else t.to(device)
+
+    return loss, pytree.tree_map(move, tuple(call_args)), pytree.tree_map(move, dict(call_kwargs))
+
+
 def _live_report(args: argparse.Namespace) -> dict[str, Any]:
     if not args.inputs:
         raise CliError(f"{args.target} is a loss: give its inputs with --inputs module:attr",
@@ -205,6 +224,8 @@ def _live_report(args: argparse.Namespace) -> dict[str, Any]:
         loss = make_loss(load_object(args.target))
     with failing_as(f"make inputs with {args.inputs}"):
         call_args, call_kwargs = make_inputs(load_object(args.inputs))
+    with failing_as(f"move the loss and inputs to {args.device}"):
+        loss, call_args, call_kwargs = _on_device(args.device, loss, call_args, call_kwargs)
     fast = optimize(loss, passes)
     with failing_as(f"run the loss {args.target}"):
         for _ in progress(range(args.calls), what="calls"):

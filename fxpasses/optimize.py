@@ -17,20 +17,23 @@ Each call of an OptimizedLoss:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode
 
 from .analysis.meta import annotate
 from .certificates import Certificate, Check, Site
 from .certificates.io import save
 from .guards import AMBIENT_GUARDS, LossState, ambient_difference, ambient_state, user_classes
+from .log import logger
 from .pipeline import Pass, PipelineRun, run_pipeline
 from .report import build_report, render_report
 from .runtime import runtime_sites
@@ -145,6 +148,13 @@ class OptimizedLoss(nn.Module):
     def _specialize(self, args: tuple, kwargs: dict, spec: Any, attributes: tuple) -> Specialization:
         special = Specialization(len(self._specializations), None, attributes, ambient_state())
         self._specializations.append(special)
+        with _dispatch_modes_restored():
+            self._build(special, args, kwargs, spec, attributes)
+        return special
+
+    def _build(self, special: Specialization, args: tuple, kwargs: dict, spec: Any,
+               attributes: tuple) -> None:
+        """Trace, annotate and run the pipeline into ``special`` (a failure is recorded on it)."""
         start = time.perf_counter()
         try:
             gm = trace(self._loss, args, kwargs, policy=self._policy)
@@ -152,7 +162,7 @@ class OptimizedLoss(nn.Module):
             special.failed_key = (spec, attributes)
             special.certificates.append(failure.certificate)
             special.disabled = failure.certificate.codes[0]
-            return special
+            return
         special.seconds["trace"] = time.perf_counter() - start
         info = gm.meta["fxpasses"]
         special.signature = info.signature
@@ -168,7 +178,6 @@ class OptimizedLoss(nn.Module):
         special.seconds["pipeline"] = time.perf_counter() - start
         special.graph_module = special.run.graph_module
         special.certificates.extend(special.run.certificates)
-        return special
 
     # -- what happened ----------------------------------------------------------------------
     @property
@@ -221,6 +230,20 @@ class OptimizedLoss(nn.Module):
         """Write the report (pipeline, certificates, snapshots, counters) to ``path`` as JSON;
         ``fxpasses.certificates.io.load(path)`` reads it back, ``fxpasses explain`` shows it."""
         return save(build_report(self), path)
+
+
+@contextlib.contextmanager
+def _dispatch_modes_restored() -> Iterator[None]:
+    """Tracing tools (fake tensors, make_fx) push dispatch modes; none may outlive optimization."""
+    depth = len(_get_current_dispatch_mode_stack())
+    try:
+        yield
+    finally:
+        leaked = len(_get_current_dispatch_mode_stack()) - depth
+        for _ in range(max(leaked, 0)):
+            _pop_mode()
+        if leaked > 0:
+            logger.warning("popped %d dispatch mode(s) left active by tracing", leaked)
 
 
 def _metadata_failure(node: fx.Node, exc: Exception, count: int) -> Certificate:

@@ -11,6 +11,7 @@ float64 witness agrees. Each site gets one certificate, refusals included.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 from collections import defaultdict
@@ -174,7 +175,8 @@ class PairCalls:
             return cert
         draws = [tuple(counts[i % len(counts)] for i in range(len(s.calls))) for counts in _WITNESS_ROWS]
         try:
-            witness = pairing_witness(module, s.method, self._trailing(s), draws)
+            with _autocast_off():
+                witness = pairing_witness(module, s.method, self._trailing(s), draws)
         except Exception as exc:  # e.g. a density that raises on an empty branch natively
             the_checks.append(Check("witness", False, {"exception": type(exc).__name__,
                                                        "message": str(exc)[:300], "row_counts": draws},
@@ -245,7 +247,8 @@ class PairCalls:
             return [shape_check], None
         v = vals[0]
         example = torch.randn((5, *layout["trailing"][0]), dtype=v.dtype, device=_real_device(v.device))
-        analysis = analyze_rows(s.module, s.method, example)
+        with _autocast_off():  # the proof is about the ops; autocast's casts are measured on GPU
+            analysis = analyze_rows(s.module, s.method, example)
         rows = Check("row-independent", analysis.ok, analysis.evidence, analysis.code)
         return [shape_check, rows], analysis
 
@@ -279,6 +282,13 @@ class PairCalls:
             if owner is not None and not owner.users:
                 graph.erase_node(owner)
         return tuple(new_nodes)
+
+
+def _autocast_off() -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    for device_type in ("cuda", "cpu"):
+        stack.enter_context(torch.autocast(device_type, enabled=False))
+    return stack
 
 
 def _real_device(device: torch.device) -> torch.device:

@@ -80,7 +80,8 @@ class _Capture:
     def replay(self, args: Sequence[Any]) -> Any:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if self.backward is not None and torch.is_grad_enabled():
-            flat = list(_Replay.apply(self, *tensors))
+            replayed = iter(_Replay.apply(self, *tensors))  # the tensor outputs, in order
+            flat = [next(replayed) if isinstance(o, torch.Tensor) else o for o in self.outputs]
         else:
             self.load(args)
             self.forward.replay()

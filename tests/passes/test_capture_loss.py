@@ -230,3 +230,20 @@ def test_tensor_alpha_changed_between_replays_is_honoured(pose_float64):
     index = fast.specializations[-1].index  # the alpha override is its own input structure
     replays = [v for k, v in fast.stats.sites.items() if k.startswith(f"{index}:capture_region")]
     assert replays and all(v.get("replayed", 0) == 2 for v in replays)
+
+
+def test_regions_returning_sizes_and_ints_replay_with_their_constants():
+    from fxpasses.runtime.capture import CapturedRegion
+
+    def region(x, y):
+        z = (x * y).exp()
+        return z, z.shape, x.shape[0], z.sum()
+
+    site = CapturedRegion("r", region, recorder=EmulatedRecorder())
+    for seed in range(3):
+        x, y = torch.randn(4, 3, requires_grad=True), torch.randn(4, 3)
+        z, shape, rows, total = site(x, y)
+        assert shape == torch.Size([4, 3]) and rows == 4 and torch.allclose(total, (x * y).exp().sum())
+        (grad,) = torch.autograd.grad(total, x)
+        assert torch.allclose(grad, y * (x * y).exp())
+    assert site.counters == {"recorded": 1, "replayed": 3}
