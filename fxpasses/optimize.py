@@ -148,7 +148,7 @@ class OptimizedLoss(nn.Module):
     def _specialize(self, args: tuple, kwargs: dict, spec: Any, attributes: tuple) -> Specialization:
         special = Specialization(len(self._specializations), None, attributes, ambient_state())
         self._specializations.append(special)
-        with _dispatch_modes_restored():
+        with _dispatch_modes_restored(), _autocast_cache_off():
             self._build(special, args, kwargs, spec, attributes)
         return special
 
@@ -244,6 +244,20 @@ def _dispatch_modes_restored() -> Iterator[None]:
             _pop_mode()
         if leaked > 0:
             logger.warning("popped %d dispatch mode(s) left active by tracing", leaked)
+
+
+def _autocast_cache_off() -> contextlib.ExitStack:
+    """Keep autocast as it is but stop its weight-cast cache while tracing and analysing.
+
+    Under autocast, a parameter cast during fake-tensor propagation would be cached as a fake
+    tensor and then served to the real forward that follows in the same autocast region.
+    """
+    stack = contextlib.ExitStack()
+    for device_type in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device_type):
+            stack.enter_context(torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type),
+                                               cache_enabled=False))
+    return stack
 
 
 def _metadata_failure(node: fx.Node, exc: Exception, count: int) -> Certificate:

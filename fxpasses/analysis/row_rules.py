@@ -483,7 +483,10 @@ _TABLE: tuple[tuple[Rule, str], ...] = (
     # (rule, aten ops by name: a packet "sum" or one overload "max.dim")
     (same_as_self, "to _to_copy type_as detach clone alias contiguous lift_fresh_copy zeros_like "
                    "ones_like full_like empty_like"),
-    (pointwise, "copy fill zero where masked_fill log_sigmoid hardswish floor_divide"),
+    # pointwise ops that some torch versions do not tag "pointwise" (leaky_relu in 2.11)
+    (pointwise, "copy fill zero where masked_fill log_sigmoid hardswish floor_divide leaky_relu "
+                "relu gelu silu elu celu selu softplus hardtanh hardsigmoid mish threshold "
+                "sigmoid tanh prelu _prelu_kernel"),
     (no_output, "_assert_tensor_metadata"),
     (reshape, "view reshape _unsafe_view flatten unflatten view_as reshape_as"),
     (unsqueeze, "unsqueeze"), (squeeze, "squeeze"), (expand, "expand expand_as"),

@@ -212,3 +212,25 @@ def test_explain_mentions_pipeline_counters_and_guards(two_branch_loss):
     fast(*_inputs(4, 3))
     text = fast.explain()
     assert "inject-failure" in text and "optimized-path-raised" in text and "hook-added" in text
+
+
+class ParamLoss(nn.Module):
+    """A loss with a parameter: autocast caches its cast while the first call is traced."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 3))
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight).float().pow(2).sum()
+
+
+def test_first_call_under_autocast_returns_real_tensors():
+    loss = ParamLoss()
+    fast = optimize(loss)
+    x = torch.randn(4, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fast(x)  # trace and fake propagation happen inside this autocast region
+        again = loss(x)  # a real call after it in the same region must see a real cached cast
+    assert type(out) is torch.Tensor and type(again) is torch.Tensor
+    assert torch.equal(out, again) and out.item() == again.item()
