@@ -247,3 +247,15 @@ def test_regions_returning_sizes_and_ints_replay_with_their_constants():
         (grad,) = torch.autograd.grad(total, x)
         assert torch.allclose(grad, y * (x * y).exp())
     assert site.counters == {"recorded": 1, "replayed": 3}
+
+
+def test_pose_outputs_held_across_steps_keep_their_values():
+    loss = DualBranchPoseLoss()
+    fast = optimize(loss, passes=[PairRLE(), CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder())])
+    first = fast(make_batch(2, seed=0, image_size=96))
+    first.total.backward()
+    kept = {(b, k): v.detach().clone() for b in first.branches for k, v in first.branches[b].items()}
+    second = fast(make_batch(2, seed=1, image_size=96))
+    second.total.backward()
+    assert not torch.equal(second.total, first.total)
+    assert all(torch.equal(first.branches[b][k], v) for (b, k), v in kept.items())
