@@ -196,7 +196,19 @@ class GraphRecorder:
         outputs = [o.detach() if isinstance(o, torch.Tensor) else o for o in outputs]
         return _Capture(inputs, outputs, out_spec, forward, backward, grad_input_index,
                         grad_output_index if backward is not None else [], grad_outputs,
-                        grad_inputs, owned)
+                        grad_inputs, _flat_positions(out, owned))
+
+
+def _flat_positions(out: Any, owned: frozenset[int]) -> frozenset[int]:
+    """Flat leaf positions of the top-level outputs in ``owned`` (a Size output holds several)."""
+    items = out if isinstance(out, tuple) else (out,)
+    positions, start = set(), 0
+    for i, item in enumerate(items):
+        count = len(pytree.tree_leaves(item))
+        if i in owned:
+            positions.update(range(start, start + count))
+        start += count
+    return frozenset(positions)
 
 
 def _forward_backward(fn: Callable, inputs: list[Any], grad_input_index: list[int]) -> None:

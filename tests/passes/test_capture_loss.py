@@ -259,3 +259,16 @@ def test_pose_outputs_held_across_steps_keep_their_values():
     second.total.backward()
     assert not torch.equal(second.total, first.total)
     assert all(torch.equal(first.branches[b][k], v) for (b, k), v in kept.items())
+
+
+def test_owned_outputs_after_a_size_output_are_cloned():
+    from fxpasses.runtime.capture import CapturedRegion
+
+    def region(x):
+        y = x * 2
+        return y, y.shape, y + 1  # top-level output 2 is flat leaf 3 (the Size holds two ints)
+
+    site = CapturedRegion("r", region, owned=frozenset({2}), recorder=EmulatedRecorder())
+    first = site(torch.ones(2, 2))[2]
+    site(torch.zeros(2, 2))
+    assert torch.equal(first, torch.full((2, 2), 3.0))  # the caller's tensor kept its value
