@@ -43,24 +43,35 @@ def _fresh(batch):
         lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t, batch)
 
 
-def _run(fn, batch, autocast):
+def _run(fn, batch, autocast, params):
     batch = _fresh(batch)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         out = fn(batch)
-    grads = torch.autograd.grad(out.total, _inputs_requiring_grad(batch))
-    return out.total.detach().float(), [g.float() for g in grads]
+    inputs = _inputs_requiring_grad(batch)
+    grads = torch.autograd.grad(out.total, inputs + params)
+    return out.total.detach().float(), [g.float() for g in grads[:len(inputs)]], \
+        [g.float() for g in grads[len(inputs):]]
+
+
+def _rel_l2(got, ref):
+    worst = 0.0
+    for g, r in zip(got, ref):
+        assert torch.isfinite(g).all()
+        worst = max(worst, ((g - r).norm() / r.norm().clamp(min=1e-30)).item())
+    return worst
 
 
 def _differences(loss, fast, batches, autocast):
-    worst_value = worst_grad = 0.0
+    """Worst relative loss difference, input-gradient and flow-parameter-gradient L2 differences."""
+    params = list(loss.flow.parameters())
+    worst = [0.0, 0.0, 0.0]
     for batch in batches:
-        ref_value, ref_grads = _run(loss, batch, autocast)
-        value, grads = _run(fast, batch, autocast)
-        worst_value = max(worst_value, ((value - ref_value).abs() / ref_value.abs()).item())
-        for g, r in zip(grads, ref_grads):
-            assert torch.isfinite(g).all()
-            worst_grad = max(worst_grad, ((g - r).norm() / r.norm().clamp(min=1e-30)).item())
-    return worst_value, worst_grad
+        ref_value, ref_grads, ref_params = _run(loss, batch, autocast, params)
+        value, grads, param_grads = _run(fast, batch, autocast, params)
+        worst[0] = max(worst[0], ((value - ref_value).abs() / ref_value.abs()).item())
+        worst[1] = max(worst[1], _rel_l2(grads, ref_grads))
+        worst[2] = max(worst[2], _rel_l2(param_grads, ref_params))
+    return tuple(worst)
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
@@ -71,13 +82,13 @@ def test_values_and_gradients_against_native(passes, autocast):
     chosen = [{"PairRLE": PairRLE, "CaptureLoss": CaptureLoss}[p]() for p in passes.split("+")]
     fast = optimize(loss, passes=chosen)
     batches = [_batch(4, seed) for seed in range(3)]
-    value, grad = _differences(loss, fast, batches, autocast)
+    value, grad, param_grad = _differences(loss, fast, batches, autocast)
     MEASURED[f"{passes} {'bf16-autocast' if autocast else 'fp32'}"] = {
-        "loss_rel_diff": value, "grad_rel_l2_diff": grad, "native_calls": dict(fast.stats.native),
-        "sites": fast.stats.sites}
+        "loss_rel_diff": value, "input_grad_rel_l2_diff": grad, "flow_param_grad_rel_l2_diff": param_grad,
+        "native_calls": dict(fast.stats.native), "sites": fast.stats.sites}
     assert not fast.stats.native and not fast.stats.exceptions, fast.stats.render()
     limit = (3e-2, 3e-2) if autocast else (1e-4, 1e-3)
-    assert value < limit[0] and grad < limit[1], (value, grad)
+    assert value < limit[0] and grad < limit[1] and param_grad < limit[1], (value, grad, param_grad)
     if "CaptureLoss" in passes:
         replays = [v.get("replayed", 0) for k, v in fast.stats.sites.items() if "capture_region" in k]
         assert replays and min(replays) >= 2
