@@ -309,3 +309,90 @@ def test_tensor_subclass_at_run_time_runs_two_native_calls():
     tagged = (args[0].detach().as_subclass(Tagged).requires_grad_(), *args[1:])
     assert torch.allclose(fast(*tagged).as_subclass(torch.Tensor), loss(*args))
     assert _pairing(fast) == {"paired": 1, "pair-tensor-subclass": 1}
+
+
+# -- the remaining refusal and guard codes -----------------------------------------------------
+
+class Widths(nn.Module):
+    """A density for rows of any width."""
+
+    def log_prob(self, x, context=None):
+        out = -(x * x).sum(-1)
+        return out if context is None else out + context.sum(-1)
+
+
+class OneCall(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.flow = Widths()
+
+    def forward(self, x, y):
+        return self.flow.log_prob(x).mean() + y.sum()
+
+
+class ExtraArgument(OneCall):
+    def forward(self, x, y):
+        return self.flow.log_prob(x, y).mean() + self.flow.log_prob(y, x).mean()
+
+
+class DifferentWidths(OneCall):
+    def forward(self, x, y):
+        return self.flow.log_prob(x).mean() + self.flow.log_prob(torch.cat([y, y], -1)).mean()
+
+
+class MutationBetween(OneCall):
+    def forward(self, x, y):
+        first = self.flow.log_prob(x).mean()  # depends on the first call: would move after the merge
+        z = y * 2
+        z.add_(1)  # an in-place op the moved node would jump
+        return first + self.flow.log_prob(z).mean()
+
+
+def _codes(loss, *args) -> tuple:
+    fast = optimize(loss, passes=[PairRLE()])
+    assert torch.allclose(fast(*args), loss(*args))
+    (cert,) = [c for c in fast.certificates if c.pass_name == "PairRLE"]
+    return cert.codes
+
+
+@pytest.mark.parametrize("loss,code", [
+    (OneCall(), "pair-single-call"), (ExtraArgument(), "pair-call-signature"),
+    (DifferentWidths(), "pair-row-shape-mismatch"), (MutationBetween(), "pair-reorder-mutation")],
+    ids=["single call", "extra argument", "different widths", "mutation between"])
+def test_structural_refusals(loss, code):
+    assert code in _codes(loss, torch.randn(5, 2), torch.randn(5, 2))
+
+
+class FailsOnEmptyRows(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(2, 1)
+
+    def log_prob(self, x):
+        if x.shape[0] == 0:  # the same branch at every non-zero row count: the traces agree
+            raise ValueError("no rows")
+        return self.inner(x).squeeze(-1)
+
+
+def test_a_density_failing_on_empty_rows_is_refused_by_the_witness():
+    loss = SelectedRowsLoss(FailsOnEmptyRows())
+    codes = _refusal_codes(loss)
+    assert codes == ("pair-witness-mismatch",)
+
+
+def test_rows_on_different_devices_run_two_native_calls():
+    from fxpasses.runtime.paired import PairedCall
+
+    site = PairedCall("pair_test", "log_prob")
+    a, b = site(Widths(), torch.randn(3, 2), torch.randn(4, 2, device="meta"))
+    assert a.device.type == "cpu" and b.device.type == "meta" and b.shape == (4,)
+    assert site.counters == {"pair-device-mismatch": 1}
+
+
+def test_shape_propagation_failure_is_reported_and_pairing_still_decides():
+    loss = SelectedRowsLoss(NormalisedFlow())  # BatchNorm checks the batch size: data-dependent
+    fast = optimize(loss, passes=[PairRLE()])
+    fast(*make_inputs(40, 3, 0.5, 0.5, False, dtype=torch.float32))
+    failed = [c for c in fast.certificates if c.decision == "failed"]
+    assert [c.codes for c in failed] == [("metadata-failed",)]
+    assert failed[0].checks[0].evidence["exception"] == "GuardOnDataDependentSymNode"
