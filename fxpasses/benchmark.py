@@ -18,10 +18,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from .log import logger, progress
+from .testing.counting import CountLinear
 
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
                  "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
@@ -51,17 +51,6 @@ class ArmResult:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-class CountLinear(TorchFunctionMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.nn.functional.linear:
-            self.calls += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _sync(device: str) -> None:

@@ -137,6 +137,8 @@ class OptimizedLoss(nn.Module):
 
     def _native(self, args: tuple, kwargs: dict, reason: str) -> Any:
         self._stats.native[reason] += 1
+        if self._stats.native[reason] == 1:
+            logger.warning("native call: %s (counted in .stats; later ones are not logged)", reason)
         return self._loss(*args, **kwargs)
 
     def _find(self, leaves: list[Any], spec: Any, attributes: tuple) -> Specialization | None:
@@ -162,6 +164,7 @@ class OptimizedLoss(nn.Module):
             special.failed_key = (spec, attributes)
             special.certificates.append(failure.certificate)
             special.disabled = failure.certificate.codes[0]
+            logger.warning("%s", failure.certificate.message)
             return
         special.seconds["trace"] = time.perf_counter() - start
         info = gm.meta["fxpasses"]
@@ -178,6 +181,9 @@ class OptimizedLoss(nn.Module):
         special.seconds["pipeline"] = time.perf_counter() - start
         special.graph_module = special.run.graph_module
         special.certificates.extend(special.run.certificates)
+        logger.info("specialization %d of %s: %d certificate(s), %s", special.index,
+                    type(self._loss).__name__, len(special.certificates),
+                    ", ".join(f"{k} {v:.2f} s" for k, v in special.seconds.items()))
 
     # -- what happened ----------------------------------------------------------------------
     @property

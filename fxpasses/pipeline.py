@@ -30,6 +30,7 @@ import torch.fx as fx
 
 from .analysis.meta import annotate
 from .certificates import Certificate, Check, Site
+from .log import logger
 
 
 @runtime_checkable
@@ -109,6 +110,7 @@ def _snapshot(step: str, gm: fx.GraphModule, modified: bool, seconds: float = 0.
 
 def _failure(pass_name: str, code: str, exc: BaseException | None, detail: dict,
              fingerprint: str) -> Certificate:
+    logger.warning("pass %s failed (%s): %s", pass_name, code, exc or detail.get("message", ""))
     evidence = dict(detail)
     if exc is not None:
         evidence.update(exception=type(exc).__name__, message=str(exc)[:500],
@@ -163,6 +165,8 @@ def run_pipeline(gm: fx.GraphModule, passes: Sequence[Pass],
             continue
         certificates.extend(dataclasses.replace(c, graph_fingerprint=before)
                             for c in result.certificates)
+        logger.debug("pass %s: modified=%s, %d certificate(s), %.3f s", p.name, result.modified,
+                     len(result.certificates), time.perf_counter() - start)
         current = result.graph_module
         snapshots.append(_snapshot(p.name, current, result.modified, time.perf_counter() - start))
     return PipelineRun(current, certificates, snapshots)

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+from .counting import CountLinear
 from .oracle import Comparison, EquivalenceReport, assert_equivalent, compare
 
-__all__ = ["Comparison", "EquivalenceReport", "assert_equivalent", "compare"]
+__all__ = ["Comparison", "CountLinear", "EquivalenceReport", "assert_equivalent", "compare"]

@@ -6,11 +6,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from fxpasses import optimize
 from fxpasses.passes import PairRLE
 from fxpasses.testing import assert_equivalent
+from fxpasses.testing.counting import CountLinear
 
 
 class Coupling(nn.Module):
@@ -75,17 +75,6 @@ def make_inputs(rows: int, seed: int, frac_a: float, frac_b: float, poison: bool
     sigma = 0.5 + torch.rand(rows, 2, generator=g, dtype=dtype)
     return (pred_a.requires_grad_(), pred_b.requires_grad_(), target, visible_a, visible_b,
             sigma.requires_grad_())
-
-
-class CountLinear(TorchFunctionMode):
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.nn.functional.linear:
-            self.calls += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _linear_calls(fn, *args) -> int:

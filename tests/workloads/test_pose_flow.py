@@ -6,25 +6,12 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from fxpasses.workloads.pose import RealNVP, SplitRealNVP
+from fxpasses.testing.counting import CountLinear
 
 FLOWS = (RealNVP, SplitRealNVP)
-
-
-class CountLinear(TorchFunctionMode):
-    """Counts ``torch.nn.functional.linear`` calls executed inside the mode."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.calls += func is F.linear
-        return func(*args, **(kwargs or {}))
 
 
 def _scrambled(flow: nn.Module, std: float = 0.15) -> nn.Module:

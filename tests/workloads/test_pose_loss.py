@@ -8,24 +8,14 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpasses.workloads.pose import (DualBranchPoseLoss, PoseLossInputs, SplitRealNVP,
                                      make_batch)
 from fxpasses.workloads.pose.boxes import box_area
+from fxpasses.testing.counting import CountLinear
 
 TERMS = ("box", "cls", "kpt", "kobj", "rle", "total")
-
-
-class CountLinear(TorchFunctionMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.calls += func is F.linear
-        return func(*args, **(kwargs or {}))
 
 
 class RefuseHostReads(TorchDispatchMode):
