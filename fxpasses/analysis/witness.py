@@ -68,3 +68,38 @@ def witness_holds(witness: Witness, tolerance: float = 1e-9) -> bool:
     """Whether the differences are float64 rounding (NaN or inf never holds)."""
     values: Any = (witness.max_abs_value_diff, witness.max_abs_grad_diff)
     return all(v == v and v <= tolerance for v in values)
+
+
+def padding_witness(module: nn.Module, method: str, trailing: Sequence[int],
+                    row_counts: Sequence[tuple[int, int]] = ((3, 5), (0, 4), (6, 1)),
+                    seed: int = 0) -> Witness:
+    """Compare ``method`` on real rows with the same rows followed by zero (padding) rows.
+
+    In float64 on CPU: the real rows' values, and the gradients of the rows and of every
+    parameter when only the real rows' outputs are used. A padding row whose derivatives are not
+    finite would turn those zero gradients into NaN; that shows here as an infinite difference.
+    """
+    probe = copy.deepcopy(module).to(device="cpu", dtype=torch.float64)
+    call = probe if method == "forward" else getattr(probe, method)
+    params = [p for p in probe.parameters() if p.requires_grad]
+    gen = torch.Generator().manual_seed(seed)
+    worst_value = worst_grad = 0.0
+    for real, padding in row_counts:
+        rows = torch.randn(real, *trailing, generator=gen, dtype=torch.float64, requires_grad=True)
+        padded = torch.cat([rows, torch.zeros(padding, *trailing, dtype=torch.float64)])
+        plain = pytree.tree_leaves(call(rows))
+        kept = [leaf[:real] for leaf in pytree.tree_leaves(call(padded))]
+        cotangents = [torch.randn(leaf.shape, generator=gen, dtype=torch.float64) for leaf in plain]
+        worst_value = max(worst_value, _max_abs(plain, kept))
+        wrt = [rows, *params]
+        g_plain = torch.autograd.grad(plain, wrt, cotangents, allow_unused=True)
+        g_kept = torch.autograd.grad(kept, wrt, cotangents, allow_unused=True)
+        g_plain = [torch.zeros_like(w) if g is None else g for g, w in zip(g_plain, wrt)]
+        g_kept = [torch.zeros_like(w) if g is None else g for g, w in zip(g_kept, wrt)]
+        if not all(torch.isfinite(g).all() for g in g_kept):
+            worst_grad = float("inf")
+        worst_grad = max(worst_grad, _max_abs(g_plain, g_kept))
+    return Witness(seed=seed, dtype="torch.float64",
+                   shapes={"real_and_padding_rows": tuple(row_counts), "trailing": tuple(trailing)},
+                   max_abs_value_diff=worst_value, max_abs_grad_diff=worst_grad,
+                   compared=("values of real rows", "row gradients", f"{len(params)} parameter gradients"))

@@ -165,6 +165,10 @@ _CODES = (
     Code("region-too-small", "refusal",
          "The capturable region launches too few kernels for a replay to pay off.",
          "Lower CaptureLoss(min_region_ops=...) if you want it captured anyway."),
+    Code("padding-unsafe", "refusal",
+         "Zero rows appended to a paired call's rows change the real rows' values or gradients (or "
+         "give non-finite derivatives), so the call cannot run padded to a row bucket.",
+         "The paired call runs eagerly between regions; nothing to do."),
     Code("record-budget", "guard",
          "The region was recorded for its budget of distinct input signatures; this signature "
          "runs natively.",

@@ -5,11 +5,14 @@ nodes; each region is fused into a submodule by torch.fx's ``fuse_by_partitions`
 replaced by a :class:`~fxpasses.runtime.capture.CapturedRegion`, which records and replays it
 (:mod:`fxpasses.runtime.capture`). Everything else runs eagerly between regions. Certificates: one
 per region (applied), one per refusal code (the nodes and ops that stay eager, and why), and one
-per paired call site saying whether it runs inside a region or between regions.
+per paired call site: inside a region when its shapes are static; otherwise, when the rows are on
+a capture device and zero padding rows are inert (a float64 witness), its one flow call is recorded
+per power-of-two row bucket (:mod:`fxpasses.runtime.paired_capture`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections import Counter
 from typing import Sequence
@@ -20,10 +23,13 @@ from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
 from ..analysis.capture import CapturePlan, Verdict, plan_regions
 from ..analysis.meta import tensors_in, value
+from ..analysis.witness import padding_witness, witness_holds
 from ..certificates import Certificate, Check, Guard, Site
 from ..pipeline import PassResult
 from ..runtime import RuntimeSite
 from ..runtime.capture import CapturedRegion, Recorder
+from ..runtime.paired import PairedCall
+from ..runtime.paired_capture import CapturedPairedCall
 from ..trace import node_location
 
 _PREFIX = "capture_region_"
@@ -71,18 +77,20 @@ class CaptureLoss:
 
     ``max_recordings``: distinct input signatures recorded per region before it runs eagerly.
     ``min_region_ops``: regions launching fewer ops are not worth a replay.
+    ``min_bucket``: the smallest padded row count of a captured paired call.
     ``recorder``: how regions are recorded (default: CUDA graphs; tests pass a fake one).
     ``devices``: device types whose tensors may be captured.
     """
 
     name = "CaptureLoss"
 
-    def __init__(self, *, max_recordings: int = 4, min_region_ops: int = 4,
+    def __init__(self, *, max_recordings: int = 8, min_region_ops: int = 4, min_bucket: int = 1024,
                  recorder: Recorder | None = None, devices: Sequence[str] = ("cuda",)):
         if max_recordings < 1:
             raise ValueError(f"max_recordings must be >= 1, got {max_recordings}")
         self.max_recordings = max_recordings
         self.min_region_ops = min_region_ops
+        self.min_bucket = min_bucket
         self.recorder = recorder
         self.devices = tuple(devices)
 
@@ -101,10 +109,12 @@ class CaptureLoss:
         plan = plan_regions(gm, self.devices, self.min_region_ops)
         certificates = self._refusals(plan) + self._too_small(plan)
         region_certs = [self._region_certificate(i, nodes, plan) for i, nodes in enumerate(plan.regions)]
-        paired = self._paired_sites(plan)
+        paired = [self._paired_site(gm, node, plan) for node in gm.graph.nodes
+                  if isinstance(node.target, PairedCall)]
         if plan.regions:
             self._fuse(gm, plan)
-        return PassResult(gm, bool(plan.regions), region_certs + paired + certificates)
+        modified = bool(plan.regions) or any(c.applied for c in paired)
+        return PassResult(gm, modified, region_certs + paired + certificates)
 
     # -- rewrite --------------------------------------------------------------------------
     def _fuse(self, gm: fx.GraphModule, plan: CapturePlan) -> None:
@@ -187,20 +197,50 @@ class CaptureLoss:
             certs.append(Certificate.from_checks(self.name, Site(tuple(n.name for n in nodes)), [check]))
         return certs
 
-    def _paired_sites(self, plan: CapturePlan) -> list[Certificate]:
-        """Where each run-time site (a paired call) runs: inside a region or between regions."""
-        in_region = {n for r in plan.regions for n in r}
-        certs = []
-        for node, verdict in plan.verdicts.items():
-            if not isinstance(node.target, RuntimeSite):
-                continue
-            inside = node in in_region
-            check = Check("site-in-region", inside, {"site": node.target.site_id,
-                                                     "runs": "inside a region" if inside else
-                                                     "eagerly between regions",
+    def _paired_site(self, gm: fx.GraphModule, node: fx.Node, plan: CapturePlan) -> Certificate:
+        """A paired call: inside a region if static; else recorded per row bucket if padding is safe."""
+        site: PairedCall = node.target
+        verdict = plan.verdicts[node]
+        where = Site((node.name,), (node_location(node),), f"run-time site {site.site_id}")
+        inside = any(node in r for r in plan.regions)
+        if inside or verdict.code != "dynamic-shape":
+            check = Check("site-in-region", inside, {"site": site.site_id, "runs": "inside a region"
+                                                     if inside else "eagerly between regions",
                                                      "reason": verdict.detail or verdict.code or ""},
                           None if inside else (verdict.code or "op-not-capturable"))
-            certs.append(Certificate.from_checks(self.name, Site((node.name,), (node_location(node),),
-                                                                 f"run-time site {node.target.site_id}"),
-                                                 [check]))
-        return certs
+            return Certificate.from_checks(self.name, where, [check])
+        rows = [value(a) for a in node.args[1:]]
+        module = gm.get_submodule(node.args[0].target)
+        on_device = all(isinstance(r, torch.Tensor) and r.device.type in self.devices for r in rows)
+        checks = [
+            Check("rows-dynamic", True, {"site": site.site_id, "reason": "row count is data-dependent",
+                                         "licence": "row independence, certified for this PairedCall "
+                                                    "by the pass that created it"}),
+            Check("rows-on-capture-device", on_device, {"devices": tuple(str(r.device) for r in rows
+                                                                          if isinstance(r, torch.Tensor))},
+                  None if on_device else "no-cuda"),
+        ]
+        witness = None
+        if on_device:
+            trailing = tuple(int(d) for d in rows[0].shape[1:])
+            witness = padding_witness(module, site.method, trailing)
+            holds = witness_holds(witness)
+            checks.append(Check("zero-padding-rows-are-inert", holds, {
+                "max_abs_value_diff": witness.max_abs_value_diff,
+                "max_abs_grad_diff": witness.max_abs_grad_diff}, None if holds else "padding-unsafe"))
+        effect = {"runs": "one CUDA graph per power-of-two row bucket",
+                  "min_bucket": self.min_bucket, "max_recordings": self.max_recordings,
+                  "copy_in": "the stacked rows, padded with zero rows; parameters and buffers used in place",
+                  "copy_out": "every gradient cloned out of graph memory"}
+        guards = (Guard("bucket-recorded", "a recording exists for the padded row count (else record, "
+                        "within budget)", "record-budget", {"max_recordings": self.max_recordings}),
+                  Guard("backward-done", "the previous replay's backward has run", "replay-pending-backward"))
+        cert = Certificate.from_checks(self.name, where, checks, effect=effect, guards=guards,
+                                       witness=witness)
+        if cert.applied:
+            captured = CapturedPairedCall(f"captured_{site.site_id}", site.method, devices=self.devices,
+                                          min_bucket=self.min_bucket, max_recordings=self.max_recordings,
+                                          recorder=self.recorder)
+            node.target = captured
+            cert = dataclasses.replace(cert, effect={**cert.effect, "new_nodes": (node.name,)})
+        return cert

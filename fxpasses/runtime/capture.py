@@ -29,13 +29,17 @@ from ..guards import ambient_state
 from . import RuntimeSite, is_propagating
 
 
-def signature(args: Sequence[Any]) -> tuple:
-    """What a recording depends on, besides the values of its tensor inputs."""
+def signature(args: Sequence[Any], identity: frozenset[int] = frozenset()) -> tuple:
+    """What a recording depends on, besides the values of its tensor inputs.
+
+    Inputs at ``identity`` positions (parameters, buffers) are used in place, not copied: their
+    memory address is part of the signature.
+    """
     parts = []
-    for arg in args:
+    for i, arg in enumerate(args):
         if isinstance(arg, torch.Tensor):
             parts.append(("T", tuple(arg.shape), arg.stride(), arg.dtype, arg.device,
-                          arg.requires_grad, type(arg)))
+                          arg.requires_grad, type(arg), arg.data_ptr() if i in identity else None))
         else:
             parts.append(("C", repr(arg)))
     return (tuple(parts), ambient_state())
@@ -48,7 +52,8 @@ class Recording(Protocol):
 
 
 class Recorder(Protocol):
-    def record(self, fn: Callable, args: Sequence[Any], owned: frozenset[int], pool: Any) -> Recording: ...
+    def record(self, fn: Callable, args: Sequence[Any], owned: frozenset[int], pool: Any,
+               identity: frozenset[int] = frozenset()) -> Recording: ...
 
     def new_pool(self) -> Any: ...
 
@@ -171,13 +176,15 @@ class GraphRecorder:
         for _ in range(self.warmup):
             _forward_backward(fn, inputs, grad_input_index)
 
-    def record(self, fn: Callable, args: Sequence[Any], owned: frozenset[int], pool: Any) -> "_Capture":
+    def record(self, fn: Callable, args: Sequence[Any], owned: frozenset[int], pool: Any,
+               identity: frozenset[int] = frozenset()) -> "_Capture":
         with torch.no_grad():
             # empty_like keeps dense strides; expanded (stride 0) inputs get their own memory
-            inputs = [torch.empty_like(a).copy_(a) if isinstance(a, torch.Tensor) else a for a in args]
+            inputs = [a if i in identity or not isinstance(a, torch.Tensor) else torch.empty_like(a).copy_(a)
+                      for i, a in enumerate(args)]
         grad_mode = torch.is_grad_enabled()
-        for static, arg in zip(inputs, args):
-            if isinstance(arg, torch.Tensor) and arg.requires_grad and grad_mode:
+        for i, (static, arg) in enumerate(zip(inputs, args)):
+            if isinstance(arg, torch.Tensor) and arg.requires_grad and grad_mode and i not in identity:
                 static.requires_grad_(True)
         grad_input_index = [i for i, s in enumerate(inputs) if isinstance(s, torch.Tensor) and s.requires_grad]
         self._warm_up(fn, inputs, grad_input_index)
@@ -253,10 +260,14 @@ class CapturedRegion(RuntimeSite):
     capturable = False
 
     def __init__(self, site_id: str, fn: Callable, *, owned: frozenset[int] = frozenset(),
-                 max_recordings: int = 4, recorder: Recorder | None = None):
+                 max_recordings: int = 4, recorder: Recorder | None = None,
+                 identity: frozenset[int] = frozenset(), counters: Any = None):
         super().__init__(site_id)
         self.fn = fn
         self.owned = owned
+        self.identity = identity  # argument positions used in place (parameters, buffers)
+        if counters is not None:  # report into the counters of the site that owns this region
+            self.counters = counters
         self.max_recordings = max_recordings
         self.recorder = recorder or CudaGraphRecorder()
         self.recordings: dict[tuple, Recording] = {}
@@ -268,7 +279,7 @@ class CapturedRegion(RuntimeSite):
             return self.fn(*args)
         if self.failure is not None:
             return self._eager("capture-failed", args)
-        key = signature(args)
+        key = signature(args, self.identity)
         recording = self.recordings.get(key)
         if recording is None:
             if len(self.recordings) >= self.max_recordings:
@@ -276,7 +287,7 @@ class CapturedRegion(RuntimeSite):
             try:
                 if self._pool is None:
                     self._pool = self.recorder.new_pool()
-                recording = self.recorder.record(self.fn, args, self.owned, self._pool)
+                recording = self.recorder.record(self.fn, args, self.owned, self._pool, self.identity)
             except Exception as exc:  # never lose the step: this region runs eagerly from now on
                 self.failure = f"{type(exc).__name__}: {exc}"[:500]
                 return self._eager("capture-failed", args)

@@ -75,8 +75,9 @@ class EmulatedRecorder(GraphRecorder):
     def _capturing(self, graph: Any, pool: Any, run: Callable[[], Any]) -> Any:
         return run()
 
-    def record(self, fn: Callable, args: Sequence[Any], owned: frozenset[int], pool: Any) -> _Capture:
-        capture = super().record(fn, args, owned, pool)
+    def record(self, fn: Callable, args: Sequence[Any], owned: frozenset[int], pool: Any,
+               identity: frozenset[int] = frozenset()) -> _Capture:
+        capture = super().record(fn, args, owned, pool, identity)
         capture.forward = _Forward(fn, capture)
         if capture.backward is not None:
             capture.backward = _Backward(fn, capture)

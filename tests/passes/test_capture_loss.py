@@ -211,8 +211,10 @@ def test_pose_loss_with_both_passes_matches_native_in_float64(pose_float64):
     assert any(c.pass_name == "PairRLE" and c.applied for c in certs)
     regions = [c for c in certs if c.pass_name == "CaptureLoss" and c.applied]
     assert len(regions) >= 2
-    paired = [c for c in certs if c.pass_name == "CaptureLoss" and c.site.description.startswith("run-time")]
-    assert [c.codes for c in paired] == [("dynamic-shape",)]  # the paired flow runs between regions
+    (paired,) = [c for c in certs if c.pass_name == "CaptureLoss" and c.site.description.startswith("run-time")]
+    assert paired.applied and paired.witness.max_abs_grad_diff < 1e-12  # recorded per row bucket
+    site = next(v for k, v in fast.stats.sites.items() if "captured_pair" in k)
+    assert site["paired"] == site.get("replayed", 0) + site.get("record-budget", 0) >= 1
 
 
 def test_tensor_alpha_changed_between_replays_is_honoured(pose_float64):
@@ -270,3 +272,52 @@ def test_owned_outputs_after_a_size_output_are_cloned():
     first = site(torch.ones(2, 2))[2]
     site(torch.zeros(2, 2))
     assert torch.equal(first, torch.full((2, 2), 3.0))  # the caller's tensor kept its value
+
+
+def test_paired_flow_is_recorded_per_power_of_two_row_bucket():
+    from fxpasses.runtime.paired_capture import CapturedPairedCall, bucket
+
+    assert [bucket(n, 1024) for n in (0, 1, 1024, 1025, 5000)] == [1024, 1024, 1024, 2048, 8192]
+    torch.manual_seed(0)
+    flow = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    site = CapturedPairedCall("pair", "forward", devices=("cpu",), min_bucket=16, max_recordings=2,
+                              recorder=EmulatedRecorder())
+    for rows_a, rows_b in ((3, 4), (10, 0), (20, 5), (40, 30)):  # buckets 16, 16, 32, 128
+        a, b = torch.randn(rows_a, 2, requires_grad=True), torch.randn(rows_b, 2, requires_grad=True)
+        out_a, out_b = site(flow, a, b)
+        assert torch.allclose(out_a, flow(a)) and torch.allclose(out_b, flow(b))
+        loss = out_a.sum() + 2 * out_b.sum()
+        got = torch.autograd.grad(loss, [a, b, *flow.parameters()])
+        want = torch.autograd.grad(flow(a).sum() + 2 * flow(b).sum(), [a, b, *flow.parameters()])
+        assert all(torch.allclose(g, w, atol=1e-6) for g, w in zip(got, want))
+    assert site.counters == {"paired": 4, "recorded": 2, "replayed": 3, "record-budget": 1}
+
+
+class LogAbsDensity(torch.nn.Module):
+    """A density whose derivatives are infinite at zero: padding rows would poison gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(2))
+
+    def log_prob(self, x):
+        return -(x * self.scale).abs().log().sum(-1)
+
+
+class LogAbsLoss(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.flow = LogAbsDensity()
+
+    def forward(self, a, b, mask):
+        return self.flow.log_prob(a[mask]).mean() + self.flow.log_prob(b[mask]).mean()
+
+
+def test_paired_call_whose_padding_is_unsafe_stays_eager():
+    loss = LogAbsLoss()
+    fast = optimize(loss, passes=[PairRLE(), CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder())])
+    a, b = torch.randn(6, 2), torch.randn(6, 2)
+    mask = torch.tensor([True, False, True, True, False, True])
+    assert torch.allclose(fast(a, b, mask), loss(a, b, mask))
+    (paired,) = [c for c in fast.certificates if c.site.description.startswith("run-time")]
+    assert paired.codes == ("padding-unsafe",)
