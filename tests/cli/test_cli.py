@@ -36,7 +36,8 @@ def test_explain_a_loss_then_its_saved_file(tmp_path):
     again = fxpasses_cli("explain", str(saved), "--json", "--require-applied", "RefuseMethods")
     assert again.returncode == EXIT_NOT_APPLIED
     assert json.loads(again.stdout) == load(saved)
-    assert again.stderr.count("\n") == 1 and "op-not-capturable: 3" in again.stderr
+    ours = [line for line in again.stderr.splitlines() if line.startswith("fxpasses")]
+    assert ours == ["fxpasses: RefuseMethods did not apply: op-not-capturable: 3"]  # torch may warn too
 
 
 def test_drawing_without_graphviz_exits_3_with_one_line(tmp_path, monkeypatch, capsys):
