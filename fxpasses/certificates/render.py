@@ -26,7 +26,7 @@ def _evidence(evidence: dict) -> str:
 
 def render_certificate(cert: Certificate, verbose: bool = True) -> str:
     """Several lines: header, checks (✓/✗ with evidence), effect, guards, witness."""
-    where = ", ".join(cert.site.locations) or "no source location"
+    where = ", ".join(dict.fromkeys(loc for loc in cert.site.locations if loc)) or "no source location"
     head = f"[{cert.decision}] {cert.pass_name} @ {', '.join(cert.site.nodes) or '-'}  ({where})"
     lines = [head]
     if cert.site.description:

@@ -183,7 +183,8 @@ class CaptureLoss:
                              f" at {node_location(n) or '?'}" for n in nodes[:_EXAMPLES])
             check = Check("capturable", False, {"nodes": len(nodes), "ops": _histogram(nodes, plan.verdicts),
                                                 "examples": examples}, code)
-            site = Site(tuple(n.name for n in nodes), (), f"{len(nodes)} nodes run eagerly: {code}")
+            locations = tuple(dict.fromkeys(loc for n in nodes if (loc := node_location(n))))[:_EXAMPLES]
+            site = Site(tuple(n.name for n in nodes), locations, f"{len(nodes)} nodes run eagerly: {code}")
             certs.append(Certificate.from_checks(self.name, site, [check]))
         return certs
 
