@@ -26,6 +26,28 @@ def _max_abs(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
     return worst
 
 
+def _gradient_gap(reference: list[torch.Tensor], candidate: list[torch.Tensor],
+                  wrt: list[torch.Tensor], cotangents: list[torch.Tensor]) -> float:
+    """Worst |difference| of the gradients of two computations (unused inputs count as zero).
+
+    A non-finite candidate gradient is an infinite gap: NaN must never pass as rounding.
+    """
+    def grads(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        found = torch.autograd.grad(outputs, wrt, cotangents, allow_unused=True)
+        return [torch.zeros_like(w) if g is None else g for g, w in zip(found, wrt)]
+
+    expected, got = grads(reference), grads(candidate)
+    if not all(torch.isfinite(g).all() for g in got):
+        return float("inf")
+    return _max_abs(expected, got)
+
+
+def _probe(module: nn.Module, method: str) -> tuple[Any, list[torch.Tensor]]:
+    probe = copy.deepcopy(module).to(device="cpu", dtype=torch.float64)
+    call = probe if method == "forward" else getattr(probe, method)
+    return call, [p for p in probe.parameters() if p.requires_grad]
+
+
 def pairing_witness(module: nn.Module, method: str, trailing: Sequence[int],
                     row_counts: Sequence[Sequence[int]], seed: int = 0) -> Witness:
     """Compare ``method`` called per branch with one call on the stacked rows, in float64 on CPU.
@@ -34,9 +56,7 @@ def pairing_witness(module: nn.Module, method: str, trailing: Sequence[int],
     cotangents are drawn; values and the gradients of the rows and of every parameter are
     compared. The worst absolute differences over all draws are the witness.
     """
-    probe = copy.deepcopy(module).to(device="cpu", dtype=torch.float64)
-    call = probe if method == "forward" else getattr(probe, method)
-    params = [p for p in probe.parameters() if p.requires_grad]
+    call, params = _probe(module, method)
     gen = torch.Generator().manual_seed(seed)
     worst_value = worst_grad = 0.0
     for counts in row_counts:
@@ -51,12 +71,7 @@ def pairing_witness(module: nn.Module, method: str, trailing: Sequence[int],
         flat_paired = [leaf for out in paired for leaf in out]
         flat_cot = [c for out in cotangents for c in out]
         worst_value = max(worst_value, _max_abs(flat_native, flat_paired))
-        wrt = [*rows, *params]
-        g_native = torch.autograd.grad(flat_native, wrt, flat_cot, allow_unused=True)
-        g_paired = torch.autograd.grad(flat_paired, wrt, flat_cot, allow_unused=True)
-        g_native = [torch.zeros_like(w) if g is None else g for g, w in zip(g_native, wrt)]
-        g_paired = [torch.zeros_like(w) if g is None else g for g, w in zip(g_paired, wrt)]
-        worst_grad = max(worst_grad, _max_abs(g_native, g_paired))
+        worst_grad = max(worst_grad, _gradient_gap(flat_native, flat_paired, [*rows, *params], flat_cot))
     return Witness(seed=seed, dtype="torch.float64",
                    shapes={"row_counts": tuple(tuple(c) for c in row_counts),
                            "trailing": tuple(trailing)},
@@ -79,9 +94,7 @@ def padding_witness(module: nn.Module, method: str, trailing: Sequence[int],
     parameter when only the real rows' outputs are used. A padding row whose derivatives are not
     finite would turn those zero gradients into NaN; that shows here as an infinite difference.
     """
-    probe = copy.deepcopy(module).to(device="cpu", dtype=torch.float64)
-    call = probe if method == "forward" else getattr(probe, method)
-    params = [p for p in probe.parameters() if p.requires_grad]
+    call, params = _probe(module, method)
     gen = torch.Generator().manual_seed(seed)
     worst_value = worst_grad = 0.0
     for real, padding in row_counts:
@@ -91,14 +104,7 @@ def padding_witness(module: nn.Module, method: str, trailing: Sequence[int],
         kept = [leaf[:real] for leaf in pytree.tree_leaves(call(padded))]
         cotangents = [torch.randn(leaf.shape, generator=gen, dtype=torch.float64) for leaf in plain]
         worst_value = max(worst_value, _max_abs(plain, kept))
-        wrt = [rows, *params]
-        g_plain = torch.autograd.grad(plain, wrt, cotangents, allow_unused=True)
-        g_kept = torch.autograd.grad(kept, wrt, cotangents, allow_unused=True)
-        g_plain = [torch.zeros_like(w) if g is None else g for g, w in zip(g_plain, wrt)]
-        g_kept = [torch.zeros_like(w) if g is None else g for g, w in zip(g_kept, wrt)]
-        if not all(torch.isfinite(g).all() for g in g_kept):
-            worst_grad = float("inf")
-        worst_grad = max(worst_grad, _max_abs(g_plain, g_kept))
+        worst_grad = max(worst_grad, _gradient_gap(plain, kept, [rows, *params], cotangents))
     return Witness(seed=seed, dtype="torch.float64",
                    shapes={"real_and_padding_rows": tuple(row_counts), "trailing": tuple(trailing)},
                    max_abs_value_diff=worst_value, max_abs_grad_diff=worst_grad,
