@@ -21,7 +21,6 @@ import difflib
 import hashlib
 import time
 import traceback
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence, runtime_checkable
 
@@ -29,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from .analysis.meta import annotate
-from .certificates import Certificate, Check, Site
+from .certificates import Certificate, Check, Site, pass_counters
 from .log import logger
 
 
@@ -70,16 +69,7 @@ class PipelineRun:
 
     def counters(self) -> dict[str, dict[str, object]]:
         """Per pass: sites seen, applied, refused (by code) and failed."""
-        out: dict[str, dict[str, object]] = {}
-        for cert in self.certificates:
-            entry = out.setdefault(cert.pass_name, {"seen": 0, "applied": 0, "refused": Counter(),
-                                                    "failed": Counter()})
-            entry["seen"] += 1
-            if cert.decision == "applied":
-                entry["applied"] += 1
-            else:
-                entry[cert.decision].update(cert.codes)
-        return out
+        return pass_counters(self.certificates)
 
     def diff(self) -> str:
         """Unified diff of the generated code, first snapshot to last."""

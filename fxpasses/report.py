@@ -17,27 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .certificates import Certificate, SCHEMA_VERSION, render_certificate
+from .certificates import Certificate, SCHEMA_VERSION, pass_counters, render_certificate
 from .certificates.io import REPORT_SCHEMA
 from .certificates.model import _as_evidence, _to_json_data
 
 if TYPE_CHECKING:
     from .optimize import OptimizedLoss, Specialization
-
-
-def pass_counters(certs: list[Certificate]) -> dict[str, dict[str, Any]]:
-    """Per pass: sites seen, applied, and refused / failed counts by code."""
-    out: dict[str, dict[str, Any]] = {}
-    for cert in certs:
-        entry = out.setdefault(cert.pass_name,
-                               {"seen": 0, "applied": 0, "refused": {}, "failed": {}})
-        entry["seen"] += 1
-        if cert.applied:
-            entry["applied"] += 1
-        else:
-            for code in cert.codes:
-                entry[cert.decision][code] = entry[cert.decision].get(code, 0) + 1
-    return out
 
 
 def _specialization(special: "Specialization") -> dict[str, Any]:
