@@ -10,7 +10,7 @@ rebuilt into the loss's own output structure.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,7 +54,6 @@ class CallSignature:
     placeholder_names: tuple[str, ...]
     tensor_kinds: tuple[tuple[torch.dtype, str], ...] = ()  # dtype and device type per tensor
     out_spec: Any = None
-    meta: dict = field(default_factory=dict)
 
     @classmethod
     def of_call(cls, args: tuple, kwargs: dict, arg_names: tuple[str, ...] = ()) -> "CallSignature":

@@ -33,7 +33,7 @@ import torch.fx as fx
 from torch import nn
 
 from .certificates import Certificate, Check, Site
-from .signature import CallSignature, flatten_call
+from .signature import CallSignature
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
@@ -86,14 +86,12 @@ class TraceFailure(Exception):
 class LossTracer(fx.Tracer):
     """``fx.Tracer`` with the leaf policy and flat pytree placeholders (see module docstring)."""
 
-    def __init__(self, policy: LeafPolicy, call: Callable, signature: CallSignature,
-                 example_leaves: list[Any]):
+    def __init__(self, policy: LeafPolicy, call: Callable, signature: CallSignature):
         super().__init__(autowrap_functions=tuple(policy.leaf_functions))
         self.policy = policy
         self.record_stack_traces = True
         self._call = call
         self._signature = signature
-        self._example_leaves = example_leaves
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return self.policy.is_leaf_instance(m) or super().is_leaf_module(m, module_qualified_name)
@@ -258,8 +256,7 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
     if not example_args and not example_kwargs:
         example_args = tuple(torch.empty(0) for _ in arg_names)
     signature = CallSignature.of_call(tuple(example_args), example_kwargs, arg_names)
-    leaves, _ = flatten_call(tuple(example_args), example_kwargs)
-    tracer = LossTracer(policy, call, signature, leaves)
+    tracer = LossTracer(policy, call, signature)
     density_nodes: list[str] = []
     try:
         with _density_calls_as_nodes(tracer, root, policy.density_methods, density_nodes), \

@@ -49,8 +49,7 @@ class CapturedPairedCall(PairedCall):
     def __call__(self, module: nn.Module, *rows: torch.Tensor) -> tuple[Any, ...]:
         if is_propagating() or guard_failure(rows) is not None or rows[0].device.type not in self.devices:
             return super().__call__(module, *rows)
-        if self._module is not module:
-            self._module = module  # one module per site (the graph's get_attr); state below is keyed
+        self._module = module  # the graph's get_attr: one module per site; its state is keyed below
         self.counters["paired"] += 1
         counts = [r.shape[0] for r in rows]
         total = sum(counts)
