@@ -24,6 +24,7 @@ import contextlib
 import inspect
 import linecache
 import os
+import threading
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -192,9 +193,11 @@ def _grad_mode_changes_as_nodes(tracer: LossTracer) -> Iterator[None]:
     made while tracing becomes a ``torch._C._set_grad_enabled(mode)`` node, in place.
     """
     original = torch._C._set_grad_enabled
+    tracing_thread = threading.get_ident()
 
     def recording(mode: bool) -> None:
-        tracer.create_node("call_function", original, (bool(mode),), {})
+        if threading.get_ident() == tracing_thread:  # other threads' switches are not the loss's
+            tracer.create_node("call_function", original, (bool(mode),), {})
         original(mode)
 
     torch._C._set_grad_enabled = recording
