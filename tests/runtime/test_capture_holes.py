@@ -1,7 +1,8 @@
 """CaptureLoss never changes a number silently: the five reproductions of the capture holes.
 
-Each runs on CPU with the emulated recorder (CUDA graphs' static-buffer semantics) in float64
-against the native loss: (1) parameters read inside a region get their gradients, (2) outputs the
+Each runs in float64 against the native loss, on CPU with the emulated recorder (CUDA graphs'
+static-buffer semantics) and, where a device is present, on CUDA with real CUDA graphs (marked
+``cuda``): (1) parameters read inside a region get their gradients, (2) outputs the
 caller keeps are never overwritten, (3) second-order gradients are right, (4) threads sharing one
 optimized loss get native results, (5) a stale retain_graph backward raises.
 """
@@ -28,7 +29,14 @@ def float64():
     torch.set_default_dtype(previous)
 
 
-def capture() -> CaptureLoss:
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def device(request):
+    return request.param
+
+
+def capture(device: str = "cpu") -> CaptureLoss:
+    if device == "cuda":
+        return CaptureLoss(min_bucket=8)  # real CUDA graphs
     return CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder(), min_bucket=8)
 
 
@@ -77,12 +85,12 @@ def _region_counts(fast):
 
 
 @pytest.mark.parametrize("rows", [(64, 48), (0, 0), (5, 0)])
-def test_1_shared_flow_fused_into_a_region_gets_its_gradients(rows):
-    loss = TwoBranch()
-    fast = optimize(loss, passes=[PairRLE(), capture()])
+def test_1_shared_flow_fused_into_a_region_gets_its_gradients(rows, device):
+    loss = TwoBranch().to(device)
+    fast = optimize(loss, passes=[PairRLE(), capture(device)])
     for step in range(3):
-        a = torch.randn(rows[0], 2, requires_grad=True)
-        b = torch.randn(rows[1], 2, requires_grad=True)
+        a = torch.randn(rows[0], 2, requires_grad=True, device=device)
+        b = torch.randn(rows[1], 2, requires_grad=True, device=device)
         _assert_same_gradients(loss, fast, a, b)
     assert _region_counts(fast), "nothing was replayed: the test would prove nothing"
 
@@ -100,11 +108,11 @@ class LinearWeighted(nn.Module):
         return ((self.lin(x) * self.weight + self.shift).tanh() * 2 + 1).exp().mean()
 
 
-def test_1_linear_and_learnable_weight_inside_a_region_get_their_gradients():
-    loss = LinearWeighted()
-    fast = optimize(loss, passes=[capture()])
+def test_1_linear_and_learnable_weight_inside_a_region_get_their_gradients(device):
+    loss = LinearWeighted().to(device)
+    fast = optimize(loss, passes=[capture(device)])
     for step in range(3):
-        _assert_same_gradients(loss, fast, torch.randn(5, 3, requires_grad=True))
+        _assert_same_gradients(loss, fast, torch.randn(5, 3, requires_grad=True, device=device))
     assert _region_counts(fast)
 
 
@@ -120,13 +128,13 @@ class KeepsRows(nn.Module):
         return -la.mean() - lb.mean(), la, lb
 
 
-def test_2_paired_outputs_kept_by_the_caller_survive_the_next_call():
-    loss = KeepsRows()
-    fast = optimize(loss, passes=[PairRLE(), capture()])
+def test_2_paired_outputs_kept_by_the_caller_survive_the_next_call(device):
+    loss = KeepsRows().to(device)
+    fast = optimize(loss, passes=[PairRLE(), capture(device)])
     kept = []
     for step in range(4):
-        a, b = torch.randn(16, 2), torch.randn(7, 2)
-        mask = torch.rand(16) > 0.3
+        a, b = torch.randn(16, 2, device=device), torch.randn(7, 2, device=device)
+        mask = torch.rand(16, device=device) > 0.3
         out = fast(a, b, mask)
         out[0].backward()
         kept.append((out[1], out[2], loss(a, b, mask)))
@@ -145,12 +153,12 @@ class Aliases(nn.Module):
         return y.sum(), torch.atleast_1d(y), y.swapaxes(0, 1), identity(y), y[1:].t()
 
 
-def test_2_outputs_reaching_the_caller_through_aliasing_ops_are_owned():
+def test_2_outputs_reaching_the_caller_through_aliasing_ops_are_owned(device):
     loss = Aliases()
-    fast = optimize(loss, passes=[capture()], leaf_functions=[identity])
+    fast = optimize(loss, passes=[capture(device)], leaf_functions=[identity])
     kept = []
     for step in range(4):
-        x = torch.randn(4, 3, requires_grad=True)
+        x = torch.randn(4, 3, requires_grad=True, device=device)
         out = fast(x)
         out[0].backward()
         kept.append((out, loss(x)))
@@ -176,11 +184,11 @@ def _penalty_gradients(module, fn, x):
     return module.weight.grad.clone(), x.grad.clone()
 
 
-def test_3_second_order_gradients_through_a_region_are_right():
-    loss = Penalised()
-    fast = optimize(loss, passes=[capture()])
+def test_3_second_order_gradients_through_a_region_are_right(device):
+    loss = Penalised().to(device)
+    fast = optimize(loss, passes=[capture(device)])
     for step in range(3):
-        x = torch.randn(4, 3, requires_grad=True)
+        x = torch.randn(4, 3, requires_grad=True, device=device)
         fast(x).backward()  # a first-order step: recorded and replayed
         want = _penalty_gradients(loss, loss, x)
         got = _penalty_gradients(loss, fast, x)
@@ -215,10 +223,10 @@ def test_4_threads_sharing_one_optimized_loss_get_native_results():
     assert fast.stats.exceptions == []
 
 
-def test_5_stale_retain_graph_backward_raises():
-    loss = Penalised()
-    fast = optimize(loss, passes=[capture()])
-    x = torch.randn(4, 3, requires_grad=True)
+def test_5_stale_retain_graph_backward_raises(device):
+    loss = Penalised().to(device)
+    fast = optimize(loss, passes=[capture(device)])
+    x = torch.randn(4, 3, requires_grad=True, device=device)
     fast(x).backward()
     first = fast(x)
     first.backward(retain_graph=True)
