@@ -41,8 +41,9 @@ from .pipeline import Pass, PipelineRun, run_pipeline
 from .report import build_report, render_report
 from .runtime import runtime_ops
 from .signature import CallSignature, flatten_call
-from .stats import RecordedException, RunStats, failing_node
-from .trace import LeafPolicy, TraceFailure, node_location, trace
+from .locations import node_location
+from .stats import RecordedException, RunStats
+from .trace import LeafPolicy, TraceFailure, trace
 
 _SCALARS = (bool, int, float, str, type(None))
 
@@ -146,10 +147,9 @@ class OptimizedLoss(nn.Module):
         gm = special.graph_module
         try:
             with torch.set_grad_enabled(True):  # restored on every exit, KeyboardInterrupt included
-                flat = gm(*special.signature.tensors(leaves))
+                flat = gm.forward(*special.signature.tensors(leaves))  # keeps the traceback
         except Exception as exc:  # never lose the training step
-            self._stats.exceptions.append(RecordedException(
-                type(exc).__name__, str(exc)[:500], failing_node(gm, exc), special.index))
+            self._stats.exceptions.append(RecordedException.of(exc, gm, special.index))
             special.disabled = "optimized-path-raised"
             return self._native(args, kwargs, "optimized-path-raised")
         self._stats.optimized += 1

@@ -31,7 +31,7 @@ from ..runtime.capture import CapturedRegion, Recorder
 from ..runtime.ownership import OwnedOutputs
 from ..runtime.paired import PairedCall
 from ..runtime.paired_capture import CapturedPairedCall
-from ..trace import node_location
+from ..locations import node_location
 
 _PREFIX = "capture_region_"
 _EXAMPLES = 8
