@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from fxpasses.testing.counting import CountLinear
 from fxpasses.testing.strategies import pose_inputs
 from fxpasses.workloads.pose import (LOSS_ITEMS, DualBranchPoseLoss, PoseLossInputs, RealNVP,
-                                     StandInModel, WildPoseLoss, make_batch, public_format, wild)
+                                     SplitRealNVP, StandInModel, WildPoseLoss, make_batch,
+                                     public_format, wild)
 
 RTOL, ATOL = 1e-9, 1e-13  # |wild - reference| <= ATOL + RTOL |reference|, elementwise
 FLOAT64 = st.just(torch.float64)
@@ -84,7 +85,8 @@ def _pair(flow=None, *, alpha=0.8, topk=(10, 1), num_keypoints=17, num_classes=1
              "rle": "rle_gain"}
     reference = DualBranchPoseLoss(flow, num_keypoints=num_keypoints, alpha=alpha,
                                    topk_o2m=topk[0], topk_o2o=topk[1],
-                                   **{names[k]: v for k, v in gains.items()}).double()
+                                   **{names[k]: v for k, v in gains.items()})
+    reference = reference.to(next(flow.parameters()).device, torch.float64)
     model = StandInModel(flow, num_keypoints=num_keypoints, num_classes=num_classes, o2m=alpha,
                          **gains)
     return reference, WildPoseLoss(model, tal_topk=topk[0], tal_topk2=topk[1])
@@ -120,6 +122,28 @@ def test_other_keypoint_and_class_counts(num_keypoints, num_classes):
     inputs = _batch(seed=1, num_keypoints=num_keypoints, num_classes=num_classes, max_objects=4)
     reference, criterion = _pair(num_keypoints=num_keypoints, num_classes=num_classes)
     _worst(_reference(reference, inputs), _public(criterion, inputs, criterion.flow))
+
+
+def test_another_flow_class():
+    inputs = _batch(seed=12)
+    torch.manual_seed(0)
+    reference, criterion = _pair(SplitRealNVP().double())
+    _worst(_reference(reference, inputs), _public(criterion, inputs, criterion.flow))
+
+
+def test_raw_predictions_as_leaves_get_finite_gradients():
+    """As a network's outputs would: the decoding's in-place steps never touch the inputs."""
+    inputs = _batch(seed=13)
+    preds, batch = public_format(inputs)
+    preds = {name: ([f.detach().requires_grad_() for f in feats], kpts.detach().requires_grad_())
+             for name, (feats, kpts) in preds.items()}
+    leaves = [t for feats, kpts in preds.values() for t in (*feats, kpts)]
+    copies = [t.detach().clone() for t in leaves]
+    _, criterion = _pair()
+    total, _ = criterion(preds, batch)
+    grads = torch.autograd.grad(total, leaves)
+    assert all(torch.isfinite(g).all() and g.any() for g in grads)
+    assert all(torch.equal(t, c) for t, c in zip(leaves, copies))
 
 
 def _set_hyp(name, value):
@@ -307,7 +331,15 @@ def test_every_pattern_of_the_table_is_marked_in_the_code():
     marked = set(re.findall(r"# pattern: ([^(\n]+?)(?: \(|$)", source, re.M))
     assert rows == marked, (rows - marked, marked - rows)
     assert "y[..., 0] += anchor_points[:, [0]]" in source
-    assert "out[i, within] = targets" in source or "out[idx, within] = targets" in source
+    assert "_, counts = idx.unique(return_counts=True)" in source
+    assert "out[idx, within] = targets" in source
+
+
+@pytest.mark.cuda
+def test_public_loss_equals_reference_on_cuda():
+    inputs = _batch(seed=14, image_size=128, max_objects=5, device="cuda")
+    reference, criterion = _pair(_flow().cuda())
+    _worst(_reference(reference, inputs), _public(criterion, inputs, criterion.flow))
 
 
 @pytest.mark.slow

@@ -418,12 +418,12 @@ class WildPoseLoss:  # pattern: plain criterion (not an nn.Module)
         nl, ne = targets.shape
         if nl == 0:  # pattern: branch on a size
             return torch.zeros(batch_size, 0, ne - 1, device=self.device, dtype=targets.dtype)
-        i = targets[:, 0].long()  # image index
-        _, counts = i.unique(return_counts=True)  # pattern: target packing
+        idx = targets[:, 0].long()  # image index
+        _, counts = idx.unique(return_counts=True)  # pattern: target packing
         n = counts.max()
         out = torch.zeros(batch_size, n, ne - 1, device=self.device, dtype=targets.dtype)
-        within = (i[:, None] == i[None, :]).tril(-1).sum(1)  # earlier rows of the same image
-        out[i, within] = targets[:, 1:]  # pattern: packing assignment
+        within = (idx[:, None] == idx[None, :]).tril(-1).sum(1)  # earlier rows of the same image
+        out[idx, within] = targets[:, 1:]  # pattern: packing assignment
         out[..., 1:5] = xywh2xyxy(out[..., 1:5].mul_(scale_tensor))
         return out
 
