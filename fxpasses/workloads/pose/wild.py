@@ -222,7 +222,7 @@ class TaskAlignedAssigner(nn.Module):
                                                       mask_in_gts * mask_gt)
         mask_topk = self.select_topk_candidates(
             align_metric, topk_mask=mask_gt.expand(-1, -1, self.topk).bool())
-        # the reference's rule: a zero metric (no overlap, or an underflowed score) is never positive
+        # the reference's rule: a zero metric (no overlap, an underflowed score) is never positive
         mask_pos = mask_topk * mask_in_gts * mask_gt * (align_metric > 0)
         return mask_pos, align_metric, overlaps
 
@@ -233,7 +233,8 @@ class TaskAlignedAssigner(nn.Module):
                                device=pd_bboxes.device)
         bbox_scores = torch.zeros([self.bs, self.n_max_boxes, na], dtype=pd_scores.dtype,
                                   device=pd_scores.device)
-        ind = torch.zeros([2, self.bs, self.n_max_boxes], dtype=torch.long)  # on the CPU, as written upstream
+        # on the CPU, as upstream writes it (on CUDA, ind[1] = ... copies device to host)
+        ind = torch.zeros([2, self.bs, self.n_max_boxes], dtype=torch.long)
         ind[0] = torch.arange(end=self.bs).view(-1, 1).expand(-1, self.n_max_boxes)
         ind[1] = gt_labels.squeeze(-1)
         bbox_scores[mask_gt] = pd_scores[ind[0], :, ind[1]][mask_gt]
@@ -292,12 +293,17 @@ class TaskAlignedAssigner(nn.Module):
 
 
 class WildPoseLoss:  # pattern: plain criterion (not an nn.Module)
-    """End-to-end dual-branch pose loss: ``o2m * one-to-many + o2o * one-to-one``, ``o2o = 1 - o2m``.
+    """End-to-end dual-branch pose loss: ``o2m * one-to-many + o2o * one-to-one``, o2o = 1 - o2m.
 
     ``criterion(preds, batch, cfg=None) -> (loss.sum() * batch_size, loss.detach())``, ``loss``
-    the blended vector of :data:`LOSS_ITEMS`. ``cfg``, a config object, replaces ``model.args``
-    for that call. :meth:`update` (once per epoch) decays ``o2m`` linearly from ``args.o2m`` to
-    ``args.final_o2m`` over ``args.epochs``. See the module docstring for the formats.
+    the blended vector of :data:`LOSS_ITEMS`. :meth:`update` (once per epoch) decays ``o2m``
+    linearly from ``args.o2m`` to ``args.final_o2m`` over ``args.epochs``. See the module
+    docstring for the formats.
+
+    Where each setting is read at call time: ``hyp[box|cls|pose]`` (copied from ``model.args`` at
+    construction), ``args.kobj`` (or ``cfg.kobj`` when a config object ``cfg`` is passed),
+    ``rle_gain`` (a property over ``_rle_gain``), ``o2m`` (and ``o2o`` from it), ``sigmas``,
+    ``assign_o2m.topk`` / ``assign_o2o.topk`` and the flow's ``residual`` flag.
     """
 
     def __init__(self, model, tal_topk=10, tal_topk2=1):
