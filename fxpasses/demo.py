@@ -4,7 +4,7 @@ Runs the dual-branch pose loss (batch 4, 640 px by default) natively and through
 ``optimize(loss, passes=[PairRLE(), CaptureLoss()])`` on the same batches, then prints the values
 and gradient differences, the linear calls per step, the certificates in brief, and the timings
 (first call, and the median of ``--steps`` forward+backward steps). On a machine without CUDA,
-CaptureLoss refuses with ``no-cuda`` and says so; PairRLE still applies.
+CaptureLoss refuses with ``not-on-capture-device`` and says so; PairRLE still applies.
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode
 
-from .analysis.meta import annotate
-from .certificates import Certificate, Check, Site
+from .certificates import Certificate
+from .certificates.codes import note
 from .certificates.io import save
 from .guards import AMBIENT_GUARDS, LossState, ambient_difference, ambient_state, user_classes
 from .log import logger
@@ -41,7 +41,6 @@ from .pipeline import Pass, PipelineRun, run_pipeline
 from .report import build_report, render_report
 from .runtime import runtime_ops
 from .signature import CallSignature, flatten_call
-from .locations import node_location
 from .stats import RecordedException, RunStats
 from .trace import LeafPolicy, TraceFailure, trace
 
@@ -157,6 +156,7 @@ class OptimizedLoss(nn.Module):
 
     def _native(self, args: tuple, kwargs: dict, reason: str) -> Any:
         self._stats.native[reason] += 1
+        note(reason)
         if self._stats.native[reason] == 1:
             logger.warning("native call: %s (counted in .stats; later ones are not logged)", reason)
         return self._loss(*args, **kwargs)
@@ -189,13 +189,8 @@ class OptimizedLoss(nn.Module):
         special.seconds["trace"] = time.perf_counter() - start
         info = gm.meta["fxpasses"]
         special.signature = info.signature
-        start = time.perf_counter()
         leaves, _ = flatten_call(args, kwargs)
         tensors = info.signature.tensors(leaves)
-        failures = annotate(gm, tensors)
-        if failures:  # passes refuse, or keep eager, what has no metadata
-            special.certificates.append(_metadata_failure(*failures[0], len(failures)))
-        special.seconds["annotate"] = time.perf_counter() - start
         start = time.perf_counter()
         special.run = run_pipeline(gm, self._passes, tensors)
         special.seconds["pipeline"] = time.perf_counter() - start
@@ -304,16 +299,6 @@ def _autocast_cache_off() -> contextlib.ExitStack:
             stack.enter_context(torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type),
                                                cache_enabled=False))
     return stack
-
-
-def _metadata_failure(node: fx.Node, exc: Exception, count: int) -> Certificate:
-    check = Check("fake-tensor-propagation", False, {
-        "node": node.name, "location": node_location(node), "exception": type(exc).__name__,
-        "message": str(exc)[:500], "failed_nodes": count, "tool": "FakeTensorProp"}, "metadata-failed")
-    return Certificate("annotate", Site((node.name,), (node_location(node),), "shape propagation"),
-                       "failed", (check,), ("metadata-failed",),
-                       message=f"no shapes from node {node.name} on: {type(exc).__name__}: "
-                               f"{str(exc).splitlines()[0][:200]}")
 
 
 def _validate(loss_fn: Any, passes: Sequence[Any]) -> tuple[Pass, ...]:

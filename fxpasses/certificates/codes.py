@@ -41,8 +41,10 @@ _CODES = (
          "The graph failed graph.lint() after a pass; the graph from before the pass was kept.",
          "Report it with the certificate JSON; the loss keeps its previous graph."),
     Code("metadata-failed", "failure",
-         "Propagating shapes through the graph with fake tensors failed; passes that need shapes "
-         "refuse.", "Report it with the exception; the loss still runs, with fewer rewrites."),
+         "Propagating shapes through the graph with fake tensors failed at a node: in the traced "
+         "graph (passes then treat that node and what follows conservatively), or after a pass "
+         "(that pass's graph was discarded).",
+         "Report it with the exception; the loss still runs, with fewer rewrites."),
     Code("fingerprint-mismatch", "failure",
          "A pass said it changed the graph and did not, or changed it and said it did not.",
          "A bug in that pass: report it. Its result was discarded."),
@@ -149,12 +151,35 @@ _CODES = (
          "At run time a branch's rows were a tensor subclass; this call ran two native calls.",
          "Pass plain torch.Tensor rows."),
     # -- loss capture (CaptureLoss) -------------------------------------------------------
-    Code("no-cuda", "refusal",
-         "The loss's tensors are not on a CUDA device (or CUDA is unavailable): nothing to capture.",
+    Code("not-on-capture-device", "refusal",
+         "The loss's tensors are on devices CaptureLoss does not capture (CPU tensors with the "
+         "default capture devices, cuda): nothing to capture.",
          "Run the loss on a CUDA device to capture it."),
-    Code("op-not-capturable", "refusal",
-         "An op is not in the capturable table; it runs eagerly between regions.",
-         "If the op is safe under CUDA graph capture, add it to fxpasses.analysis.capture_rules."),
+    Code("cuda-unavailable", "refusal",
+         "CaptureLoss captures CUDA tensors and CUDA is not available in this process.",
+         "Nothing to do on a machine without a GPU; the loss runs without capture."),
+    Code("device-not-captured", "refusal",
+         "A tensor of this node lies on a device that is not captured (a CPU tensor in a CUDA "
+         "loss, a host transfer); the node runs eagerly between regions.",
+         "Move the tensor to the loss's device once, outside the loss."),
+    Code("op-unknown", "refusal",
+         "The node runs user code (a leaf function, a user module, a method fxpasses does not "
+         "know) whose effects are not visible as ops; it runs eagerly, and no region is moved "
+         "across it.", "Inline the code into the loss or declare nothing a leaf that need not be."),
+    Code("op-in-place", "refusal",
+         "The node writes to one of its inputs or to module state (an in-place op, batch-norm "
+         "statistics); it runs eagerly, and no region is moved across it.",
+         "Use the out-of-place op (x = x + y) where the value is not shared."),
+    Code("op-grad-mode", "refusal",
+         "A grad-mode switch (no_grad / enable_grad): regions never span one; it runs eagerly.",
+         "Nothing to do: regions form on each side of the switch."),
+    Code("op-random", "refusal",
+         "The node draws random numbers; a replay would draw them differently from eager, so "
+         "it runs eagerly.", "Draw random numbers outside the loss if the loss must be captured."),
+    Code("op-no-metadata", "refusal",
+         "Shape propagation did not reach the node (an earlier node failed it); it runs eagerly "
+         "and no region is moved across it.",
+         "Read the metadata-failed certificate for the node that failed."),
     Code("host-sync", "refusal",
          "An op reads device data on the host (.item(), nonzero, boolean-mask indexing); it runs "
          "eagerly between regions.",
@@ -201,6 +226,24 @@ _CODES = (
 REGISTRY: dict[str, Code] = {code.name: code for code in _CODES}
 assert len(REGISTRY) == len(_CODES), "duplicate code names"
 assert all(code.kind in KINDS for code in _CODES)
+
+
+_observed: set[str] | None = None
+
+
+def observe() -> set[str]:
+    """Start collecting the codes that occur (in certificates, checks and run-time counters);
+    returns the live set. A test session uses it to show every code is exercised."""
+    global _observed
+    if _observed is None:
+        _observed = set()
+    return _observed
+
+
+def note(name: str) -> None:
+    """Record that ``name`` occurred, when collecting (see :func:`observe`); cheap otherwise."""
+    if _observed is not None and name in REGISTRY:
+        _observed.add(name)
 
 
 def lookup(name: str) -> Code:

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from .codes import REGISTRY, lookup
+from .codes import REGISTRY, lookup, note
 
 SCHEMA_VERSION = 1
 DECISIONS = ("applied", "refused", "failed")
@@ -97,6 +97,7 @@ class Check:
         _set(self, "evidence", jsonable(dict(self.evidence)))
         if self.code is not None:
             lookup(self.code)
+            note(self.code)
         if not self.ok and self.code is None:
             raise ValueError(f"failed check {self.id!r} needs a code")
 
@@ -169,6 +170,7 @@ class Certificate:
             raise ValueError(f"decision must be one of {DECISIONS}, got {self.decision!r}")
         for code in self.codes:
             lookup(code)
+            note(code)
         if self.decision == "applied" and self.codes:
             raise ValueError("an applied certificate carries no refusal codes")
         if self.decision != "applied" and not self.codes:
@@ -186,6 +188,11 @@ class Certificate:
     @property
     def applied(self) -> bool:
         return self.decision == "applied"
+
+    @property
+    def id(self) -> str:
+        """``pass@nodes``: unique within one pipeline run (a pass decides once per site)."""
+        return f"{self.pass_name}@{'+'.join(self.site.nodes) or '-'}"
 
     # -- JSON -----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

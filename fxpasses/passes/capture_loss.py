@@ -12,7 +12,6 @@ per power-of-two row bucket (:mod:`fxpasses.runtime.paired_capture`).
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 from collections import Counter
 from typing import Sequence
@@ -25,11 +24,11 @@ from ..analysis.capture import CapturePlan, Verdict, plan_regions
 from ..analysis.meta import tensors_in, value
 from ..analysis.witness import padding_witness, witness_holds
 from ..certificates import Certificate, Check, Guard, Site
+from ..facts import RowIndependentCall, proven
 from ..pipeline import PassResult
 from ..runtime import RuntimeOp
 from ..runtime.capture import CapturedRegion, Recorder
 from ..runtime.ownership import OwnedOutputs
-from ..runtime.paired import PairedCall
 from ..runtime.paired_capture import CapturedPairedCall
 from ..locations import node_location
 
@@ -68,23 +67,42 @@ class CaptureLoss:
 
     def run(self, gm: fx.GraphModule) -> PassResult:
         devices = {t.device.type for n in gm.graph.nodes for t in tensors_in(value(n))}
-        if not devices & set(self.devices):
-            check = Check("tensors-on-device", False, {"devices_seen": tuple(sorted(devices)),
-                                                       "capture_devices": self.devices,
-                                                       "cuda_available": torch.cuda.is_available()},
-                          "no-cuda")
+        on_device = bool(devices & set(self.devices))
+        cuda_ok = "cuda" not in self.devices or torch.cuda.is_available() or "cuda" not in devices
+        if not on_device or not cuda_ok:
+            checks = [Check("tensors-on-capture-device", on_device, {
+                              "devices_seen": tuple(sorted(devices)), "capture_devices": self.devices},
+                            None if on_device else "not-on-capture-device"),
+                      Check("cuda-available", cuda_ok, {"cuda_available": torch.cuda.is_available()},
+                            None if cuda_ok else "cuda-unavailable")]
             return PassResult(gm, False, [Certificate.from_checks(self.name, Site((), (), "whole loss"),
-                                                                  [check])])
+                                                                  checks)])
         plan = plan_regions(gm, self.devices, self.min_region_ops)
         certificates = self._refusals(plan) + self._too_small(plan)
         region_certs = [self._region_certificate(i, nodes, plan) for i, nodes in enumerate(plan.regions)]
-        paired = [self._paired_site(gm, node, plan) for node in gm.graph.nodes
-                  if isinstance(node.target, PairedCall)]
-        regions = self._fuse(gm, plan) if plan.regions else []
-        regions += [n.target.region for n in gm.graph.nodes if isinstance(n.target, CapturedPairedCall)]
+        calls = [(node, fact) for node in gm.graph.nodes
+                 if (fact := proven(node, RowIndependentCall.kind)) is not None]
+        paired = [self._row_independent_call(gm, node, fact, plan) for node, fact in calls]
+        regions = [self._capture_padded(gm, node, fact) for (node, fact), cert in zip(calls, paired)
+                   if cert.applied and not any(node in r for r in plan.regions)]  # (else in a region)
+        if plan.regions:  # fuse_by_partitions rebuilds the graph: other rewrites come before it
+            regions += self._fuse(gm, plan)
         if regions:
             self._own_outputs(gm, regions)
         return PassResult(gm, bool(regions), region_certs + paired + certificates)
+
+    def _capture_padded(self, gm: fx.GraphModule, node: fx.Node, fact: RowIndependentCall) -> CapturedRegion:
+        """Replace a row-independent call by one that replays it per row bucket (the node keeps
+        its arguments: the module, then the rows)."""
+        captured = CapturedPairedCall(f"captured_{node.name}", fact.method, devices=self.devices,
+                                      min_bucket=self.min_bucket, max_recordings=self.max_recordings,
+                                      recorder=self.recorder)
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(captured, node.args, node.kwargs)
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        return captured.region
 
     # -- rewrite --------------------------------------------------------------------------
     def _fuse(self, gm: fx.GraphModule, plan: CapturePlan) -> list[CapturedRegion]:
@@ -127,12 +145,13 @@ class CaptureLoss:
         outputs = [n for n in nodes if any(u not in inside for u in n.users)]
         the_checks = [
             Check("ops-capturable", True, {"ops": _histogram(nodes, plan.verdicts),
-                                           "table": "fxpasses.analysis.capture_rules"}),
+                                           "table": "fxpasses.analysis.capture_rules.ROWS"}),
             Check("static-shapes", True, {"evidence": "no unbacked (data-dependent) size in any "
                                           "node's FakeTensorProp metadata"}),
             Check("on-capture-device", True, {"devices": self.devices}),
             Check("no-barrier-inside", True, {"partitioner": "fxpasses convex greedy regions; fuse_by_partitions",
-                                              "split_at": "grad-mode switches, in-place and unknown ops"}),
+                                              "split_at": "grad-mode switches, ops writing their inputs, "
+                                                          "user code, nodes without metadata"}),
         ]
         effect = {"region": f"{_PREFIX}{index}", "nodes": len(nodes),
                   "kernel_ops": plan.kernel_ops(nodes), "inputs": len(inputs),
@@ -185,33 +204,34 @@ class CaptureLoss:
             certs.append(Certificate.from_checks(self.name, Site(tuple(n.name for n in nodes)), [check]))
         return certs
 
-    def _paired_site(self, gm: fx.GraphModule, node: fx.Node, plan: CapturePlan) -> Certificate:
-        """A paired call: inside a region if static; else recorded per row bucket if padding is safe."""
-        site: PairedCall = node.target
+    def _row_independent_call(self, gm: fx.GraphModule, node: fx.Node, fact: RowIndependentCall,
+                              plan: CapturePlan) -> Certificate:
+        """A call proven row-independent: inside a region if static; else recorded per row
+        bucket if padding is safe (the proof licenses padding; a float64 witness checks it)."""
         verdict = plan.verdicts[node]
-        where = Site((node.name,), (node_location(node),), f"run-time site {site.op_id}")
+        where = Site((node.name,), (node_location(node),), f"row-independent call {node.name}")
         inside = any(node in r for r in plan.regions)
         if inside or verdict.code != "dynamic-shape":
-            check = Check("site-in-region", inside, {"site": site.op_id, "runs": "inside a region"
-                                                     if inside else "eagerly between regions",
+            check = Check("call-in-region", inside, {"runs": "inside a region" if inside else
+                                                     "eagerly between regions",
                                                      "reason": verdict.detail or verdict.code or ""},
-                          None if inside else (verdict.code or "op-not-capturable"))
+                          None if inside else (verdict.code or "op-unknown"))
             return Certificate.from_checks(self.name, where, [check])
         rows = [value(a) for a in node.args[1:]]
-        module = gm.get_submodule(node.args[0].target)
+        module = gm.get_submodule(fact.module)
         on_device = all(isinstance(r, torch.Tensor) and r.device.type in self.devices for r in rows)
         checks = [
-            Check("rows-dynamic", True, {"site": site.op_id, "reason": "row count is data-dependent",
-                                         "licence": "row independence, certified for this PairedCall "
-                                                    "by the pass that created it"}),
+            Check("rows-dynamic", True, {"reason": "row count is data-dependent",
+                                         "licence": f"row independence of {fact.module}.{fact.method}, "
+                                                    f"proved by certificate {fact.certificate}"}),
             Check("rows-on-capture-device", on_device, {"devices": tuple(str(r.device) for r in rows
                                                                           if isinstance(r, torch.Tensor))},
-                  None if on_device else "no-cuda"),
+                  None if on_device else "device-not-captured"),
         ]
         witness = None
         if on_device:
             trailing = tuple(int(d) for d in rows[0].shape[1:])
-            witness = padding_witness(module, site.method, trailing)
+            witness = padding_witness(module, fact.method, trailing)
             holds = witness_holds(witness)
             checks.append(Check("zero-padding-rows-are-inert", holds, {
                 "max_abs_value_diff": witness.max_abs_value_diff,
@@ -223,12 +243,5 @@ class CaptureLoss:
         guards = (Guard("bucket-recorded", "a recording exists for the padded row count (else record, "
                         "within budget)", "record-budget", {"max_recordings": self.max_recordings}),
                   Guard("backward-done", "the previous replay's backward has run", "replay-pending-backward"))
-        cert = Certificate.from_checks(self.name, where, checks, effect=effect, guards=guards,
+        return Certificate.from_checks(self.name, where, checks, effect=effect, guards=guards,
                                        witness=witness)
-        if cert.applied:
-            captured = CapturedPairedCall(f"captured_{site.op_id}", site.method, devices=self.devices,
-                                          min_bucket=self.min_bucket, max_recordings=self.max_recordings,
-                                          recorder=self.recorder)
-            node.target = captured
-            cert = dataclasses.replace(cert, effect={**cert.effect, "new_nodes": (node.name,)})
-        return cert

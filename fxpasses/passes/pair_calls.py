@@ -22,13 +22,15 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..analysis.capture_rules import is_mutation
+from ..analysis.ops import may_write_inputs, node_facts
 from ..analysis.graph import dependent_pairs, downstream, grad_modes, to_digraph
 from ..analysis.meta import is_dynamic, value
 from ..analysis.rows import analyze_rows
 from ..analysis.witness import pairing_witness, witness_holds
 from ..certificates import Certificate, Check, Guard, Site
+from ..facts import RowIndependentCall, prove
 from ..pipeline import PassResult
+from ..runtime import RuntimeOp
 from ..runtime.paired import PairedCall
 from ..locations import node_location
 from . import checks
@@ -54,10 +56,18 @@ class CallSite:
 
 
 def _order_matters(node: fx.Node) -> bool:
-    """Side effects that fix a node's place (grad-mode switches are compared separately)."""
-    if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+    """Effects that fix a node's place (grad-mode switches are compared separately): writes to
+    its inputs or random draws seen in its ops, an impure node, or code whose ops were not seen."""
+    if not node.op.startswith("call_") or node.target is torch._C._set_grad_enabled:
         return False
-    return is_mutation(node) or (node.op.startswith("call_") and node.is_impure())
+    if isinstance(node.target, RuntimeOp):
+        return not node.target.pure
+    facts = node_facts(node)
+    if facts is None or not facts.complete:  # never propagated: what its schema allows
+        return may_write_inputs(node) or node.is_impure()
+    if not facts.torch_code:
+        return True
+    return facts.writes_input or facts.random or node.is_impure()
 
 
 class PairCalls:
@@ -121,7 +131,7 @@ class PairCalls:
                 if len(s.calls) > 1:
                     cert = self._decide(gm, s)
                     if cert.applied:
-                        new_nodes = self._rewrite(gm, s)
+                        new_nodes = self._rewrite(gm, s, cert.id)
                         cert = dataclasses.replace(cert, effect={**cert.effect, "new_nodes": new_nodes})
                         modified = True
                     certificates.append(cert)
@@ -253,7 +263,7 @@ class PairCalls:
         return [shape_check, rows], analysis
 
     # -- the rewrite ----------------------------------------------------------------------
-    def _rewrite(self, gm: fx.GraphModule, s: CallSite) -> tuple[str, ...]:
+    def _rewrite(self, gm: fx.GraphModule, s: CallSite, proof: str) -> tuple[str, ...]:
         """Replace the calls by one PairedCall and getitems; returns the new nodes' names."""
         graph = gm.graph
         g = to_digraph(graph)
@@ -265,6 +275,7 @@ class PairCalls:
             module_node = graph.get_attr(s.path)
         with graph.inserting_after(module_node):
             paired = graph.call_function(site, (module_node, *[s.rows(c) for c in s.calls]))
+        prove(paired, RowIndependentCall(proof, s.path, s.method))
         anchor, new_nodes = paired, [module_node.name, paired.name]
         for i, call in enumerate(s.calls):
             with graph.inserting_after(anchor):

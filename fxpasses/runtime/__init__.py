@@ -17,6 +17,8 @@ from typing import Any
 
 import torch.fx as fx
 
+from ..certificates.codes import note
+
 
 class RuntimeOp:
     """Base of call_function targets with a name torch.fx can print and per-op counters.
@@ -34,6 +36,11 @@ class RuntimeOp:
         self.__name__ = op_id.replace("-", "_").replace(".", "_")
         self.__qualname__ = self.__name__
         self.counters: Counter[str] = Counter()
+
+    def count(self, event: str) -> None:
+        """Count one occurrence of ``event`` (a reason code or an event such as ``replayed``)."""
+        self.counters[event] += 1
+        note(event)
 
     def __call__(self, *args: Any) -> Any:
         raise NotImplementedError

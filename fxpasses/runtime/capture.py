@@ -44,12 +44,19 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
+from ..certificates.codes import note
 from ..guards import ambient_state
 from . import Propagator, RuntimeOp
 
 
 class StaleReplayError(RuntimeError):
     """A backward reached a replay whose graph memory a later replay has overwritten."""
+
+    code = "stale-backward"
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        note(self.code)
 
 
 def signature(args: Sequence[Any], identity: frozenset[int] = frozenset()) -> tuple:
@@ -330,7 +337,7 @@ class CapturedRegion(RuntimeOp):
             reason, recording, flat = self._admit(args)
             if reason is not None:
                 return self._eager(reason, args)
-            self.counters["replayed"] += 1
+            self.count("replayed")
             tensors = [a for a in flat if isinstance(a, torch.Tensor)]
             if recording.backward is not None and torch.is_grad_enabled():
                 return recording.rebuild(_Replay.apply(self, recording, *tensors))
@@ -362,7 +369,7 @@ class CapturedRegion(RuntimeOp):
                 self.failure = f"{type(exc).__name__}: {exc}"[:500]
                 return "capture-failed", None, flat
             self.recordings[key] = recording
-            self.counters["recorded"] += 1
+            self.count("recorded")
         if self._pending is not None:
             return "replay-pending-backward", None, flat
         if recording.referenced():
@@ -383,7 +390,7 @@ class CapturedRegion(RuntimeOp):
         return frozenset().union(*(r.memory for r in self.recordings.values()))
 
     def _eager(self, reason: str, args: Sequence[Any]) -> Any:
-        self.counters[reason] += 1
+        self.count(reason)
         return self.fn(*args)
 
     # -- replay bookkeeping (called by _Replay) -----------------------------------------------
@@ -411,7 +418,7 @@ class CapturedRegion(RuntimeOp):
     def differentiable_gradients(self, recording: Recording, saved: Sequence[torch.Tensor],
                                  grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Input gradients computed eagerly with a graph (for second-order gradients)."""
-        self.counters["double-backward-eager"] += 1
+        self.count("double-backward-eager")
         with torch.enable_grad():
             outputs = [o for o in pytree.tree_leaves(recording.call(*recording.arguments(saved)))
                        if isinstance(o, torch.Tensor)]

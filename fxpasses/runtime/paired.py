@@ -63,10 +63,10 @@ class PairedCall(RuntimeOp):
     def __call__(self, module: nn.Module, *rows: torch.Tensor) -> tuple[Any, ...]:
         reason = guard_failure(rows)
         if reason is not None:
-            self.counters[reason] += 1
+            self.count(reason)
             call = self.bound(module)
             return tuple(call(r) for r in rows)
-        self.counters["paired"] += 1
+        self.count("paired")
         return self.paired(module, rows)
 
     def paired(self, module: nn.Module, rows: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:

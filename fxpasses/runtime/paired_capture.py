@@ -46,7 +46,7 @@ class CapturedPairedCall(PairedCall):
     def __call__(self, module: nn.Module, *rows: torch.Tensor) -> tuple[Any, ...]:
         if guard_failure(rows) is not None or rows[0].device.type not in self.devices:
             return super().__call__(module, *rows)
-        self.counters["paired"] += 1
+        self.count("paired")
         counts = [r.shape[0] for r in rows]
         total = sum(counts)
         pad = rows[0].new_zeros((bucket(total, self.min_bucket) - total, *rows[0].shape[1:]))

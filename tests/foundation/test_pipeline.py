@@ -120,3 +120,48 @@ def test_counters_group_by_pass_and_code(two_branch_loss, two_branch_inputs):
     counters = run.counters()
     assert counters["refuse-all"]["seen"] == 2 and counters["refuse-all"]["refused"]["not-training"] == 2
     assert counters["raises"]["failed"]["pass-raised"] == 1
+
+
+class BreaksShapes:
+    """Multiplies the loss by a (3,) tensor and reshapes it to 2 elements: propagation fails."""
+
+    name = "breaks-shapes"
+
+    def run(self, gm):
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        (value,) = output.args[0]
+        with gm.graph.inserting_before(output):
+            bad = gm.graph.call_method("view", (gm.graph.call_function(torch.ones, (3,)), 2))
+            new = gm.graph.call_function(torch.add, (value, bad))
+        output.args = ((new,),)
+        return PassResult(gm, True, [])
+
+
+def test_the_pipeline_owns_annotation_and_a_pass_that_breaks_shapes_is_discarded(
+        two_branch_loss, two_branch_inputs):
+    gm = _traced(two_branch_loss, two_branch_inputs)
+    run = run_pipeline(gm, [BreaksShapes(), RemoveNegation()], list(two_branch_inputs))
+    (cert,) = run.certificates
+    assert cert.pass_name == "breaks-shapes" and cert.codes == ("metadata-failed",)
+    assert "view" in cert.checks[0].evidence["statement"]
+    assert [s.step for s in run.snapshots] == ["traced", "remove-neg"]
+    assert all("val" in n.meta for n in run.graph_module.graph.nodes if n.op.startswith("call_"))
+
+
+class UnbackedNormLoss(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(2)
+
+    def forward(self, a, mask):
+        return self.norm(a[mask]).sum()
+
+
+def test_nodes_the_traced_graph_cannot_propagate_get_an_annotate_certificate():
+    a = torch.randn(6, 2)
+    mask = a[:, 0] > 0
+    gm = _traced(UnbackedNormLoss(), (a, mask))
+    run = run_pipeline(gm, [], [a, mask])
+    (cert,) = run.certificates
+    assert (cert.pass_name, cert.decision, cert.codes) == ("annotate", "failed", ("metadata-failed",))
+    assert cert.graph_fingerprint == run.snapshots[0].fingerprint

@@ -61,10 +61,10 @@ def test_partition_decisions_per_op_class():
     assert by_name["sigmoid"].capturable and by_name["sub"].capturable
     assert by_name["getitem"].code == "host-sync"
     assert {by_name[n].code for n in ("abs_1", "mul_2", "add", "sum_1")} == {"dynamic-shape"}
-    assert by_name["opaque"].code == "op-not-capturable" and by_name["opaque"].barrier
-    assert by_name["mul_"].code == "op-not-capturable" and by_name["mul_"].barrier
+    assert by_name["opaque"].code == "op-unknown" and by_name["opaque"].barrier
+    assert by_name["mul_"].code == "op-in-place" and by_name["mul_"].barrier
     switches = [v for n, v in by_name.items() if n.startswith("_set_grad_enabled")]
-    assert len(switches) == 2 and all(v.barrier for v in switches)
+    assert len(switches) == 2 and all(v.barrier and v.code == "op-grad-mode" for v in switches)
     regions = [[n.name for n in r] for r in plan.regions]
     assert ["sigmoid", "mul", "clamp", "exp", "sqrt"] in regions  # the no_grad block alone
     for region in plan.regions:  # no region spans a barrier
@@ -82,7 +82,7 @@ def test_regions_need_capture_devices_and_fake_cuda_tensors_plan_on_a_cpu():
     assert plan_regions(gm).regions  # CUDA (fake) tensors: regions
     cpu = _traced(Mixed(), _args())
     plan = plan_regions(cpu)  # default devices: cuda only
-    assert not plan.regions and "no-cuda" in {v.code for v in plan.verdicts.values()}
+    assert not plan.regions and "device-not-captured" in {v.code for v in plan.verdicts.values()}
 
 
 def test_no_cuda_is_a_refusal_and_the_loss_runs_unchanged():
@@ -91,7 +91,7 @@ def test_no_cuda_is_a_refusal_and_the_loss_runs_unchanged():
     args = _args()
     assert all(torch.equal(a, b) for a, b in zip(fast(*args), loss(*args)))
     (cert,) = fast.certificates
-    assert cert.codes == ("no-cuda",) and not fast.specializations[0].run.snapshots[-1].modified
+    assert "not-on-capture-device" in cert.codes and not fast.specializations[0].run.snapshots[-1].modified
 
 
 def _captured(loss, recorder=None, **options):
@@ -111,7 +111,7 @@ def test_captured_values_and_gradients_match_native_over_steps():
         assert_equivalent(loss, fast, _args(seed=seed), rtol=1e-6, atol=1e-6, parameters=False)
     fast(*_args())  # the oracle ran copies; certificates are on the original
     codes = {c.codes for c in fast.certificates if not c.applied}
-    assert {("host-sync",), ("dynamic-shape",), ("op-not-capturable",)} <= codes
+    assert {("host-sync",), ("dynamic-shape",), ("op-unknown",), ("op-in-place",)} <= codes
 
 
 def test_held_outputs_and_accumulated_gradients_are_not_overwritten_by_replays():
@@ -211,7 +211,7 @@ def test_pose_loss_with_both_passes_matches_native_in_float64(pose_float64):
     assert any(c.pass_name == "PairRLE" and c.applied for c in certs)
     regions = [c for c in certs if c.pass_name == "CaptureLoss" and c.applied]
     assert len(regions) >= 2
-    (paired,) = [c for c in certs if c.pass_name == "CaptureLoss" and c.site.description.startswith("run-time")]
+    (paired,) = [c for c in certs if c.pass_name == "CaptureLoss" and c.site.description.startswith("row-independent call")]
     assert paired.applied and paired.witness.max_abs_grad_diff < 1e-12  # recorded per row bucket
     site = next(v for k, v in fast.stats.sites.items() if "captured_pair" in k)
     assert site["paired"] == site.get("replayed", 0) + site.get("record-budget", 0) >= 1
@@ -325,5 +325,52 @@ def test_paired_call_whose_padding_is_unsafe_stays_eager():
     a, b = torch.randn(6, 2), torch.randn(6, 2)
     mask = torch.tensor([True, False, True, True, False, True])
     assert torch.allclose(fast(a, b, mask), loss(a, b, mask))
-    (paired,) = [c for c in fast.certificates if c.site.description.startswith("run-time")]
+    (paired,) = [c for c in fast.certificates if c.site.description.startswith("row-independent call")]
     assert paired.codes == ("padding-unsafe",)
+
+
+class Noisy(nn.Module):
+    """Dropout draws random numbers: a replay would draw others."""
+
+    def forward(self, x):
+        return (torch.nn.functional.dropout(x.exp() * 2 + 1, 0.5).tanh() * 3).sum()
+
+
+def test_random_ops_stay_eager():
+    gm = _traced(Noisy(), (torch.randn(4, 3),))
+    plan = plan_regions(gm, devices=("cpu",), min_region_ops=1)
+    by_name = {n.name: v for n, v in plan.verdicts.items()}
+    assert by_name["dropout"].code == "op-random" and not by_name["dropout"].barrier
+    assert by_name["exp"].capturable and by_name["tanh"].capturable
+
+
+class UnbackedNorm(nn.Module):
+    """BatchNorm on a data-dependent row count: shape propagation stops there."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(3)
+
+    def forward(self, x, mask):
+        return (self.norm(x[mask]).exp() * 2).sum() + x.sum()
+
+
+def test_nodes_shape_propagation_never_reached_are_barriers():
+    x = torch.randn(6, 3)
+    gm = trace(UnbackedNorm(), (x, x[:, 0] > 0))
+    failures = annotate(gm, [x, x[:, 0] > 0])
+    plan = plan_regions(gm, devices=("cpu",), min_region_ops=1)
+    unreached = [v for n, v in plan.verdicts.items() if v.code == "op-no-metadata"]
+    assert failures and unreached and all(v.barrier for v in unreached)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_tensors_without_cuda_are_refused_saying_so():
+    gm = trace(Mixed(), _args(), policy=LeafPolicy(leaf_functions=(opaque,)))
+    with fake_mode():
+        fakes = [torch.empty(12, 3, device="cuda"), torch.empty(12, 3, device="cuda"),
+                 torch.empty(12, dtype=torch.bool, device="cuda")]
+    annotate(gm, fakes)
+    result = CaptureLoss().run(gm)
+    (cert,) = result.certificates
+    assert cert.codes == ("cuda-unavailable",) and not result.modified

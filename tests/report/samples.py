@@ -65,13 +65,13 @@ class DropTimesOne:
 
 
 class RefuseMethods:
-    """Consider every call_method node and refuse it (code ``op-not-capturable``)."""
+    """Consider every call_method node and refuse it (code ``op-unknown``)."""
 
     name = "RefuseMethods"
 
     def run(self, gm: fx.GraphModule) -> PassResult:
         certs = [Certificate.from_checks(self.name, Site((node.name,)), [Check(
-            "method-allowed", False, {"method": node.target}, "op-not-capturable")])
+            "method-allowed", False, {"method": node.target}, "op-unknown")])
             for node in gm.graph.nodes if node.op == "call_method"]
         return PassResult(gm, False, certs)
 

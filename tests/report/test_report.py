@@ -30,7 +30,7 @@ def test_report_counts_sites_decisions_and_calls(fast):
     (special,) = report["specializations"]
     assert special["counters"] == {
         "DropTimesOne": {"seen": 2, "applied": 2, "refused": {}, "failed": {}},
-        "RefuseMethods": {"seen": 3, "applied": 0, "refused": {"op-not-capturable": 3},
+        "RefuseMethods": {"seen": 3, "applied": 0, "refused": {"op-unknown": 3},
                           "failed": {}}}
     assert [(s["step"], s["modified"]) for s in special["snapshots"]] == [
         ("traced", False), ("DropTimesOne", True), ("RefuseMethods", False)]
@@ -95,10 +95,10 @@ def test_load_rejects_an_invalid_certificate(fast, tmp_path):
 def test_render_shows_counters_certificates_and_diff(fast):
     report = build_report(fast)
     text = render_report(report)
-    assert "RefuseMethods: sites 3, applied 0, refused op-not-capturable: 3" in text
-    assert "FAIL method-allowed  [op-not-capturable]" in text and "graph diff:" in text
+    assert "RefuseMethods: sites 3, applied 0, refused op-unknown: 3" in text
+    assert "FAIL method-allowed  [op-unknown]" in text and "graph diff:" in text
     brief = render_report(report, verbose=False, diff=False)
-    assert "op-not-capturable" in brief
+    assert "op-unknown" in brief
     assert "FAIL method-allowed" not in brief and "graph diff:" not in brief
 
 

@@ -1,0 +1,161 @@
+"""One vocabulary of op facts, read from what torch itself records about its ops.
+
+Every analysis of fxpasses asks the same questions of an op — does it write to its inputs, does
+its output alias them, is it elementwise, does it read device data on the host, does it draw
+random numbers — and answers them from one place:
+
+* :func:`aten_facts` answers them for an aten op from its schema (``alias_info.is_write`` marks an
+  argument written in place, an aliased return marks a view) and its tags
+  (``pointwise``, ``data_dependent_output``, ``dynamic_output_shape``, ``nondeterministic_seeded``);
+* :class:`NodeFacts` answers them for a node of a traced loss from the aten ops the node *ran*
+  while shapes were propagated (:mod:`fxpasses.analysis.meta` records them under fake tensors), so
+  a functional, a Tensor method, an operator or a torch module is classified by what it does,
+  never by its name. Whether the node's target is torch's own code (``torch_code``) is the one
+  fact about the Python target: user functions and modules may have effects no op shows.
+
+The row-independence rules (:mod:`.row_rules`), the capture verdicts (:mod:`.capture_rules`) and
+the pairing pass's reordering check all read these facts.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+NODE_FACTS = "fxpasses.facts"  # node.meta key of a NodeFacts
+
+
+def _tagged(op: Any, name: str) -> bool:
+    tag = getattr(torch.Tag, name, None)
+    return tag is not None and tag in getattr(op, "tags", ())
+
+
+@dataclass(frozen=True)
+class AtenFacts:
+    """What the schema and tags of one aten op say (see the module docstring)."""
+
+    name: str
+    mutates: tuple[str, ...]  # arguments written in place
+    aliases: tuple[str, ...]  # arguments an output is a view of
+    pointwise: bool
+    data_dependent: bool  # tagged: its output's value (a host read) or shape may depend on data
+    value_on_host: bool  # tagged data_dependent_output: it reads a value to the host (.item())
+    random: bool
+    computes: bool  # returns a tensor that is not a view of an argument: a kernel runs
+
+
+@functools.lru_cache(maxsize=None)
+def aten_facts(op: Any) -> AtenFacts:
+    """The facts of an aten ``OpOverload`` (an op without a schema has none of them)."""
+    schema = getattr(op, "_schema", None)
+    arguments = schema.arguments if schema is not None else ()
+    written = tuple(a.name for a in arguments if a.alias_info is not None and a.alias_info.is_write)
+    returns = schema.returns if schema is not None else ()
+    aliased = tuple(a.name for a in arguments if a.alias_info is not None and not a.alias_info.is_write
+                    and any(r.alias_info is not None for r in returns))
+    return AtenFacts(
+        name=str(op), mutates=written, aliases=aliased,
+        pointwise=_tagged(op, "pointwise"),
+        data_dependent=_tagged(op, "data_dependent_output") or _tagged(op, "dynamic_output_shape"),
+        value_on_host=_tagged(op, "data_dependent_output"),
+        random=_tagged(op, "nondeterministic_seeded"),
+        computes=any(str(r.type) == "Tensor" and r.alias_info is None for r in returns))
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What one node of a traced loss did while its shapes were propagated.
+
+    ``ops``: the aten ops it ran, in order, each once. ``writes_input``: one of them wrote to the
+    memory of a node input or of the module it calls (its parameters and buffers). ``host_read``:
+    one of them reads tensor data on the host (``.item()``, ``nonzero``...), or the node's result
+    has sizes known only from data. ``random``: one draws random numbers. ``computes``: one makes a new tensor (a
+    kernel runs; views and metadata reads do not). ``complete``: shape
+    propagation ran the node to the end (else the facts are partial and analyses assume the
+    worst). ``torch_code``: the target is torch's own (not a user function or module).
+    """
+
+    ops: tuple[str, ...]
+    writes_input: bool
+    host_read: bool
+    random: bool
+    computes: bool
+    complete: bool
+    torch_code: bool
+
+
+def node_facts(node: fx.Node) -> NodeFacts | None:
+    return node.meta.get(NODE_FACTS)
+
+
+def is_torch_code(node: fx.Node, module: nn.Module | None = None) -> bool:
+    """Whether ``node``'s target is torch's own code (its effects are the ops it runs)."""
+    if node.op == "call_function":
+        target = node.target
+        owner = getattr(target, "__module__", None) or ""
+        return owner == "torch" or owner.startswith("torch.") or owner in ("_operator", "operator") \
+            or target is getattr or target in vars(operator).values()
+    if node.op == "call_method":
+        return hasattr(torch.Tensor, node.target)
+    if node.op == "call_module" and module is not None:
+        return all(type(m).__module__.startswith("torch.nn.") for m in module.modules())
+    return False
+
+
+# Python's in-place operators (``x += y`` traces as operator.iadd); conservative: a few extras
+# such as ``index`` match the pattern too and count as writing.
+_IN_PLACE_OPERATORS = frozenset(n for n in dir(operator) if n.startswith("i") and hasattr(operator, f"__{n}__"))
+
+
+def may_write_inputs(node: fx.Node) -> bool:
+    """For a node shape propagation never reached: whether its target may write to its inputs.
+
+    Read from the schemas of the aten op of the same name (``x.add_`` -> ``aten.add_``: its
+    ``self`` is written); a target that names no aten op, or is not torch's code, may.
+    """
+    if not is_torch_code(node):
+        return True
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if node.op == "call_function" and (node.target is getattr or node.target in vars(operator).values()):
+        return str(name) in _IN_PLACE_OPERATORS  # operator.iadd and friends write; the rest read
+    packet = getattr(torch.ops.aten, str(name), None) if name else None
+    if packet is None:
+        return True
+    schemas = [getattr(packet, o)._schema for o in packet.overloads()]
+    return any(a.alias_info is not None and a.alias_info.is_write and a.name != "out"
+               for schema in schemas for a in schema.arguments)
+
+
+def mutated_storages(op: Any, args: tuple, kwargs: dict, storages: Iterable[int]) -> bool:
+    """Whether ``op`` called with these arguments writes to one of ``storages`` (storage ids)."""
+    facts = aten_facts(op)
+    if not facts.mutates:
+        return False
+    schema = op._schema
+    positional = [a.name for a in schema.arguments if not a.kwarg_only]
+    bound = dict(zip(positional, args)) | dict(kwargs)
+    wanted = set(storages)
+    for name in facts.mutates:
+        for t in _tensors(bound.get(name)):
+            if storage_id(t) in wanted:
+                return True
+    return False
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """An identity of a tensor's storage (shared by its views); fake tensors have one too."""
+    return t.untyped_storage()._cdata
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
