@@ -18,11 +18,13 @@ Each call of an OptimizedLoss:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -217,13 +219,13 @@ class OptimizedLoss(nn.Module):
 
     @property
     def stats(self) -> RunStats:
-        """Calls by path and reason, with the per-site counters of every specialization."""
-        for special in self._specializations:
-            if special.graph_module is None:
-                continue
-            for op in runtime_ops(special.graph_module):
-                self._stats.sites[f"{special.index}:{op.op_id}"] = dict(op.counters)
-        return self._stats
+        """A snapshot: calls by path and reason, with the run-time ops' counters of every
+        specialization (keyed ``index:op``)."""
+        sites = {f"{special.index}:{op.op_id}": dict(op.counters)
+                 for special in self._specializations if special.graph_module is not None
+                 for op in runtime_ops(special.graph_module)}
+        return dataclasses.replace(self._stats, native=Counter(self._stats.native),
+                                   exceptions=list(self._stats.exceptions), sites=sites)
 
     @property
     def passes(self) -> tuple[Pass, ...]:

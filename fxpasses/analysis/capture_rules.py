@@ -71,6 +71,10 @@ def _runtime_uncapturable(p: Probe) -> bool:
     return op is not None and not op.capturable
 
 
+def _host_read_stopped_propagation(p: Probe) -> bool:
+    return p.facts is not None and not p.facts.complete and p.facts.host_read
+
+
 def _no_facts(p: Probe) -> bool:
     return p.runtime_op is None and (p.facts is None or not p.facts.complete)
 
@@ -105,6 +109,8 @@ ROWS: tuple[Row, ...] = (
     Row("grad-mode switch", _grad_switch, False, "op-grad-mode", barrier=True),
     Row("run-time op with effects", _has_effects, False, "op-unknown", barrier=True),
     Row("run-time op that records itself", _runtime_uncapturable, False, "op-unknown"),
+    Row("reads device data on the host; propagation stopped there", _host_read_stopped_propagation,
+        False, "host-sync", barrier=True),
     Row("not reached by shape propagation", _no_facts, False, "op-no-metadata", barrier=True),
     Row("user code (effects unknown)", _user_code, False, "op-unknown", barrier=True),
     Row("writes its inputs or module state", _writes_input, False, "op-in-place", barrier=True),

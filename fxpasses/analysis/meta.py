@@ -94,6 +94,9 @@ class _PartialFakeTensorProp(FakeTensorProp):
             self.failures.append((n, exc))
             n.meta.pop("val", None)
             result, complete = _FAILED, False
+            pending = getattr(self._mode.shape_env, "pending_fresh_unbacked_symbols", None)
+            if pending:  # symbols the failed node created must not fail the next node
+                pending.clear()
         self._record_facts(n, complete)
         return result
 

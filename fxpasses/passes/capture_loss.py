@@ -33,9 +33,6 @@ from ..runtime.paired_capture import CapturedPairedCall
 from ..locations import node_location
 
 _PREFIX = "capture_region_"
-_EXAMPLES = 8
-
-
 def _histogram(nodes: Sequence[fx.Node], verdicts: dict[fx.Node, Verdict]) -> dict[str, int]:
     return dict(Counter(verdicts[n].op for n in nodes).most_common(12))
 
@@ -178,20 +175,20 @@ class CaptureLoss:
         return Certificate.from_checks(self.name, site, the_checks, effect=effect, guards=guards)
 
     def _refusals(self, plan: CapturePlan) -> list[Certificate]:
-        by_code: dict[str, list[fx.Node]] = {}
+        """One certificate per source line whose nodes stay eager, a check per node."""
+        by_line: dict[str, list[fx.Node]] = {}
         for node, verdict in plan.verdicts.items():
             if verdict.code and not isinstance(node.target, RuntimeOp):
-                by_code.setdefault(verdict.code, []).append(node)
+                by_line.setdefault(node_location(node), []).append(node)
         certs = []
-        for code, nodes in by_code.items():
-            examples = tuple(f"{n.name} ({plan.verdicts[n].op}"
-                             f"{', ' + plan.verdicts[n].detail if plan.verdicts[n].detail else ''})"
-                             f" at {node_location(n) or '?'}" for n in nodes[:_EXAMPLES])
-            check = Check("capturable", False, {"nodes": len(nodes), "ops": _histogram(nodes, plan.verdicts),
-                                                "examples": examples}, code)
-            locations = tuple(dict.fromkeys(loc for n in nodes if (loc := node_location(n))))[:_EXAMPLES]
-            site = Site(tuple(n.name for n in nodes), locations, f"{len(nodes)} nodes run eagerly: {code}")
-            certs.append(Certificate.from_checks(self.name, site, [check]))
+        for location, nodes in by_line.items():
+            checks = [Check(f"capturable {n.name}", False, {
+                "op": plan.verdicts[n].op, "statement": n.format_node()[:200],
+                "row": plan.verdicts[n].detail}, plan.verdicts[n].code) for n in nodes]
+            codes = ", ".join(dict.fromkeys(c.code for c in checks))
+            site = Site(tuple(n.name for n in nodes), (location,) if location else (),
+                        f"{len(nodes)} node(s) stay eager: {codes}")
+            certs.append(Certificate.from_checks(self.name, site, checks))
         return certs
 
     def _too_small(self, plan: CapturePlan) -> list[Certificate]:

@@ -39,7 +39,7 @@ _WITNESS_ROWS = ((5, 3), (0, 4), (2, 0))
 
 
 @dataclass
-class CallSite:
+class CallGroup:
     """Calls of one method on one module object."""
 
     module: nn.Module
@@ -73,17 +73,17 @@ def _order_matters(node: fx.Node) -> bool:
 class PairCalls:
     """Pair every group of calls of ``methods`` on one module (see the module docstring).
 
+    ``methods``: method names to pair (default ``log_prob``; ``"forward"`` pairs module calls).
     ``modules``: restrict to these module paths or classes (default: any module).
     ``allow_overrides``: classes whose overriding of inherited scoring code is intended.
     """
 
     name = "PairCalls"
 
-    def __init__(self, methods: Sequence[str] = ("log_prob",), *, modules: Sequence[Any] = (),
-                 allow_overrides: Sequence[type] = ()):
-        if isinstance(methods, str):
-            methods = (methods,)
-        self.methods = tuple(methods)
+    def __init__(self, *methods: str, modules: Sequence[Any] = (), allow_overrides: Sequence[type] = ()):
+        if not all(isinstance(m, str) for m in methods):
+            raise TypeError(f"methods are method names (str), got {methods!r}")
+        self.methods = tuple(methods) or ("log_prob",)
         self.modules = tuple(modules)
         self.allow_overrides = tuple(allow_overrides)
 
@@ -96,8 +96,8 @@ class PairCalls:
             return True
         return any(m == path or (isinstance(m, type) and isinstance(module, m)) for m in self.modules)
 
-    def _call_sites(self, gm: fx.GraphModule) -> list[CallSite]:
-        grouped: dict[tuple[int, str], CallSite] = {}
+    def _call_sites(self, gm: fx.GraphModule) -> list[CallGroup]:
+        grouped: dict[tuple[int, str], CallGroup] = {}
         for node in gm.graph.nodes:
             if node.op == "call_method" and node.target in self.methods \
                     and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr":
@@ -110,7 +110,7 @@ class PairCalls:
             if not self._wanted(path, module):
                 continue
             key = (id(module), method)
-            grouped.setdefault(key, CallSite(module, path, method, [])).calls.append(node)
+            grouped.setdefault(key, CallGroup(module, path, method, [])).calls.append(node)
         return list(grouped.values())
 
     # -- the pass -------------------------------------------------------------------------
@@ -118,7 +118,7 @@ class PairCalls:
         sites = self._call_sites(gm)
         certificates: list[Certificate] = []
         modified = False
-        by_kind: dict[tuple[type, str], list[CallSite]] = defaultdict(list)
+        by_kind: dict[tuple[type, str], list[CallGroup]] = defaultdict(list)
         for s in sites:
             by_kind[(type(s.module), s.method)].append(s)
         for group in by_kind.values():
@@ -137,12 +137,12 @@ class PairCalls:
                     certificates.append(cert)
         return PassResult(gm, modified, certificates)
 
-    def _single(self, s: CallSite) -> Certificate:
+    def _single(self, s: CallGroup) -> Certificate:
         check = Check("has-partner", False, {"module": s.path, "method": s.method, "calls": 1},
                       "pair-single-call")
         return Certificate.from_checks(self.name, s.site(), [check])
 
-    def _different_modules(self, singles: list[CallSite]) -> Certificate:
+    def _different_modules(self, singles: list[CallGroup]) -> Certificate:
         evidence = {"modules": tuple(s.path for s in singles),
                     "ids": tuple(hex(id(s.module)) for s in singles),
                     "class": type(singles[0].module).__qualname__}
@@ -152,7 +152,7 @@ class PairCalls:
                     f"{len(calls)} calls of {singles[0].method} on different modules")
         return Certificate.from_checks(self.name, site, [check])
 
-    def _decide(self, gm: fx.GraphModule, s: CallSite) -> Certificate:
+    def _decide(self, gm: fx.GraphModule, s: CallGroup) -> Certificate:
         module = s.module
         rows_check, analysis = self._row_checks(s)
         the_checks = [
@@ -199,13 +199,13 @@ class PairCalls:
         return Certificate.from_checks(self.name, s.site(), the_checks, effect=effect, guards=guards,
                                        witness=witness)
 
-    def _call_signature(self, s: CallSite) -> Check:
+    def _call_signature(self, s: CallGroup) -> Check:
         bad = [c.name for c in s.calls
                if c.kwargs or len(c.args) != (2 if c.op == "call_method" else 1)]
         return Check("rows-only-argument", not bad, {"calls_with_other_arguments": tuple(bad)},
                      None if not bad else "pair-call-signature")
 
-    def _graph_checks(self, gm: fx.GraphModule, s: CallSite) -> list[Check]:
+    def _graph_checks(self, gm: fx.GraphModule, s: CallGroup) -> list[Check]:
         g = to_digraph(gm.graph)
         dependent = dependent_pairs(g, s.calls)
         independent = Check("calls-independent", not dependent, {
@@ -223,7 +223,7 @@ class PairCalls:
         return [independent, reorder]
 
     @staticmethod
-    def _reordering(gm: fx.GraphModule, s: CallSite, g) -> tuple[list[fx.Node], list[fx.Node]]:
+    def _reordering(gm: fx.GraphModule, s: CallGroup, g) -> tuple[list[fx.Node], list[fx.Node]]:
         """Nodes the rewrite moves after the merged call, and the nodes they jump over."""
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         last = max(s.calls, key=order.__getitem__)
@@ -238,32 +238,34 @@ class PairCalls:
         return moved, jumped
 
     @staticmethod
-    def _trailing(s: CallSite) -> tuple[int, ...]:
+    def _trailing(s: CallGroup) -> tuple[int, ...]:
         return tuple(int(d) for d in value(s.rows(s.calls[0])).shape[1:])
 
-    def _row_checks(self, s: CallSite) -> tuple[list[Check], Any]:
+    def _row_checks(self, s: CallGroup) -> tuple[list[Check], Any]:
+        """Rows with metadata, one layout, row independence: all evaluated (the last on the first
+        branch's layout, whenever that layout is known)."""
         vals = [value(s.rows(c)) if isinstance(s.rows(c), fx.Node) else None for c in s.calls]
-        if any(not isinstance(v, torch.Tensor) for v in vals):
-            check = Check("rows-metadata", False, {"reason": "an input is not a tensor with metadata"},
-                          "rows-analysis-failed")
-            return [check], None
+        tensors = [v for v in vals if isinstance(v, torch.Tensor)]
+        meta = Check("rows-metadata", len(tensors) == len(vals),
+                     {"with_metadata": len(tensors), "calls": len(vals)},
+                     None if len(tensors) == len(vals) else "rows-analysis-failed")
         layout = {"trailing": tuple(tuple(int(d) for d in v.shape[1:]) if v.dim() and not
-                                    is_dynamic(v.shape[1:]) else None for v in vals),
-                  "dtypes": tuple(str(v.dtype) for v in vals),
-                  "devices": tuple(str(v.device) for v in vals)}
-        same = all(t is not None for t in layout["trailing"]) and len(set(layout["trailing"])) == 1
-        shape_check = Check("rows-same-layout", same, layout, None if same else "pair-row-shape-mismatch")
-        if not same:
-            return [shape_check], None
-        v = vals[0]
-        example = torch.randn((5, *layout["trailing"][0]), dtype=v.dtype, device=_real_device(v.device))
+                                    is_dynamic(v.shape[1:]) else None for v in tensors),
+                  "dtypes": tuple(str(v.dtype) for v in tensors),
+                  "devices": tuple(str(v.device) for v in tensors)}
+        same = meta.ok and all(t is not None for t in layout["trailing"]) and len(set(layout["trailing"])) == 1
+        shape = Check("rows-same-layout", same, layout, None if same else "pair-row-shape-mismatch")
+        if not tensors or layout["trailing"][0] is None:
+            return [meta, shape, Check("row-independent", False, {
+                "not_evaluated": "no branch's rows have a known layout"}, "rows-analysis-failed")], None
+        v = tensors[0]
+        example = torch.empty((5, *layout["trailing"][0]), dtype=v.dtype, device=_real_device(v.device))
         with _autocast_off():  # the proof is about the ops; autocast's casts are measured on GPU
             analysis = analyze_rows(s.module, s.method, example)
-        rows = Check("row-independent", analysis.ok, analysis.evidence, analysis.code)
-        return [shape_check, rows], analysis
+        return [meta, shape, Check("row-independent", analysis.ok, analysis.evidence, analysis.code)], analysis
 
     # -- the rewrite ----------------------------------------------------------------------
-    def _rewrite(self, gm: fx.GraphModule, s: CallSite, proof: str) -> tuple[str, ...]:
+    def _rewrite(self, gm: fx.GraphModule, s: CallGroup, proof: str) -> tuple[str, ...]:
         """Replace the calls by one PairedCall and getitems; returns the new nodes' names."""
         graph = gm.graph
         g = to_digraph(graph)

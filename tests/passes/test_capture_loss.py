@@ -6,6 +6,7 @@ semantics (every replay overwrites the same output and gradient tensors) on a CP
 
 from __future__ import annotations
 
+import operator
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from torch import nn
 
 from fxpasses import LeafPolicy, optimize, trace
 from fxpasses.analysis.capture import plan_regions
-from fxpasses.analysis.meta import annotate, fake_mode
+from fxpasses.analysis.meta import annotate, fake_mode, is_dynamic, value
 from fxpasses.passes import CaptureLoss, PairRLE
 from fxpasses.runtime.emulated import EmulatedRecorder
 from fxpasses.testing import assert_equivalent
@@ -57,20 +58,40 @@ def _args(rows=12, seed=0):
 def test_partition_decisions_per_op_class():
     gm = _traced(Mixed(), _args())
     plan = plan_regions(gm, devices=("cpu",), min_region_ops=1)
-    by_name = {n.name: v for n, v in plan.verdicts.items()}
-    assert by_name["sigmoid"].capturable and by_name["sub"].capturable
-    assert by_name["getitem"].code == "host-sync"
-    assert {by_name[n].code for n in ("abs_1", "mul_2", "add", "sum_1")} == {"dynamic-shape"}
-    assert by_name["opaque"].code == "op-unknown" and by_name["opaque"].barrier
-    assert by_name["mul_"].code == "op-in-place" and by_name["mul_"].barrier
-    switches = [v for n, v in by_name.items() if n.startswith("_set_grad_enabled")]
+
+    def by_target(target):
+        return [v for n, v in plan.verdicts.items() if n.target == target]
+
+    assert all(v.capturable for v in by_target("sigmoid") + by_target(operator.sub))
+    (selection,) = [n for n in gm.graph.nodes if n.target is operator.getitem
+                    and plan.verdicts[n].code == "host-sync"]  # diff[mask]
+    downstream = _downstream(selection)  # abs, *2, +1, sum: shapes known only from data
+    assert downstream and {plan.verdicts[n].code for n in downstream} == {"dynamic-shape"}
+    (opaque_call,) = by_target(opaque)
+    assert opaque_call.code == "op-unknown" and opaque_call.barrier
+    (in_place,) = by_target("mul_")
+    assert in_place.code == "op-in-place" and in_place.barrier
+    switches = by_target(torch._C._set_grad_enabled)
     assert len(switches) == 2 and all(v.barrier and v.code == "op-grad-mode" for v in switches)
-    regions = [[n.name for n in r] for r in plan.regions]
-    assert ["sigmoid", "mul", "clamp", "exp", "sqrt"] in regions  # the no_grad block alone
+    nodes = list(gm.graph.nodes)
+    first, second = [i for i, n in enumerate(nodes) if n.target is torch._C._set_grad_enabled]
+    assert nodes[first + 1:second] in plan.regions  # the no_grad block (5 ops) is a region alone
     for region in plan.regions:  # no region spans a barrier
         positions = [list(gm.graph.nodes).index(n) for n in region]
         barriers = [i for i, n in enumerate(gm.graph.nodes) if plan.verdicts[n].barrier]
         assert not any(min(positions) < b < max(positions) for b in barriers)
+
+
+def _downstream(node):
+    """The users of ``node``, transitively while their values have data-dependent shapes."""
+    found, frontier = [], [node]
+    while frontier:
+        for user in frontier.pop().users:
+            if user not in found:
+                found.append(user)
+                if is_dynamic(value(user)):
+                    frontier.append(user)
+    return found
 
 
 def test_regions_need_capture_devices_and_fake_cuda_tensors_plan_on_a_cpu():
