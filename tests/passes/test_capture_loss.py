@@ -241,8 +241,8 @@ def test_pose_loss_with_both_passes_matches_native_in_float64(pose_float64):
 def test_tensor_alpha_changed_between_replays_is_honoured(pose_float64):
     loss, fast = pose_float64
     batch = make_batch(2, seed=7, image_size=96, dtype=torch.float64)
-    for value in (0.25, 0.9):
-        alpha = torch.tensor(value, dtype=torch.float64)
+    for weight in (0.25, 0.9):
+        alpha = torch.tensor(weight, dtype=torch.float64)
         out = fast(batch, alpha)
         assert out.alpha is alpha
         expected = loss(batch, alpha)
