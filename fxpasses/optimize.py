@@ -42,6 +42,7 @@ from .log import logger
 from .pipeline import Pass, PipelineRun, run_pipeline
 from .report import build_report, render_report
 from .runtime import runtime_ops
+from .runtime.abandon import Abandon
 from .signature import CallSignature, flatten_call
 from .stats import RecordedException, RunStats
 from .trace import LeafPolicy, TraceFailure, trace
@@ -149,6 +150,9 @@ class OptimizedLoss(nn.Module):
         try:
             with torch.set_grad_enabled(True):  # restored on every exit, KeyboardInterrupt included
                 flat = gm.forward(*special.signature.tensors(leaves))  # keeps the traceback
+        except Abandon as stop:  # an assumption of this specialization fails for this call only
+            self._stats.abandoned[f"{stop.code} at {stop.where}"] += 1
+            return self._native(args, kwargs, stop.code)
         except Exception as exc:  # never lose the training step
             self._stats.exceptions.append(RecordedException.of(exc, gm, special.index))
             special.disabled = "optimized-path-raised"
@@ -225,6 +229,7 @@ class OptimizedLoss(nn.Module):
                  for special in self._specializations if special.graph_module is not None
                  for op in runtime_ops(special.graph_module)}
         return dataclasses.replace(self._stats, native=Counter(self._stats.native),
+                                   abandoned=Counter(self._stats.abandoned),
                                    exceptions=list(self._stats.exceptions), sites=sites)
 
     @property

@@ -64,6 +64,8 @@ def _render_runtime(report: dict[str, Any]) -> list[str]:
     native = ", ".join(f"{k}: {v}" for k, v in stats["native"].items()) or "none"
     lines = [f"calls: {stats['calls']}  optimized: {stats['optimized']}  "
              f"native: {sum(stats['native'].values())} ({native})"]
+    for where, n in stats.get("abandoned", {}).items():
+        lines.append(f"  abandoned (ran natively): {where}: {n}")
     for site, counters in stats["sites"].items():
         counts = ", ".join(f"{k}: {v}" for k, v in sorted(counters.items()))
         lines.append(f"  site {site}: {counts}")

@@ -44,6 +44,7 @@ class RunStats:
 
     optimized: int = 0
     native: Counter = field(default_factory=Counter)
+    abandoned: Counter = field(default_factory=Counter)  # "code at file:line" of abandoned calls
     exceptions: list[RecordedException] = field(default_factory=list)
     sites: dict[str, dict[str, int]] = field(default_factory=dict)
 
@@ -53,6 +54,7 @@ class RunStats:
 
     def as_dict(self) -> dict[str, Any]:
         return {"calls": self.calls, "optimized": self.optimized, "native": dict(self.native),
+                "abandoned": dict(self.abandoned),
                 "exceptions": [e.as_dict() for e in self.exceptions],
                 "sites": {k: dict(v) for k, v in self.sites.items()}}
 
@@ -60,6 +62,8 @@ class RunStats:
         native = ", ".join(f"{code}: {n}" for code, n in self.native.most_common()) or "none"
         lines = [f"calls: {self.calls}  optimized: {self.optimized}  native: "
                  f"{sum(self.native.values())} ({native})"]
+        for where, n in self.abandoned.most_common():
+            lines.append(f"  abandoned (ran natively): {where}: {n}")
         for site, counters in self.sites.items():
             text = ", ".join(f"{k}: {v}" for k, v in sorted(counters.items()))
             lines.append(f"  site {site}: {text}")

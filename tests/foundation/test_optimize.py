@@ -11,6 +11,7 @@ from torch import nn
 from fxpasses import PassResult, optimize
 from fxpasses.certificates import Certificate, Site
 from fxpasses.runtime import RuntimeOp
+from fxpasses.runtime.abandon import Abandon
 
 
 def _inputs(rows_a, rows_b, seed=0, dtype=torch.float32):
@@ -241,3 +242,44 @@ def test_first_call_under_autocast_returns_real_tensors():
         again = loss(x)  # a real call after it in the same region must see a real cached cast
     assert type(out) is torch.Tensor and type(again) is torch.Tensor
     assert torch.equal(out, again) and out.item() == again.item()
+
+
+class _AbandonOnRequest(RuntimeOp):
+    """Abandons the calls it is told to (an assumption that fails for that call only)."""
+
+    abandon = False
+
+    def propagate(self, x):
+        return x
+
+    def __call__(self, x):
+        if _AbandonOnRequest.abandon:
+            raise Abandon("optimized-path-raised", "here.py:1", "told to")
+        return x
+
+
+class InsertAbandon:
+    name = "insert-abandon"
+
+    def run(self, gm: fx.GraphModule) -> PassResult:
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        (value,) = output.args[0]
+        with gm.graph.inserting_before(output):
+            checked = gm.graph.call_function(_AbandonOnRequest("abandon"), (value,))
+        output.args = ((checked,),)
+        return PassResult(gm, True, [Certificate("insert-abandon", Site((value.name,)), "applied")])
+
+
+def test_an_abandoned_call_runs_natively_and_keeps_the_specialization(two_branch_loss):
+    fast = optimize(two_branch_loss, passes=[InsertAbandon()])
+    values = []
+    for abandon in (False, True, False):
+        a, b = _inputs(4, 3)
+        _AbandonOnRequest.abandon = abandon
+        values.append((fast(a, b), two_branch_loss(a, b)))
+    _AbandonOnRequest.abandon = False
+    assert all(torch.equal(got, want) for got, want in values)
+    stats = fast.stats
+    assert stats.optimized == 2 and stats.native == {"optimized-path-raised": 1}
+    assert stats.abandoned == {"optimized-path-raised at here.py:1": 1}
+    assert all(s.disabled is None for s in fast.specializations)
