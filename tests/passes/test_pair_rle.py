@@ -247,6 +247,27 @@ def test_batchnorm_in_training_inside_the_flow_is_refused_naming_the_op():
     assert "batch_norm" in str(evidence)
 
 
+class CummaxFlow(nn.Module):
+    """cummax along the coordinates: row-wise, but no rule in the table says so."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(2, 2)
+
+    def log_prob(self, x):
+        return torch.cummax(self.inner(x), 1).values.sum(-1)
+
+
+def test_an_op_without_a_row_rule_is_refused_naming_it():
+    loss = SelectedRowsLoss(CummaxFlow())
+    fast = optimize(loss, passes=[PairRLE()])
+    fast(*make_inputs(40, 3, 0.5, 0.5, False, dtype=torch.float32))
+    cert = _only_cert(fast)
+    assert cert.codes == ("rows-op-unknown",)
+    evidence = next(c.evidence for c in cert.checks if c.id == "row-independent")
+    assert evidence["op"].startswith("aten.cummax")
+
+
 def test_every_reason_is_listed_not_just_the_first():
     loss = SelectedRowsLoss().eval()
     loss.flow.couplings[0].register_forward_hook(lambda *args: None)
