@@ -14,13 +14,29 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from ..facts import BucketedSizes, proven
 from .capture_rules import Verdict, launches_kernels, verdict
+from .meta import value
 
 
-def classify(node: fx.Node, devices: Sequence[str] = ("cuda",)) -> Verdict:
+def classify(node: fx.Node, devices: Sequence[str] = ("cuda",),
+             static: frozenset = frozenset()) -> Verdict:
     """Whether ``node`` can be captured, and if not, the reason code (see module docstring)."""
-    return verdict(node, devices)[0]
+    return verdict(node, devices, static)[0]
+
+
+def bucketed_symbols(gm: fx.GraphModule) -> frozenset:
+    """The data-dependent sizes that are bucketed capacities (:class:`~fxpasses.facts.BucketedSizes`):
+    static for one recording, as each bucket value is a recording of its own."""
+    found: set = set()
+    for node in gm.graph.nodes:
+        fact = proven(node, BucketedSizes.kind)
+        if fact is not None and isinstance(value(node), tuple):
+            for size in value(node)[:fact.buckets]:
+                found |= set(free_unbacked_symbols(size))
+    return frozenset(found)
 
 
 @dataclass
@@ -37,7 +53,8 @@ class CapturePlan:
 def plan_regions(gm: fx.GraphModule, devices: Sequence[str] = ("cuda",),
                  min_region_ops: int = 4) -> CapturePlan:
     """Classify every node and group the capturable ones into regions (see module docstring)."""
-    verdicts = {n: classify(n, devices) for n in gm.graph.nodes}
+    static = bucketed_symbols(gm)
+    verdicts = {n: classify(n, devices, static) for n in gm.graph.nodes}
     plan = CapturePlan(verdicts)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for nodes in _grow_regions(gm.graph, verdicts):

@@ -135,11 +135,12 @@ def value(node: fx.Node) -> Any:
     return node.meta.get("val")
 
 
-def is_dynamic(val: Any) -> bool:
-    """Whether any tensor (or integer) in ``val`` has a data-dependent size or value."""
+def is_dynamic(val: Any, static: frozenset = frozenset()) -> bool:
+    """Whether any tensor (or integer) in ``val`` has a data-dependent size or value, other than
+    the symbols in ``static``."""
     for leaf in pytree.tree_leaves(val):
         if isinstance(leaf, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)):
-            if free_unbacked_symbols(leaf):
+            if set(free_unbacked_symbols(leaf)) - static:
                 return True
     return False
 

@@ -56,6 +56,9 @@ _SIZE_ARGUMENTS = frozenset({"size", "sizes", "shape", "length", "end", "repeats
 _MAKE_FX_OPTIONS = {key: False for key in ("_error_on_data_dependent_ops",)
                     if key in inspect.signature(make_fx).parameters}
 UNKNOWN = object()  # the value of a refused op: what depends on it is not analysed further
+# products that sum over an inner dim: their rounding may change with the row count (tiling)
+_CONTRACTING = frozenset(getattr(torch.ops.aten, name) for name in (
+    "linear", "mm", "bmm", "matmul", "addmm", "baddbmm", "mv", "dot"))
 
 
 @dataclass(frozen=True)
@@ -142,7 +145,8 @@ def analyze_function_rows(fn: Any, inputs_at: Any, input_rows: Sequence[int | No
     walk = _Walk(first, second, counts, 0, state_names, input_rows=tuple(input_rows))
     findings = walk.run()
     ops = [n for n in first.graph.nodes if n.op == "call_function"]
-    evidence.update(ops=len(ops),
+    contracting = sum(getattr(n.target, "overloadpacket", None) in _CONTRACTING for n in ops)
+    evidence.update(ops=len(ops), contracting_ops=contracting,
                     op_histogram=dict(Counter(_op_name(n.target) for n in ops).most_common(10)))
     if not findings:
         return FunctionRows(True, None, evidence, tuple(walk.outputs))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -74,6 +74,8 @@ class Reduction:
     dims: tuple[int, ...] | None
     keepdim: bool
     dtype: Any = None
+    rank: int = 0  # of the reduced value
+    per_row: int = 1  # elements reduced per row (a mean divides by count * per_row)
 
 
 @dataclass
@@ -89,7 +91,7 @@ class SpaceAnalysis:
     child_masks: tuple[tuple[str, int], ...] = ()  # (mask node, its row dim): and-ed with valid
     outputs: tuple[tuple[str, int], ...] = ()  # graph outputs carrying rows: sliced to the count
     calls: tuple[str, ...] = ()  # row-independent calls the rows go through
-    boundary: dict = field(default_factory=dict)
+    exits: tuple[tuple[str, int], ...] = ()  # every value whose rows leave other than reduced
 
 
 # -- finding the spaces ----------------------------------------------------------------------
@@ -106,8 +108,13 @@ def is_site(node: fx.Node) -> bool:
         and 0 < m.dim() <= x.dim()
 
 
+_SYMBOLIC = (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
 def symbols_of(val: Any) -> frozenset:
-    return frozenset(free_unbacked_symbols(val)) if val is not None else frozenset()
+    """The data-dependent (unbacked) size symbols in ``val``'s tensors and integers."""
+    return frozenset(s for leaf in pytree.tree_leaves(val) if isinstance(leaf, _SYMBOLIC)
+                     for s in free_unbacked_symbols(leaf))
 
 
 def find_spaces(gm: fx.GraphModule) -> list[Space]:
@@ -238,7 +245,7 @@ def region_of(gm: fx.GraphModule, space: Space) -> _Region:
 
 # -- tracing the region ----------------------------------------------------------------------
 
-def _concrete_size(size: Any, sizes: dict) -> int:
+def concrete_size(size: Any, sizes: dict) -> int:
     if isinstance(size, int):
         return size
     expr = size.node.expr
@@ -265,10 +272,10 @@ def _example(val: Any, sizes: dict, generator: torch.Generator) -> Any:
     if isinstance(val, torch.device):
         return torch.device("cpu")
     if isinstance(val, torch.SymInt):
-        return _concrete_size(val, sizes)
+        return concrete_size(val, sizes)
     if not isinstance(val, torch.Tensor):
         return val
-    shape = [_concrete_size(s, sizes) for s in val.shape]
+    shape = [concrete_size(s, sizes) for s in val.shape]
     if val.dtype.is_floating_point:
         return torch.rand(shape, generator=generator, dtype=torch.float64).to(val.dtype) + 0.5
     if val.dtype == torch.bool:
@@ -290,7 +297,7 @@ def subgraph(gm: fx.GraphModule, nodes: list[fx.Node], variants: dict[fx.Node, d
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {a: graph.placeholder(a.name) for a in inputs}
     for a, p in env.items():
-        p.meta = dict(a.meta)
+        p.meta = {**a.meta, "val": meta_value(a)}
 
     def arg(n: fx.Node) -> fx.Node:
         if n not in env:  # a get_attr
@@ -361,7 +368,8 @@ def analyze_space(gm: fx.GraphModule, space: Space) -> SpaceAnalysis:
     if region.problems:
         evidence.update(reason="; ".join(region.problems[:5]))
         return SpaceAnalysis(space, "rows-analysis-failed", evidence)
-    rows_of: dict[str, Any] = {p.name: RowValue(tuple(), 0) for p in region.producers}
+    rows_of: dict[str, Any] = {p.name: RowValue(_shape_at(value(p), space), 0)
+                               for p in region.producers}
     if region.nodes:
         flow, by_output = _trace_region(gm, region, space)
         evidence.update(flow.evidence)
@@ -369,6 +377,11 @@ def analyze_space(gm: fx.GraphModule, space: Space) -> SpaceAnalysis:
             return SpaceAnalysis(space, flow.code, evidence, tuple(n.name for n in region.nodes))
         rows_of.update(by_output)
     return _boundaries(gm, space, region, rows_of, evidence)
+
+
+def _shape_at(val: torch.Tensor, space: Space) -> tuple[int, ...]:
+    """The shape of a value with the space's rows counted as 1 (the other sizes are static)."""
+    return tuple(concrete_size(s, dict.fromkeys(space.symbols, 1)) for s in val.shape)
 
 
 def _row_dim(found: Any) -> int | None:
@@ -379,9 +392,10 @@ def _boundaries(gm: fx.GraphModule, space: Space, region: _Region, rows_of: dict
                 evidence: dict) -> SpaceAnalysis:
     """Every row-carrying value leaves through a boundary the rewrite handles; else refused."""
     inside = set(region.nodes)
-    reductions, child_masks, outputs, bad = [], [], [], []
+    named = {n.name: n for n in gm.graph.nodes}
+    reductions, child_masks, outputs, exits, bad = [], [], [], [], []
     for name, found in rows_of.items():
-        node = _node(gm, name)
+        node = named[name]
         if isinstance(found, tuple):
             if any(_row_dim(f) is not None for f in found):
                 bad.append((node, "a structure of values carrying rows leaves the region"))
@@ -392,16 +406,18 @@ def _boundaries(gm: fx.GraphModule, space: Space, region: _Region, rows_of: dict
             if dim is None:
                 bad.append((node, "the loss without reduction does not carry the rows"))
             else:
-                reductions.append(_with_row_dim(reduced, dim))
+                reductions.append(_with_rows(reduced, found))
             continue
         if dim is None:
             continue
         for user in node.users:
             if user in inside:
                 continue
-            problem = _boundary(user, node, dim, region, reductions, child_masks, outputs)
+            problem = _boundary(user, node, found, region, reductions, child_masks, outputs)
             if problem:
                 bad.append((user, problem))
+            elif user.op == "output" or is_site(user) or user in region.calls:
+                exits.append((node.name, dim))
     for node, reduced in region.reductions.items():
         if not reduced.argument and not any(r.node == reduced.node for r in reductions):
             bad.append((node, "reduces a value whose rows are not known"))
@@ -409,7 +425,8 @@ def _boundaries(gm: fx.GraphModule, space: Space, region: _Region, rows_of: dict
                               "child_masks": len(child_masks), "sliced_outputs": len(outputs)}
     analysis = SpaceAnalysis(space, None, evidence, tuple(n.name for n in region.nodes),
                              tuple(reductions), tuple(dict.fromkeys(child_masks)),
-                             tuple(dict.fromkeys(outputs)), tuple(c.name for c in region.calls))
+                             tuple(dict.fromkeys(outputs)), tuple(c.name for c in region.calls),
+                             tuple(dict.fromkeys(exits)))
     if bad:
         user, reason = bad[0]
         evidence.update(op=str(getattr(user.target, "__name__", user.target)), node=user.name,
@@ -419,9 +436,10 @@ def _boundaries(gm: fx.GraphModule, space: Space, region: _Region, rows_of: dict
     return analysis
 
 
-def _boundary(user: fx.Node, node: fx.Node, dim: int, region: _Region, reductions: list,
+def _boundary(user: fx.Node, node: fx.Node, found: RowValue, region: _Region, reductions: list,
               child_masks: list, outputs: list) -> str | None:
-    """Record how the rows of ``node`` (on ``dim``) leave through ``user``; a problem, or None."""
+    """Record how the rows of ``node`` leave through ``user``; a problem, or None."""
+    dim = found.rows
     if user.op == "output":
         outputs.append((node.name, dim))
         return None
@@ -435,30 +453,20 @@ def _boundary(user: fx.Node, node: fx.Node, dim: int, region: _Region, reduction
         return None if dim == 0 else f"rows on dim {dim} go into a row-independent call (dim 0)"
     reduced = region.reductions.get(user)
     if reduced is not None and reduced.rows == node.name:
-        rank = value(node).dim()
+        rank = len(found.shape)
         dims = range(rank) if reduced.dims is None else [d % rank for d in reduced.dims]
         if dim not in dims:
             return f"{user.name} reduces dims {list(dims)}, the rows are on dim {dim}"
-        reductions.append(_with_row_dim(reduced, dim))
+        reductions.append(_with_rows(reduced, found))
         return None
     return f"{user.name} reads the rows and is not a reduction the rewrite can mask"
 
 
-def _with_row_dim(reduction: Reduction, dim: int) -> Reduction:
-    return Reduction(reduction.node, reduction.rows, reduction.kind, reduction.argument, dim,
-                     reduction.dims, reduction.keepdim, reduction.dtype)
+def _with_rows(reduction: Reduction, found: RowValue) -> Reduction:
+    rank = len(found.shape)
+    dims = range(rank) if reduction.dims is None else [d % rank for d in reduction.dims]
+    per_row = math.prod(found.shape[d] for d in dims if d != found.rows)
+    return Reduction(reduction.node, reduction.rows, reduction.kind, reduction.argument,
+                     found.rows, reduction.dims, reduction.keepdim, reduction.dtype, rank, per_row)
 
 
-def _node(gm: fx.GraphModule, name: str) -> fx.Node:
-    return next(n for n in gm.graph.nodes if n.name == name)
-
-
-def static_sizes(val: Any) -> tuple[int, ...] | None:
-    """``val``'s shape as ints, or None when a size is symbolic."""
-    if not isinstance(val, torch.Tensor) or symbols_of(val):
-        return None
-    return tuple(int(s) for s in val.shape)
-
-
-def numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)

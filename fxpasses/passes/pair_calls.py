@@ -55,7 +55,7 @@ class CallGroup:
                     description or f"{len(self.calls)} calls of {self.path}.{self.method}")
 
 
-def _order_matters(node: fx.Node) -> bool:
+def order_matters(node: fx.Node) -> bool:
     """Effects that fix a node's place (grad-mode switches are compared separately): writes to
     its inputs or random draws seen in its ops, an impure node, or code whose ops were not seen."""
     if not node.op.startswith("call_") or node.target is torch._C._set_grad_enabled:
@@ -212,7 +212,7 @@ class PairCalls:
             "dependencies": tuple(f"{a} -> {b}" for a, b in dependent), "analysis": "networkx.has_path"},
             None if not dependent else "calls-dependent")
         moved, jumped = self._reordering(gm, s, g) if not dependent else ([], [])
-        mutations = [n.name for n in [*moved, *jumped] if _order_matters(n)]
+        mutations = [n.name for n in [*moved, *jumped] if order_matters(n)]
         modes = grad_modes(gm.graph)
         last = max(s.calls, key=list(gm.graph.nodes).index)
         mode_changes = [n.name for n in moved if modes[n] != modes[last]]
