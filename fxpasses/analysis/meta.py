@@ -48,8 +48,15 @@ class _OpRecorder(TorchDispatchMode):
         self.host |= facts.value_on_host
         out = func(*args, **kwargs)
         if facts.data_dependent and not facts.value_on_host:  # a shape known only from data?
-            self.host |= is_dynamic(out)
+            self.host |= bool(_size_symbols(out) - _size_symbols((args, kwargs)))
         return out
+
+
+def _size_symbols(val: Any) -> set:
+    """Unbacked symbols in the sizes of ``val``'s tensors: an op whose output has one its inputs
+    lack (nonzero, a boolean mask) made a shape from data; ``table[index]`` did not."""
+    return {s for t in pytree.tree_leaves(val) if isinstance(t, torch.Tensor)
+            for s in free_unbacked_symbols(tuple(t.shape))}
 
 
 class _PartialFakeTensorProp(FakeTensorProp):

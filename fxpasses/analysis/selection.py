@@ -112,9 +112,11 @@ _SYMBOLIC = (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
 def symbols_of(val: Any) -> frozenset:
-    """The data-dependent (unbacked) size symbols in ``val``'s tensors and integers."""
+    """The data-dependent (unbacked) symbols in the sizes of ``val``'s tensors and in its
+    integers (not in strides or offsets: the second part of a split starts at the first's count)."""
     return frozenset(s for leaf in pytree.tree_leaves(val) if isinstance(leaf, _SYMBOLIC)
-                     for s in free_unbacked_symbols(leaf))
+                     for s in free_unbacked_symbols(
+                         tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else leaf))
 
 
 def find_spaces(gm: fx.GraphModule) -> list[Space]:
@@ -232,7 +234,8 @@ def region_of(gm: fx.GraphModule, space: Space) -> _Region:
             continue
         if node.op == "call_function" and node.target is operator.getitem and \
                 proven(node.args[0], RowIndependentCall.kind) is not None:
-            producers.append(node)
+            if carries(node):  # the part of a row-independent call that returns these rows
+                producers.append(node)
             continue
         found = _reduction(node, carries)
         if found is not None:

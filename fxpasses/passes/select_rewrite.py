@@ -76,7 +76,14 @@ def rewrite_level(gm: fx.GraphModule, analyses: list[SpaceAnalysis], level_id: s
     result.grouped = anchor is not None and len(spaces) > 1
     groups = [list(range(len(spaces)))] if anchor is not None else [[i] for i in range(len(spaces))]
     for number, members in enumerate(groups):
-        last_count = max((counts[i] for i in members), key=_order(graph).__getitem__)
+        order = _order(graph)
+        last_count = max((counts[i] for i in members), key=order.__getitem__)
+        if len(members) > 1 and order[anchor] > order[last_count]:
+            # the read comes where the moved nodes go (past a grad-mode switch back to theirs),
+            # so that no host read is left inside a block of another grad mode
+            for count in sorted((counts[i] for i in members), key=order.__getitem__):
+                anchor.append(count)
+                anchor = last_count = count
         where = [node_location(named[spaces[i][0].space.sites[0]]) or spaces[i][0].space.mask
                  for i in members]
         op = ReadCounts(f"read_counts_{level_id}_{number}", where, min_bucket)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
+import operator
 from typing import Any
 
 import torch
@@ -30,7 +31,9 @@ from ..analysis.selection import (SpaceAnalysis, concrete_size, meta_value, subg
                                   symbols_of)
 from ..certificates import Witness
 from ..pipeline import copy_graph_module
+from ..runtime import RuntimeOp
 from ..runtime.abandon import Abandon
+from ..runtime.select import ReadCounts
 from .select_rewrite import rewrite_level
 
 WITNESS_BUCKET = 4
@@ -40,11 +43,25 @@ _POISON = (math.nan, math.inf, -math.inf)
 
 
 def level_module(gm: fx.GraphModule, analyses: list[SpaceAnalysis]) -> fx.GraphModule:
-    """The level's sites, regions and reductions as one GraphModule of their inputs."""
-    names = {s for a in analyses for s in (*a.space.sites, *a.region, *(r.node for r in a.reductions))}
-    nodes = [n for n in gm.graph.nodes if n.name in names]
+    """The level's sites, regions, reductions and row-independent calls (with their parts) as
+    one GraphModule of their inputs."""
+    names = {s for a in analyses for s in (*a.space.sites, *a.region, *a.calls,
+                                            *(r.node for r in a.reductions))}
+    nodes = [n for n in gm.graph.nodes if n.name in names or
+             (n.op == "call_function" and n.target is operator.getitem and
+              isinstance(n.args[0], fx.Node) and n.args[0].name in names and n.args[0].name in
+              {c for a in analyses for c in a.calls})]
     module, _, _ = subgraph(gm, nodes)
     return module
+
+
+class _Witnessed(fx.Interpreter):
+    """Runs a level: a run-time op other than the host read computes without its counters."""
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        if isinstance(target, RuntimeOp) and not isinstance(target, ReadCounts):
+            return target.propagate(*args, **kwargs)
+        return super().call_function(target, args, kwargs)
 
 
 def selection_witness(gm: fx.GraphModule, analyses: list[SpaceAnalysis], seed: int = 0) -> Witness:
@@ -133,7 +150,7 @@ def _run(module: fx.GraphModule, inputs: list[Any], seed: int) -> tuple[list[Any
     module = copy.deepcopy(module).to(torch.float64)
     inputs = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
               for x in inputs]
-    outputs = pytree.tree_leaves(module(*inputs))
+    outputs = pytree.tree_leaves(_Witnessed(module).run(*inputs))
     wrt = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
     wrt += [p for p in module.parameters() if p.requires_grad]
     objective = sum(((o * torch.randn(o.shape, generator=torch.Generator().manual_seed(seed + i),
