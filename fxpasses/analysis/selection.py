@@ -58,6 +58,7 @@ class Space:
     symbols: frozenset  # sympy symbols of this space's row count (this annotation only)
     parent: str | None
     level: int
+    rank: int  # of the mask: the leading dims of every source it selects from
 
 
 @dataclass(frozen=True)
@@ -131,11 +132,13 @@ def find_spaces(gm: fx.GraphModule) -> list[Space]:
     for mask in sorted(by_mask, key=order.__getitem__):
         sites = by_mask[mask]
         inherited = symbols_of(value(mask))
-        own = frozenset().union(*(symbols_of(value(s)) for s in sites)) - inherited
+        carried = frozenset().union(*(symbols_of(value(s.args[0])) for s in sites))
+        own = frozenset().union(*(symbols_of(value(s)) for s in sites)) - inherited - carried
         parents = {owner[s] for s in inherited if s in owner}
         parent = next(iter(parents)) if len(parents) == 1 else None
         level = spaces[parent].level + 1 if parent else (1 if not inherited else 0)
-        spaces[mask.name] = Space(mask.name, tuple(s.name for s in sites), own, parent, level)
+        spaces[mask.name] = Space(mask.name, tuple(s.name for s in sites), own, parent, level,
+                                  value(mask).dim())
         for symbol in own:
             owner[symbol] = mask.name
     return list(spaces.values())

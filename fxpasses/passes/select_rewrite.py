@@ -63,7 +63,8 @@ def rewrite_level(gm: fx.GraphModule, analyses: list[SpaceAnalysis], level_id: s
     """
     graph = gm.graph
     named = {n.name: n for n in graph.nodes}
-    spaces = [(a, masks.get(a.space.mask, named[a.space.mask])) for a in analyses]
+    spaces = [(a, masks[a.space.mask] if a.space.mask in masks else named[a.space.mask])
+              for a in analyses]
     counts = []
     for a, mask in spaces:
         with graph.inserting_after(mask):
@@ -135,7 +136,7 @@ def _space(gm: fx.GraphModule, analysis: SpaceAnalysis, mask: fx.Node, count: fx
         placed.append(cursor)
         return cursor
 
-    dims = value(named[analysis.space.mask]).dim()  # (a child's mask is the and-node made for it)
+    dims = analysis.space.rank
     flat = add(torch.flatten, mask) if dims > 1 else mask
     found = add(torch.squeeze, add(torch.nonzero_static, flat, size=capacity, fill_value=-1), -1)
     index = add(torch.where, add(operator.ge, found, 0), found, add(torch.amax, found))
@@ -143,6 +144,7 @@ def _space(gm: fx.GraphModule, analysis: SpaceAnalysis, mask: fx.Node, count: fx
     valid = add(operator.lt, positions, count)
     invalid = add(operator.invert, valid)
     result.valid[analysis.space.mask] = (valid, count)
+    ranks = {name: value(named[name]).dim() for name, _ in analysis.child_masks}  # before rewriting
     for name in analysis.space.sites:  # x[m] ==> x.flatten(0, m.dim() - 1).index_select(0, idx)
         site = named[name]
         source = site.args[0]
@@ -158,7 +160,7 @@ def _space(gm: fx.GraphModule, analysis: SpaceAnalysis, mask: fx.Node, count: fx
     for name, dim in analysis.child_masks:  # y[m2] ==> y[m2 & valid]: never a padding row
         child = named[name]
         with graph.inserting_after(child):
-            shaped = _made(graph.call_method("view", (valid, _along(dim, value(child).dim()))), child)
+            shaped = _made(graph.call_method("view", (valid, _along(dim, ranks[name]))), child)
         with graph.inserting_after(shaped):
             kept = _made(graph.call_function(operator.and_, (child, shaped)), child)
         for user in list(child.users):

@@ -34,6 +34,7 @@ with the rest of the region and PairRLE then pairs two calls on padded rows.
 from __future__ import annotations
 
 import dataclasses
+import traceback
 from typing import Any
 
 import torch
@@ -134,8 +135,10 @@ class SelectRows:
             with torch.random.fork_rng(devices=[]):
                 witness = selection_witness(gm, analyses)
         except Exception as exc:  # the native level itself failing on witness inputs included
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
             return None, Check("witness", False, {"exception": type(exc).__name__,
-                                                  "message": str(exc)[:300]},
+                                                  "message": str(exc)[:300],
+                                                  "raised_at": f"{frame.filename}:{frame.lineno}"},
                                "select-witness-mismatch")
         holds = witness.max_abs_value_diff <= 1e-9 and witness.max_abs_grad_diff <= 1e-9
         return witness, Check("witness", holds, {

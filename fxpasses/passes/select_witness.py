@@ -38,6 +38,7 @@ from .select_rewrite import rewrite_level
 
 WITNESS_BUCKET = 4
 PARENT_ROWS = 6  # the row count of the parent level in a child level's witness
+MAX_MASK_ELEMENTS = 256
 TOLERANCE = 1e-9  # relative, in float64
 _POISON = (math.nan, math.inf, -math.inf)
 
@@ -65,35 +66,62 @@ class _Witnessed(fx.Interpreter):
 
 
 def selection_witness(gm: fx.GraphModule, analyses: list[SpaceAnalysis], seed: int = 0) -> Witness:
-    """Compare the level's native and rewritten function (see the module docstring)."""
+    """Compare the level's native and rewritten function (see the module docstring).
+
+    The masks (and the leading dims of what they select from) are shrunk to at most
+    ``MAX_MASK_ELEMENTS`` positions: the level's ops see only rows, whatever their number. If the
+    native level does not run at the shrunk shapes, it runs at the traced ones.
+    """
     native = level_module(gm, analyses)
     rewritten = copy_graph_module(native)
     rewrite_level(rewritten, analyses, "witness", WITNESS_BUCKET, {}, "witness", slice_exits=True)
     rewritten.recompile()
     placeholders = [n for n in native.graph.nodes if n.op == "placeholder"]
-    masks = {a.space.mask for a in analyses}
+    masks = sorted({a.space.mask for a in analyses})
     sources = {n.args[0].name: n.args[1].name for n in native.graph.nodes
                if n.name in {s for a in analyses for s in a.space.sites}}
     parents = frozenset().union(*(symbols_of(meta_value(p)) for p in placeholders))
     sizes = dict.fromkeys(parents, PARENT_ROWS)
-    numels = [math.prod(concrete_size(s, sizes) for s in value(_named(native, m)).shape)
-              for m in sorted(masks)]
-    worst_value = worst_grad = 0.0
-    cases: dict[str, Any] = {}
-    for case, counts in _cases(numels):
-        generator = torch.Generator().manual_seed(seed + len(cases))
-        chosen = {m: _mask(value(_named(native, m)), sizes, n, generator)
-                  for m, n in zip(sorted(masks), counts)}
-        inputs = [_input(p, chosen, sources, sizes, generator) for p in placeholders]
-        value_gap, grad_gap, outcome = _compare(native, rewritten, inputs, seed, 0 in counts)
-        cases[case] = {"selected": tuple(counts), **outcome}
-        worst_value, worst_grad = max(worst_value, value_gap), max(worst_grad, grad_gap)
+    traced = {m: tuple(concrete_size(s, sizes) for s in value(_named(native, m)).shape)
+              for m in masks}
+    try:
+        shapes = {m: _shrunk(shape) for m, shape in traced.items()}
+        cases = _run_cases(native, rewritten, placeholders, shapes, sources, sizes, seed)
+    except Exception:  # the level reads the mask's sizes somewhere: witness it as traced
+        shapes = traced
+        cases = _run_cases(native, rewritten, placeholders, shapes, sources, sizes, seed)
     return Witness(seed=seed, dtype="torch.float64",
-                   shapes={"mask_elements": tuple(numels), "witness_bucket": WITNESS_BUCKET,
-                           "parent_rows": PARENT_ROWS if parents else None, "cases": cases},
-                   max_abs_value_diff=worst_value, max_abs_grad_diff=worst_grad,
+                   shapes={"masks": {m: shapes[m] for m in masks},
+                           "traced_masks": {m: traced[m] for m in masks},
+                           "witness_bucket": WITNESS_BUCKET,
+                           "parent_rows": PARENT_ROWS if parents else None,
+                           "cases": {k: v[2] for k, v in cases.items()}},
+                   max_abs_value_diff=max(v[0] for v in cases.values()),
+                   max_abs_grad_diff=max(v[1] for v in cases.values()),
                    compared=("values (relative to 1 + |native|)", "input gradients",
                              "parameter gradients", "abandon on an empty selection"))
+
+
+def _shrunk(shape: tuple[int, ...]) -> tuple[int, ...]:
+    shape = list(shape)
+    while math.prod(shape) > MAX_MASK_ELEMENTS:
+        largest = shape.index(max(shape))
+        shape[largest] = (shape[largest] + 1) // 2
+    return tuple(shape)
+
+
+def _run_cases(native: fx.GraphModule, rewritten: fx.GraphModule, placeholders: list[fx.Node],
+               shapes: dict[str, tuple[int, ...]], sources: dict[str, str], sizes: dict,
+               seed: int) -> dict[str, tuple[float, float, dict]]:
+    masks = sorted(shapes)
+    out = {}
+    for case, counts in _cases([math.prod(shapes[m]) for m in masks]):
+        generator = torch.Generator().manual_seed(seed + len(out))
+        chosen = {m: _mask(shapes[m], n, generator) for m, n in zip(masks, counts)}
+        inputs = [_input(p, chosen, sources, sizes, generator) for p in placeholders]
+        gaps = _compare(native, rewritten, inputs, seed, 0 in counts)
+        out[case] = (gaps[0], gaps[1], {"selected": tuple(counts), **gaps[2]})
+    return out
 
 
 def _named(gm: fx.GraphModule, name: str) -> fx.Node:
@@ -110,8 +138,7 @@ def _cases(numels: list[int]) -> list[tuple[str, list[int]]]:
     return out
 
 
-def _mask(val: torch.Tensor, sizes: dict, count: int, generator: torch.Generator) -> torch.Tensor:
-    shape = [concrete_size(s, sizes) for s in val.shape]
+def _mask(shape: tuple[int, ...], count: int, generator: torch.Generator) -> torch.Tensor:
     chosen = torch.randperm(math.prod(shape), generator=generator)[:count]
     flat = torch.zeros(math.prod(shape), dtype=torch.bool)
     flat[chosen] = True
@@ -132,9 +159,11 @@ def _input(node: fx.Node, masks: dict, sources: dict, sizes: dict,
     if not isinstance(val, torch.Tensor):
         return val
     shape = [concrete_size(s, sizes) for s in val.shape]
+    mask = masks.get(sources.get(node.name))
+    if mask is not None:  # the selected dims as the (shrunk) mask's
+        shape[:mask.dim()] = mask.shape
     if val.dtype.is_floating_point:
         x = torch.rand(shape, generator=generator, dtype=torch.float64) + 0.5
-        mask = masks.get(sources.get(node.name))
         if mask is not None:  # unselected positions must never matter
             poison = torch.tensor(_POISON, dtype=torch.float64)[torch.arange(x[~mask].numel()) % 3]
             x[~mask] = poison.view(-1, *x.shape[mask.dim():]) if x.dim() > mask.dim() \
