@@ -258,3 +258,22 @@ def test_the_witness_catches_an_unmasked_reduction(monkeypatch):
     assert {c.codes for c in certificates if c.effect["level"] == 1} == {("select-witness-mismatch",)}
     assert {c.codes for c in certificates if c.effect["level"] == 2} == {("select-parent-refused",)}
     assert not any(n.target is torch.nonzero_static for n in fast.graph_module.graph.nodes)
+
+
+class ReturnsRows(nn.Module):
+    """Selected rows handed to the caller: sliced back to the real rows, bit for bit."""
+
+    def forward(self, points, fg):
+        return (points[fg] * 2).tanh()
+
+
+def test_rows_returned_to_the_caller_are_the_real_rows_exactly():
+    points, _, _, fg, _ = branch_inputs("random", 6, poison=True)
+    module = ReturnsRows()
+    fast, certs = _select_certificates(module, points, fg)
+    (cert,) = certs.values()
+    assert cert.applied and cert.effect["numeric_class"] == "exact"
+    for mode in ("full", "reached", "exceeded", "random"):
+        points, _, _, fg, _ = branch_inputs(mode, 7, poison=True)
+        got, want = fast(points, fg), module(points, fg)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
