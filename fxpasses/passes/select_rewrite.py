@@ -246,6 +246,9 @@ def _placement(graph: fx.Graph, sites: list[fx.Node], counts: list[fx.Node], gro
         switch = next((n for n in graph.nodes if order[n] > order[last]
                        and n.target is torch._C._set_grad_enabled and n.args[0] in wanted), None)
         anchor = switch
+    if anchor is not None:  # what depends on the moved nodes before the anchor moves too
+        moved = [n for n in graph.nodes if n in dependents and order[n] < order[anchor]]
+        wanted = {modes[n] for n in moved}
     jumped = [n for n in graph.nodes if anchor is not None and order[moved[0]] < order[n]
               <= order[anchor] and n not in dependents]
     effects = [n.name for n in [*moved, *jumped]
