@@ -31,7 +31,8 @@ def counts(batch_size: int, image: int, steps: int) -> None:
         devices=("cpu",), recorder=EmulatedRecorder())])
     start = time.perf_counter()
     fast(make_batch(batch_size, seed=0, image_size=image)).total.backward()
-    print(f"first call (trace, passes, recordings) {time.perf_counter() - start:.1f} s")
+    print(f"first call (trace, passes, recordings) {time.perf_counter() - start:.1f} s; "
+          f"pipeline steps: {[(s.step, round(s.seconds, 1)) for s in fast.specializations[0].run.snapshots]}")
     certificates = fast.certificates
     regions = [c for c in certificates if c.pass_name == "CaptureLoss" and c.applied]
     print(f"regions: {len(regions)}; per-pass: "
@@ -80,7 +81,8 @@ def float64_differences(batch_size: int, image: int) -> None:
             runs.append((values, grads))
         (v0, g0), (v1, g1) = runs
         for a, b in zip(v0, v1):
-            worst["value"] = max(worst["value"], float(((a - b).abs() / (1 + a.abs())).max()))
+            gap = ((a - b).abs() / (1 + a.abs())).max().item()
+            worst["value"] = max(worst["value"], gap)
         for a, b in zip(g0, g1):
             if a is not None and b is not None and a.numel():
                 worst["grad"] = max(worst["grad"], float(((a - b).abs() / (1 + a.abs())).max()))

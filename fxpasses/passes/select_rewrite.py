@@ -78,18 +78,19 @@ def rewrite_level(gm: fx.GraphModule, analyses: list[SpaceAnalysis], level_id: s
     groups = [list(range(len(spaces)))] if anchor is not None else [[i] for i in range(len(spaces))]
     for number, members in enumerate(groups):
         order = _order(graph)
-        last_count = max((counts[i] for i in members), key=order.__getitem__)
-        if len(members) > 1 and order[anchor] > order[last_count]:
-            # the read comes where the moved nodes go (past a grad-mode switch back to theirs),
-            # so that no host read is left inside a block of another grad mode
+        read_after = max((counts[i] for i in members), key=order.__getitem__)
+        if len(members) > 1 and order[anchor] > order[read_after]:
+            # the counts end the block before the grad-mode switch back to the moved nodes'
+            # mode, the read and the level's new nodes follow it, with the moved nodes
             for count in sorted((counts[i] for i in members), key=order.__getitem__):
-                anchor.append(count)
-                anchor = last_count = count
+                anchor.prepend(count)
+            read_after = anchor
         where = [node_location(named[spaces[i][0].space.sites[0]]) or spaces[i][0].space.mask
                  for i in members]
         op = ReadCounts(f"read_counts_{level_id}_{number}", where, min_bucket)
-        with graph.inserting_after(last_count):
-            read = _made(graph.call_function(op, tuple(counts[i] for i in members)), last_count)
+        with graph.inserting_after(read_after):
+            read = _made(graph.call_function(op, tuple(counts[i] for i in members)),
+                         counts[members[-1]])
         prove(read, BucketedSizes(proof, len(members)))
         result.reads.append(read.name)
         parts, cursor = [], read
