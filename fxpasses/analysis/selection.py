@@ -227,8 +227,9 @@ def region_of(gm: fx.GraphModule, space: Space) -> _Region:
         if node.op in ("placeholder", "get_attr", "output") or \
                 not any(carries(a) for a in node.all_input_nodes):
             continue
-        if "val" not in node.meta:
-            problems.append(f"{node.name} has no metadata")
+        facts = node_facts(node)
+        if facts is None or not facts.complete:
+            problems.append(f"{node.name} was not reached by shape propagation")
             continue
         if is_site(node):  # a child's selection: a boundary
             continue

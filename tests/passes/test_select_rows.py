@@ -277,3 +277,16 @@ def test_rows_returned_to_the_caller_are_the_real_rows_exactly():
         points, _, _, fg, _ = branch_inputs(mode, 7, poison=True)
         got, want = fast(points, fg), module(points, fg)
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_selections_run_inside_cuda_graphs_and_match_native():
+    torch.manual_seed(0)
+    loss = TwoLevelLoss().double().cuda()
+    fast = optimize(loss, passes=[PairRLE(), SelectRows(min_bucket=4), CaptureLoss(max_recordings=64)])
+    for seed, modes in enumerate([("random", "random"), ("full", "reached"), ("exceeded", "random"),
+                                  ("random", "empty"), ("random", "random")]):
+        assert_same(loss, fast, [a.cuda() for a in inputs(*modes, seed)])
+    counters = [v for k, v in fast.stats.sites.items() if "capture_region" in k]
+    assert counters and all("capture-failed" not in v and v.get("replayed", 0) for v in counters)
+    assert fast.stats.native == {"selection-empty": 1}
