@@ -65,7 +65,9 @@ class Space:
 class Reduction:
     """A reduction over the rows the rewrite masks: ``kind`` (sum or mean) of ``rows`` over
     ``dims`` (None: all) with ``keepdim``; ``rows`` is the node's input, or, for a loss with a
-    ``reduction`` argument (``argument=True``), the node itself called with ``reduction="none"``."""
+    ``reduction`` argument (``argument=True``), the node itself called with ``reduction="none"``.
+    Such a loss's mean is taken as the mean of its unreduced elements; a loss that weighs them
+    otherwise (``nll_loss`` with class weights) has no row rule, and the witness would see it."""
 
     node: str
     rows: str
@@ -209,10 +211,6 @@ class _Region:
     problems: list[str]
 
 
-def _projections(call: fx.Node) -> list[fx.Node]:
-    return [u for u in call.users if u.op == "call_function" and u.target is operator.getitem]
-
-
 def region_of(gm: fx.GraphModule, space: Space) -> _Region:
     """The nodes that read the space's rows, less boundaries (see the module docstring)."""
     def carries(n: fx.Node) -> bool:
@@ -291,10 +289,10 @@ def _example(val: Any, sizes: dict, generator: torch.Generator) -> Any:
 
 
 def subgraph(gm: fx.GraphModule, nodes: list[fx.Node], variants: dict[fx.Node, dict] | None = None,
-             extra_outputs: list[fx.Node] = ()) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
+             ) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
     """``nodes`` (in graph order) as a GraphModule of their inputs (placeholders named as the
     nodes they stand for; ``get_attr`` nodes are copied), returning every node used outside
-    ``nodes`` (and ``extra_outputs``). ``variants``: keyword overrides for some nodes."""
+    ``nodes``. ``variants``: keyword overrides for some nodes."""
     inside = set(nodes)
     inputs: list[fx.Node] = []
     for node in nodes:
@@ -316,7 +314,7 @@ def subgraph(gm: fx.GraphModule, nodes: list[fx.Node], variants: dict[fx.Node, d
         env[node] = graph.node_copy(node, arg)
         if variants and node in variants:
             env[node].kwargs = {**node.kwargs, **variants[node]}
-    outputs = [n for n in nodes if any(u not in inside for u in n.users) or n in extra_outputs]
+    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
     graph.output(tuple(env[o] for o in outputs))
     return fx.GraphModule(gm, graph), inputs, outputs
 

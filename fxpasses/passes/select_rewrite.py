@@ -41,9 +41,8 @@ from .pair_calls import order_matters
 
 @dataclass
 class Rewritten:
-    """The new nodes of the level's spaces, by mask name, for children and certificates."""
+    """What the rewrite of a level did, for its certificates."""
 
-    valid: dict[str, tuple[fx.Node, fx.Node]] = field(default_factory=dict)  # (valid, count)
     reads: list[str] = field(default_factory=list)  # ReadCounts node names
     grouped: bool = False
     placement: dict = field(default_factory=dict)  # evidence of the grouping decision
@@ -103,7 +102,7 @@ def rewrite_level(gm: fx.GraphModule, analyses: list[SpaceAnalysis], level_id: s
         for k, i in enumerate(members):
             analysis, mask = spaces[i]
             cursor = _space(gm, analysis, mask, counts[i], parts[k], parts[len(members) + k],
-                            cursor, masks, result, slice_exits)
+                            cursor, masks, slice_exits)
     return result
 
 
@@ -124,17 +123,15 @@ def _order(graph: fx.Graph) -> dict[fx.Node, int]:
 
 def _space(gm: fx.GraphModule, analysis: SpaceAnalysis, mask: fx.Node, count: fx.Node,
            capacity: fx.Node, host_count: fx.Node, cursor: fx.Node, masks: dict[str, fx.Node],
-           result: Rewritten, slice_exits: bool) -> fx.Node:
+           slice_exits: bool) -> fx.Node:
     """Index, validity and every rewrite of one space; returns the last node placed at ``cursor``."""
     graph = gm.graph
     named = {n.name: n for n in graph.nodes}
-    placed: list[fx.Node] = []
 
     def add(target: Any, *args: Any, **kwargs: Any) -> fx.Node:
         nonlocal cursor
         with graph.inserting_after(cursor):
             cursor = _made(graph.call_function(target, args, kwargs), mask)
-        placed.append(cursor)
         return cursor
 
     dims = analysis.space.rank
@@ -144,7 +141,6 @@ def _space(gm: fx.GraphModule, analysis: SpaceAnalysis, mask: fx.Node, count: fx
     positions = add(torch.arange, capacity, device=add(getattr, mask, "device"))
     valid = add(operator.lt, positions, count)
     invalid = add(operator.invert, valid)
-    result.valid[analysis.space.mask] = (valid, count)
     ranks = {name: value(named[name]).dim() for name, _ in analysis.child_masks}  # before rewriting
     for name in analysis.space.sites:  # x[m] ==> x.flatten(0, m.dim() - 1).index_select(0, idx)
         site = named[name]
