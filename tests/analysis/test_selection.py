@@ -103,3 +103,13 @@ def test_regions_after_select_rows_contract_without_cycles():
         devices=("cpu",), recorder=EmulatedRecorder(), min_region_ops=1)])
     torch.testing.assert_close(captured(*_args()), module(*_args()), rtol=1e-12, atol=1e-12)
     assert all(c.decision != "failed" for c in captured.certificates)
+
+
+def test_a_witness_difference_of_nan_against_a_number_is_infinite():
+    import math
+
+    from fxpasses.analysis.witness import _max_abs
+    nan, inf = math.nan, math.inf
+    assert _max_abs([torch.tensor([1.0, nan, inf])], [torch.tensor([1.0, nan, inf])]) == 0.0
+    assert _max_abs([torch.tensor([1.0, 2.0])], [torch.tensor([1.0, nan])]) == inf
+    assert _max_abs([torch.tensor([inf])], [torch.tensor([-inf])]) == inf
