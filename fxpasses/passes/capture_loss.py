@@ -1,11 +1,11 @@
 """CaptureLoss: CUDA-graph capture of the loss's capturable regions, forward and backward.
 
 The graph is partitioned (:mod:`fxpasses.analysis.capture`) into maximal regions of capturable
-nodes; each region is fused into a submodule by torch.fx's ``fuse_by_partitions`` and its call is
+nodes; each region is fused into a submodule (:mod:`fxpasses.analysis.fusion`) and its call is
 replaced by a :class:`~fxpasses.runtime.capture.CapturedRegion`, which records and replays it
 (:mod:`fxpasses.runtime.capture`). Everything else runs eagerly between regions. Certificates: one
-per region (applied), one per refusal code (the nodes and ops that stay eager, and why), and one
-per paired call site: inside a region when its shapes are static; otherwise, when the rows are on
+per region (applied), one per source line whose nodes stay eager (a check per node, with its
+code), and one per call proven row-independent by an earlier pass (``fxpasses.facts``): inside a region when its shapes are static; otherwise, when the rows are on
 a capture device and zero padding rows are inert (a float64 witness), its one flow call is recorded
 per power-of-two row bucket (:mod:`fxpasses.runtime.paired_capture`).
 """
@@ -18,9 +18,9 @@ from typing import Sequence
 
 import torch
 import torch.fx as fx
-from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
 from ..analysis.capture import CapturePlan, Verdict, plan_regions
+from ..analysis.fusion import fuse_region
 from ..analysis.meta import tensors_in, value
 from ..analysis.witness import padding_witness, witness_holds
 from ..certificates import Certificate, Check, Guard, Site
@@ -82,7 +82,7 @@ class CaptureLoss:
         paired = [self._row_independent_call(gm, node, fact, plan) for node, fact in calls]
         regions = [self._capture_padded(gm, node, fact) for (node, fact), cert in zip(calls, paired)
                    if cert.applied and not any(node in r for r in plan.regions)]  # (else in a region)
-        if plan.regions:  # fuse_by_partitions rebuilds the graph: other rewrites come before it
+        if plan.regions:
             regions += self._fuse(gm, plan)
         if regions:
             self._own_outputs(gm, regions)
@@ -103,13 +103,7 @@ class CaptureLoss:
 
     # -- rewrite --------------------------------------------------------------------------
     def _fuse(self, gm: fx.GraphModule, plan: CapturePlan) -> list[CapturedRegion]:
-        partitions = [dict.fromkeys(nodes) for nodes in plan.regions]
-        try:
-            fuse_by_partitions(gm, partitions, prefix=_PREFIX)
-        except TypeError:  # torch < 2.6 has no prefix argument
-            fuse_by_partitions(gm, partitions)
-        fused = [n for n in gm.graph.nodes if n.op == "call_module" and
-                 n.target.startswith((_PREFIX, "fused_"))]
+        fused = [fuse_region(gm, nodes, f"{_PREFIX}{i}") for i, nodes in enumerate(plan.regions)]
         regions = []
         for node in fused:
             # parameters and buffers passed in (get_attr) are read in place, never copied
@@ -146,7 +140,7 @@ class CaptureLoss:
             Check("static-shapes", True, {"evidence": "no unbacked (data-dependent) size in any "
                                           "node's FakeTensorProp metadata"}),
             Check("on-capture-device", True, {"devices": self.devices}),
-            Check("no-barrier-inside", True, {"partitioner": "fxpasses convex greedy regions; fuse_by_partitions",
+            Check("no-barrier-inside", True, {"partitioner": "fxpasses convex greedy regions; fxpasses.analysis.fusion",
                                               "split_at": "grad-mode switches, ops writing their inputs, "
                                                           "user code, nodes without metadata"}),
         ]
