@@ -21,10 +21,10 @@ from .images import ImageBatch, make_image_batch
 from .inputs import BranchPrediction, DualLossOutput, PoseLossInputs, PoseTargets, input_order
 from .loss import COCO_OKS_SIGMAS, DualBranchPoseLoss, KeypointRows
 from .network import NetworkOutput, PoseHead, PoseNetwork, loss_inputs
-from .training import forward_backward, train_step
+from .training import forward_backward, graph_network, train_step
 
 __all__ = ["Assignment", "BranchPrediction", "COCO_OKS_SIGMAS", "DualBranchPoseLoss",
            "DualLossOutput", "ImageBatch", "KeypointRows", "NetworkOutput", "PoseHead",
            "PoseLossInputs", "PoseNetwork", "PoseTargets", "RealNVP", "STRIDES", "SplitRealNVP",
-           "TaskAlignedAssigner", "forward_backward", "input_order", "loss_inputs",
-           "make_anchors", "make_batch", "make_image_batch", "train_step"]
+           "TaskAlignedAssigner", "forward_backward", "graph_network", "input_order",
+           "loss_inputs", "make_anchors", "make_batch", "make_image_batch", "train_step"]

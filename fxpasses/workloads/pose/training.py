@@ -5,11 +5,11 @@
     for step in range(steps):
         value = train_step(network, loss, optimizer, make_image_batch(16, seed=step))
 
-``network`` may be wrapped (DistributedDataParallel, a forward replayed as a CUDA graph) and
-``loss_fn`` optimized: the step only calls them. Under ``autocast`` (a dtype such as
-``torch.bfloat16``) the forward and the loss run in ``torch.autocast`` on the images' device
-type with the weight-cast cache off, as CUDA graph replay of an autocast forward requires; every
-arm of a comparison uses the same setting.
+``network`` may be wrapped (DistributedDataParallel, or its forward replayed as a CUDA graph by
+:func:`graph_network`) and ``loss_fn`` optimized: the step only calls them. Under ``autocast`` (a
+dtype such as ``torch.bfloat16``) the forward and the loss run in ``torch.autocast`` on the
+images' device type with the weight-cast cache off, as CUDA graph replay of an autocast forward
+requires; every arm of a comparison uses the same setting.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from .images import ImageBatch
-from .network import loss_inputs
+from .network import PoseNetwork, loss_inputs
 
 
 def autocast_context(device_type: str, dtype: torch.dtype | None) -> Any:
@@ -48,3 +48,20 @@ def train_step(network: nn.Module, loss_fn: Callable, optimizer: torch.optim.Opt
     total = forward_backward(network, loss_fn, batch, autocast=autocast)
     optimizer.step()
     return total
+
+
+def graph_network(network: PoseNetwork, images: Tensor, *,
+                  autocast: torch.dtype | None = None) -> PoseNetwork:
+    """Replay ``network``'s training forward and backward as CUDA graphs, for images like these.
+
+    ``torch.cuda.make_graphed_callables`` on the module: the eager kernels, recorded once after
+    three warm-up iterations (which also update BatchNorm's running statistics), replayed with the
+    parameters in place; later calls must pass images of the same shape, dtype and device, in
+    training mode and under the same ``autocast``. The anchor grid is cached first, so that no
+    host-to-device copy is captured; the head's flow, which only the loss calls, is an unused
+    input of the graphs (``allow_unused_input``). Returns the network, its forward replaced.
+    """
+    head = network.model[-1]
+    head.anchors(images.shape[-1], head.one2many.box[0][-1].weight.dtype, images.device)
+    with autocast_context(images.device.type, autocast):
+        return torch.cuda.make_graphed_callables(network, (images,), allow_unused_input=True)
