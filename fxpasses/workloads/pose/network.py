@@ -46,8 +46,13 @@ class NetworkOutput(NamedTuple):
 
 
 def loss_inputs(output: NetworkOutput, targets: PoseTargets) -> PoseLossInputs:
-    """What :class:`DualBranchPoseLoss` reads: the network's output and the batch's targets."""
-    return PoseLossInputs(output.o2m, output.o2o, targets, output.anchors, output.strides)
+    """What :class:`DualBranchPoseLoss` reads: the network's output and the batch's targets.
+
+    The anchor grid is passed detached: it is a constant, but a forward replayed by
+    ``torch.cuda.make_graphed_callables`` returns every output as differentiable.
+    """
+    return PoseLossInputs(output.o2m, output.o2o, targets, output.anchors.detach(),
+                          output.strides.detach())
 
 
 class Conv(nn.Sequential):
