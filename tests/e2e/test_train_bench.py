@@ -9,11 +9,23 @@ from pathlib import Path
 
 import pytest
 
+from fxpasses import log
+
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "train.py"
 
 
+@pytest.fixture
+def restored_logging():
+    """The script turns fxpasses' logging on (a handler on this test's captured stderr)."""
+    handlers, level, handler = list(log.logger.handlers), log.logger.level, log._handler
+    yield
+    log.logger.handlers[:] = handlers
+    log.logger.setLevel(level)
+    log._handler = handler
+
+
 @pytest.mark.slow
-def test_training_benchmark_on_a_cpu_in_float64(tmp_path, capsys, monkeypatch):
+def test_training_benchmark_on_a_cpu_in_float64(tmp_path, capsys, monkeypatch, restored_logging):
     spec = importlib.util.spec_from_file_location("bench_train", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, bench)  # dataclasses look their module up
