@@ -11,7 +11,10 @@ Arms, each with its own copy of the network (same initial weights) and its own o
 * ``graphed``: the network's forward and backward replayed as CUDA graphs, native loss;
 * ``both``: the graphed network and the optimized loss;
 * ``network-only`` (calibration): the network with a trivial loss (the mean of its outputs), so
-  that ``1 - network-only / native`` is the loss's share of a native step.
+  that ``1 - network-only / native`` is the loss's share of a native step;
+* ``native-perturbed`` (control): native, its initial parameters multiplied by ``1 + eps * n``
+  (``n`` standard normal, ``eps`` the dtype's machine epsilon). Training amplifies rounding
+  differences step by step; this arm's agreement with native is the yardstick for the others'.
 
 The network is graphed with ``torch.cuda.make_graphed_callables`` rather than
 ``torch.compile(mode="reduce-overhead")``: it replays the eager kernels themselves (no fusion), so
@@ -62,7 +65,7 @@ try:  # the benchmark helpers may move from fxpasses/ into bench/ (issue 11)
 except ImportError:
     from benchmark import LAUNCH_EVENTS, SYNC_EVENTS  # bench/benchmark.py, next to this script
 
-ARMS = ("native", "optimized", "graphed", "both", "network-only")
+ARMS = ("native", "optimized", "graphed", "both", "network-only", "native-perturbed")
 NEEDS_CUDA = {"graphed": "the forward is replayed with torch.cuda.make_graphed_callables",
               "both": "the forward is replayed with torch.cuda.make_graphed_callables"}
 AGREEMENT_STEPS = 20
@@ -98,6 +101,15 @@ def trivial_loss(inputs: Any) -> SimpleNamespace:
     return SimpleNamespace(total=sum(t.mean() for t in leaves))
 
 
+def perturb(network: nn.Module) -> None:
+    """Multiply every parameter by 1 + eps * n: a rounding-sized change (see the docstring)."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in network.parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            p.mul_((1 + torch.finfo(p.dtype).eps * noise).to(p.device, p.dtype))
+
+
 def build_arm(name: str, base: PoseNetwork, args: argparse.Namespace) -> Arm:
     network = copy.deepcopy(base)
     loss: Callable = DualBranchPoseLoss(flow=network.model[-1].flow_model).to(args.device,
@@ -106,6 +118,8 @@ def build_arm(name: str, base: PoseNetwork, args: argparse.Namespace) -> Arm:
         loss = optimize(loss, passes=[PairRLE(), CaptureLoss()])
     elif name == "network-only":
         loss = trivial_loss
+    elif name == "native-perturbed":
+        perturb(network)
     optimizer = torch.optim.AdamW(network.parameters(), lr=args.lr)
     return Arm(name, network, loss, optimizer, name in ("graphed", "both"),
                torch.bfloat16 if args.autocast else None)

@@ -35,11 +35,13 @@ def test_training_benchmark_on_a_cpu_in_float64(tmp_path, capsys, monkeypatch, r
                        "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "train.json").read_text())
     arms = report["result"]["arms"]
-    assert set(arms) == {"native", "optimized", "network-only"}
+    assert set(arms) == {"native", "optimized", "network-only", "native-perturbed"}
     assert set(report["result"]["skipped"]) == {"graphed", "both"}
     assert report["result"]["steps_per_arm"] == 1 + 1 + 20 + 1 + 20
     agreement = arms["optimized"]["agreement"]
     assert agreement["loss_max_rel"] < 1e-10 and agreement["params_max_rel_l2"] < 1e-10, agreement
+    control = arms["native-perturbed"]["agreement"]
+    assert 0 < control["params_max_rel_l2"] < 1e-10, control  # rounding-sized, and not zero
     assert arms["optimized"]["loss_stats"] == {"optimized": 43, "native": {}, "exceptions": []}
     assert "PairRLE: applied" in arms["optimized"]["certificates"]
     text = (tmp_path / "train.md").read_text()
