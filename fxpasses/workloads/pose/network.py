@@ -10,8 +10,8 @@ stages whose last element is the head; the head keeps the RLE flow as ``flow_mod
 calling it (the loss does), so the flow's parameters are the network's parameters, trained by the
 network's optimizer and seen by DistributedDataParallel.
 
-* backbone: five stride-2 stages (Conv-BN-SiLU, then ``depth`` residual blocks); the stride
-  8, 16 and 32 stages feed the head;
+* backbone: five stride-2 stages (Conv-BN-SiLU; the last four then ``depth`` residual blocks);
+  the stride 8, 16 and 32 stages feed the head;
 * head: two branches (one-to-many, one-to-one), each with a box, a class and a keypoint path per
   level (3x3 Conv-BN-SiLU, then a 1x1 convolution). As in ultralytics' end-to-end heads, the
   one-to-one branch reads detached features: its loss trains the head only;
