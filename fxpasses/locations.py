@@ -17,6 +17,7 @@ from __future__ import annotations
 import linecache
 import os
 import re
+import sysconfig
 import traceback
 from dataclasses import dataclass
 
@@ -26,13 +27,18 @@ import torch.fx as fx
 TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
 _WORKLOADS_DIR = os.path.join(_OWN_DIR, "workloads")
+_STDLIB = sysconfig.get_paths()["stdlib"]
+_INSTALLED = tuple({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)')
 
 
 def is_user_file(path: str) -> bool:
-    """Frames outside torch and fxpasses' machinery (the bundled workloads are user code)."""
+    """Frames outside torch, fxpasses' machinery and Python's standard library (the bundled
+    workloads and installed third-party packages are user code)."""
     if path.startswith(_WORKLOADS_DIR):
         return True
+    if path.startswith(_STDLIB) and not path.startswith(_INSTALLED):
+        return False
     return not path.startswith((TORCH_DIR, _OWN_DIR, "<"))
 
 

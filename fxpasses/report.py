@@ -66,6 +66,8 @@ def _render_runtime(report: dict[str, Any]) -> list[str]:
              f"native: {sum(stats['native'].values())} ({native})"]
     for where, n in stats.get("abandoned", {}).items():
         lines.append(f"  abandoned (ran natively): {where}: {n}")
+    for what, n in stats.get("retraced", {}).items():
+        lines.append(f"  traced again, an assumption changed: {what}: {n}")
     for site, counters in stats["sites"].items():
         counts = ", ".join(f"{k}: {v}" for k, v in sorted(counters.items()))
         lines.append(f"  site {site}: {counts}")

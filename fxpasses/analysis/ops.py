@@ -108,6 +108,29 @@ def is_torch_code(node: fx.Node, module: nn.Module | None = None) -> bool:
     return False
 
 
+def _aten_packet(name: str) -> Any:
+    """``torch.ops.aten.<name>`` if it is an op (not one of the namespace's own attributes)."""
+    packet = getattr(torch.ops.aten, name, None) if not name.startswith("__") or name.startswith("__i") else None
+    return packet if isinstance(packet, torch._ops.OpOverloadPacket) else None
+
+
+# Python's in-place operator protocol on tensors, as the aten ops that implement it
+_IN_PLACE_DUNDERS = {"__iadd__": "add_", "__isub__": "sub_", "__imul__": "mul_",
+                     "__itruediv__": "div_", "__ifloordiv__": "floor_divide_",
+                     "__imod__": "remainder_", "__ipow__": "pow_"}
+
+
+@functools.lru_cache(maxsize=None)
+def method_writes_self(name: str) -> bool:
+    """Whether ``tensor.<name>(...)`` writes to ``tensor``, from the schemas of the aten op of
+    that name (``add_``: ``Tensor(a!) self``); ``x += y`` is ``__iadd__``, that is ``add_``."""
+    packet = _aten_packet(_IN_PLACE_DUNDERS.get(name, name))
+    if packet is None:
+        return False
+    return any(a.name == "self" and a.alias_info is not None and a.alias_info.is_write
+               for overload in packet.overloads() for a in getattr(packet, overload)._schema.arguments)
+
+
 # Python's in-place operators (``x += y`` traces as operator.iadd); conservative: a few extras
 # such as ``index`` match the pattern too and count as writing.
 _IN_PLACE_OPERATORS = frozenset(n for n in dir(operator) if n.startswith("i") and hasattr(operator, f"__{n}__"))
@@ -124,7 +147,7 @@ def may_write_inputs(node: fx.Node) -> bool:
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
     if node.op == "call_function" and (node.target is getattr or node.target in vars(operator).values()):
         return str(name) in _IN_PLACE_OPERATORS  # operator.iadd and friends write; the rest read
-    packet = getattr(torch.ops.aten, str(name), None) if name else None
+    packet = _aten_packet(str(name)) if name else None
     if packet is None:
         return True
     schemas = [getattr(packet, o)._schema for o in packet.overloads()]

@@ -28,12 +28,27 @@ class Code:
 
 _CODES = (
     # -- tracing and the pipeline -----------------------------------------------------------
-    Code("trace-control-flow", "refusal",
-         "Python control flow (if/while/bool/int) depends on a traced tensor value.",
-         "Declare the function that branches a leaf: optimize(..., leaf_functions=[fn])."),
+    Code("trace-unsupported", "refusal",
+         "The loss does something a concrete trace cannot record (its values leave torch: "
+         ".numpy(), backward() inside the loss, an in-place write to a tensor the trace does not "
+         "follow, autocast switched inside the loss).",
+         "Declare the function that does it a leaf: optimize(..., leaf_functions=[fn])."),
     Code("trace-failed", "refusal",
-         "Symbolic tracing of the loss raised an exception.",
+         "Tracing the loss raised an exception.",
          "Declare the failing function or module a leaf, or simplify the code at the named line."),
+    Code("trace-write-before-guard", "refusal",
+         "The loss writes to an input, a parameter or a buffer before a data-dependent decision "
+         "the trace guards: a call that decides otherwise could not be abandoned without a "
+         "visible effect.", "Move the in-place update after the decision, or out of the loss."),
+    Code("assumption-changed", "guard",
+         "A value the trace read from the loss's state (an attribute, a dict of gains, a global, "
+         "an argument's field, a module's identity) changed; the loss was traced again for it "
+         "(or ran natively once the specializations were spent).",
+         "Expected when settings change; floats read as arithmetic are inputs and never cause it."),
+    Code("guard-failed", "guard",
+         "A decision the trace took on a value (a size, if mask.any(), an .item()) went the "
+         "other way in this call; the optimized call was abandoned and ran natively.",
+         "Expected on unusual batches; a decision that keeps failing gets its own trace."),
     Code("pass-raised", "failure",
          "A pass raised an exception; the graph from before the pass was kept.",
          "Report it with the certificate JSON; the loss keeps its previous graph."),
