@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..runtime import propagating_call
@@ -66,8 +66,10 @@ class _PartialFakeTensorProp(FakeTensorProp):
         self._recorder: _OpRecorder | None = None
 
     def _recorded(self, run, target: Any, args: tuple, kwargs: dict, state: Sequence[torch.Tensor] = ()):
-        watched = {storage_id(t) for t in [*pytree.tree_leaves((args, kwargs)), *state]
-                   if isinstance(t, torch.Tensor)}
+        tensors = [t for t in [*pytree.tree_leaves((args, kwargs)), *state] if isinstance(t, torch.Tensor)]
+        # a real tensor (a parameter, a buffer) reaches the ops as its memoized fake copy
+        tensors += [self._mode.from_tensor(t) for t in tensors if not isinstance(t, FakeTensor)]
+        watched = {storage_id(t) for t in tensors}
         self._recorder = _OpRecorder(watched)
         with self._recorder:
             return run(target, args, kwargs)

@@ -50,12 +50,21 @@ class AtenFacts:
     computes: bool  # returns a tensor that is not a view of an argument: a kernel runs
 
 
+# Ops whose schema does not mark arguments they write: batch norm updates its running statistics
+# in training mode, but ``native_batch_norm``'s schema declares them read-only.
+_UNDECLARED_WRITES = {"native_batch_norm": ("running_mean", "running_var"),
+                      "cudnn_batch_norm": ("running_mean", "running_var"),
+                      "miopen_batch_norm": ("running_mean", "running_var")}
+
+
 @functools.lru_cache(maxsize=None)
 def aten_facts(op: Any) -> AtenFacts:
     """The facts of an aten ``OpOverload`` (an op without a schema has none of them)."""
     schema = getattr(op, "_schema", None)
     arguments = schema.arguments if schema is not None else ()
     written = tuple(a.name for a in arguments if a.alias_info is not None and a.alias_info.is_write)
+    packet = getattr(getattr(op, "overloadpacket", None), "__name__", "")
+    written += tuple(n for n in _UNDECLARED_WRITES.get(packet, ()) if n not in written)
     returns = schema.returns if schema is not None else ()
     aliased = tuple(a.name for a in arguments if a.alias_info is not None and not a.alias_info.is_write
                     and any(r.alias_info is not None for r in returns))

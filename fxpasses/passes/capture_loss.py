@@ -29,10 +29,19 @@ from ..pipeline import PassResult
 from ..runtime import RuntimeOp
 from ..runtime.capture import CapturedRegion, Recorder
 from ..runtime.ownership import OwnedOutputs
+from ..runtime.trace_ops import ReadSource, ReadState
 from ..runtime.paired_capture import CapturedPairedCall
 from ..locations import node_location
 
 _PREFIX = "capture_region_"
+def _is_state(arg: object) -> bool:
+    """A value the graph reads from the loss's state (a parameter, a buffer, a tensor attribute)
+    rather than computes or receives as input: replays read it in place."""
+    if not isinstance(arg, fx.Node):
+        return False
+    return arg.op == "get_attr" or (arg.op == "call_function" and isinstance(arg.target, (ReadState, ReadSource)))
+
+
 def _histogram(nodes: Sequence[fx.Node], verdicts: dict[fx.Node, Verdict]) -> dict[str, int]:
     return dict(Counter(verdicts[n].op for n in nodes).most_common(12))
 
@@ -106,9 +115,8 @@ class CaptureLoss:
         fused = [fuse_region(gm, nodes, f"{_PREFIX}{i}") for i, nodes in enumerate(plan.regions)]
         regions = []
         for node in fused:
-            # parameters and buffers passed in (get_attr) are read in place, never copied
-            identity = frozenset(i for i, a in enumerate(node.args)
-                                 if isinstance(a, fx.Node) and a.op == "get_attr")
+            # parameters, buffers and other state read by the graph are used in place, never copied
+            identity = frozenset(i for i, a in enumerate(node.args) if _is_state(a))
             region = CapturedRegion(node.target, gm.get_submodule(node.target), identity=identity,
                                     max_recordings=self.max_recordings, recorder=self.recorder)
             with gm.graph.inserting_before(node):

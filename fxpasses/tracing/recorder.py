@@ -269,11 +269,11 @@ class Recorder:
         else:
             op, target = "call_function", func
         node = self.node(op, target, self.arg(node_args), self.arg(dict(kwargs)))
-        if method_writes_self(name):
+        if method_writes_self(name):  # in place: later uses of the tensor follow this node
             self._written(args[0], node)
-        if args and out is args[0] and isinstance(out, TracedTensor):  # later uses follow this node
-            out._fx_node = node
-            return out
+            return args[0]
+        if args and out is args[0]:  # returned its input unchanged (x.to(x.dtype)): a new alias
+            out = out.as_subclass(TracedTensor)
         return self.wrap(out, node)
 
     def _written(self, tensor: Any, node: fx.Node) -> None:
