@@ -46,7 +46,8 @@ from .specialize import Specialization, build
 from .stats import RecordedException, RunStats
 from .trace import LeafPolicy
 
-_RETRACE_AFTER = 2  # calls abandoned in a row at one guard before that path gets its own trace
+_RETRACE_AFTER = 2  # calls in a row abandoned by every trace before the next call is traced
+_ABANDONED = object()
 _WHOLE_LOSS_KINDS = ("hooks", "methods", "modules", "modes")
 
 
@@ -109,6 +110,8 @@ class OptimizedLoss(nn.Module):
         self._current: Specialization | None = None
         self._tracing = threading.Lock()
         self._refusal = "specialization-budget"  # why the last specialization was not made
+        self._abandon_streak = 0  # calls in a row that every matching trace abandoned
+        self._abandon_code = "guard-failed"
 
     def _whole_loss(self) -> tuple[Assumption, ...]:
         roots = LossRoots(self._loss, (), self._guarded_modules, self._classes)
@@ -132,32 +135,39 @@ class OptimizedLoss(nn.Module):
                                                       self._classes))
         if failed is not None:
             return self._native(args, kwargs, failed.code)
-        special = self._choose(leaves, spec)
-        if special is None:
+        candidates = self._candidates(leaves, spec)
+        if not candidates or self._abandon_streak >= _RETRACE_AFTER:
             special = self._specialize(args, kwargs)
-            if special is None:
+            if special is None and not candidates:
                 return self._native(args, kwargs, self._refusal)
-        self._current = special
-        if special.disabled is not None:
-            return self._native(args, kwargs, special.disabled)
-        return self._run(special, args, kwargs, leaves)
+            candidates = [special] if special is not None else candidates
+        for special in candidates:  # most recently useful first
+            self._current = special
+            if special.disabled is not None:
+                return self._native(args, kwargs, special.disabled)
+            result = self._run(special, args, kwargs, leaves)
+            if result is not _ABANDONED:
+                self._abandon_streak = 0
+                return result
+        self._abandon_streak += 1  # every trace's decisions failed: a path of its own, soon
+        return self._native(args, kwargs, self._abandon_code)
 
-    def _choose(self, leaves: list[Any], spec: Any) -> Specialization | None:
-        """The most recently useful specialization that covers the call and whose assumptions
-        hold; None (and the first failed assumption counted) when none does."""
-        failed: Assumption | None = None
+    def _candidates(self, leaves: list[Any], spec: Any) -> list[Specialization]:
+        """The specializations that cover the call and whose assumptions hold, most recently
+        useful first; when none does, the first failed assumption is counted."""
+        found, failed = [], None
         for special in self._specializations:
             if not special.covers(leaves, spec):
                 continue
-            if special.disabled is not None or special.streak < _RETRACE_AFTER:
-                bad = special.failing(self._loss, leaves) if special.disabled is None else None
-                if bad is None:
-                    return special
+            bad = special.failing(self._loss, leaves) if special.disabled is None else None
+            if bad is None:
+                found.append(special)
+            else:
                 failed = failed or bad
-        if failed is not None:
+        if not found and failed is not None:
             self._stats.retraced[f"{failed.source} ({failed.location})"] += 1
             note(failed.code)
-        return None
+        return found
 
     def _specialize(self, args: tuple, kwargs: dict) -> Specialization | None:
         if not self._tracing.acquire(blocking=False):  # another thread is optimizing
@@ -180,16 +190,15 @@ class OptimizedLoss(nn.Module):
         try:
             with torch.set_grad_enabled(True):  # restored on every exit, KeyboardInterrupt included
                 flat = gm.forward(*special.signature.inputs(leaves))  # keeps the traceback
-        except Abandon as stop:  # an assumption of this specialization fails for this call only
+        except Abandon as stop:  # a decision of this trace goes the other way in this call
             special.abandoned[stop.where] += 1
-            special.streak += 1
             self._stats.abandoned[f"{stop.code} at {stop.where}"] += 1
-            return self._native(args, kwargs, stop.code)
+            self._abandon_code = stop.code
+            return _ABANDONED
         except Exception as exc:  # never lose the training step
             self._stats.exceptions.append(RecordedException.of(exc, gm, special.index))
             special.disabled = "optimized-path-raised"
             return self._native(args, kwargs, "optimized-path-raised")
-        special.streak = 0
         self._stats.optimized += 1
         if self._specializations[0] is not special:  # most recently useful first
             self._specializations.remove(special)

@@ -43,7 +43,6 @@ class Specialization:
     disabled: str | None = None  # a reason code once this specialization must not run
     seconds: dict[str, float] = field(default_factory=dict)
     abandoned: Counter = field(default_factory=Counter)  # guard location -> calls abandoned there
-    streak: int = 0  # calls abandoned in a row
 
     def covers(self, leaves: list[Any], spec: Any) -> bool:
         return self.signature.matches(leaves, spec)

@@ -93,6 +93,8 @@ class ObjectTracker:
         cls = type(obj)
         if not isinstance(obj, nn.Module) and _is_user_class(cls):
             self._patch_class(cls)
+        elif not isinstance(obj, nn.Module) and is_container(obj):  # its reads cannot be followed
+            self._assume("contents", source, snapshot(obj), _shown(obj))
         if isinstance(obj, nn.Module):
             if source.root != ("loss",) or source.path:  # the loss module is not its own child
                 self.recorder.module_path(obj, _hint(source))
