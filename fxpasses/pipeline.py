@@ -27,7 +27,7 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 import torch.fx as fx
 
-from .analysis.meta import annotate
+from .analysis.meta import annotate, annotate_new
 from .certificates import Certificate, Check, Site, pass_counters
 from .locations import node_location
 from .log import logger
@@ -161,7 +161,7 @@ def run_pipeline(gm: fx.GraphModule, passes: Sequence[Pass],
             certificates.append(_failure(p.name, "lint-failed", exc, {}, before))
             continue
         if example_tensors is not None and result.modified:
-            failures = annotate(result.graph_module, example_tensors)
+            failures = annotate_new(result.graph_module)
             new = [(n, e) for n, e in failures if n.name not in _unannotated(current)]
             if new:
                 node, exc = new[0]

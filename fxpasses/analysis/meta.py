@@ -15,7 +15,9 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
+from torch.fx.experimental.symbolic_shapes import (GuardOnDataDependentSymNode,
+                                                   PendingUnbackedSymbolNotFound, ShapeEnv,
+                                                   free_unbacked_symbols)
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -90,9 +92,12 @@ class _PartialFakeTensorProp(FakeTensorProp):
             return _FAILED
         self._recorder = None
         try:
-            result = super().run_node(n)
+            result = self._run_tolerating_consumed_scalars(n)
             complete = True
         except Exception as exc:
+            if isinstance(exc, GuardOnDataDependentSymNode) and _host_scalar(n):
+                self._record_facts(n, True)  # ``bool(n == 0)`` feeding a guard: no tensor
+                return None                   # metadata depends on its value
             self.failures.append((n, exc))
             n.meta.pop("val", None)
             result, complete = _FAILED, False
@@ -100,6 +105,23 @@ class _PartialFakeTensorProp(FakeTensorProp):
             if pending:  # symbols the failed node created must not fail the next node
                 pending.clear()
         self._record_facts(n, complete)
+        return result
+
+    def _run_tolerating_consumed_scalars(self, n: fx.Node) -> Any:
+        """Run ``n``; an op that reads a tensor's value and uses it inside (``torch.full(size,
+        fill_tensor)``) leaves a data-dependent symbol no output holds, which FakeTensorProp
+        reports as an error: such a node is run again with those symbols allowed to vanish (the
+        host read itself is in the node's facts)."""
+        shape_env = self._mode.shape_env
+        try:
+            result = super().run_node(n)
+        except PendingUnbackedSymbolNotFound:
+            shape_env.pending_fresh_unbacked_symbols.clear()
+            with shape_env.ignore_fresh_unbacked_symbols():
+                result = super().run_node(n)
+        for symbol in n.meta.get("unbacked_bindings", {}):
+            if symbol.is_integer:  # a size read from data: decide as sizes >= 2, as torch's
+                shape_env._constrain_range_for_size(symbol, min=2)  # size-oblivious tests do
         return result
 
     def _record_facts(self, n: fx.Node, complete: bool) -> None:
@@ -113,6 +135,13 @@ class _PartialFakeTensorProp(FakeTensorProp):
 
 
 _FAILED = object()
+
+
+def _host_scalar(n: fx.Node) -> bool:
+    """A Python-level computation on sizes (``bool``, ``==``...), not a tensor op."""
+    target = n.target
+    return n.op == "call_function" and (target in (bool, int, float) or
+                                        getattr(target, "__module__", None) in ("_operator", "operator"))
 
 
 def annotate(gm: fx.GraphModule, example_tensors: Sequence[torch.Tensor]) -> list[tuple[fx.Node, Exception]]:
@@ -129,8 +158,51 @@ def annotate(gm: fx.GraphModule, example_tensors: Sequence[torch.Tensor]) -> lis
     fakes = [mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t
              for t in example_tensors]
     prop = _PartialFakeTensorProp(gm, mode)
-    prop.propagate_dont_convert_inputs(*fakes)
+    with _quiet_shape_env():
+        prop.propagate_dont_convert_inputs(*fakes)
+    for node in gm.graph.nodes:
+        node.meta[_ANNOTATED] = True
+    gm.meta[_FAKE_MODE] = mode
     return prop.failures
+
+
+def annotate_new(gm: fx.GraphModule) -> list[tuple[fx.Node, Exception]]:
+    """Metadata for the nodes a pass added to an annotated graph, in the same fake mode (the
+    others keep theirs): cheap where :func:`annotate` propagates the whole graph again."""
+    mode = gm.meta[_FAKE_MODE]
+    prop = _PartialFakeTensorProp(gm, mode)
+    with mode, _quiet_shape_env():
+        for node in gm.graph.nodes:
+            if node.meta.get(_ANNOTATED):
+                prop.env[node] = _FAILED if "val" not in node.meta and node.op.startswith("call") \
+                    and NODE_FACTS not in node.meta else node.meta.get("val")
+                continue
+            if node.op == "output":
+                continue
+            prop.env[node] = prop.run_node(node)
+            node.meta[_ANNOTATED] = True
+    return prop.failures
+
+
+_ANNOTATED = "fxpasses.annotated"
+_FAKE_MODE = "fxpasses.fake_mode"
+
+
+def _quiet_shape_env():
+    """Shape propagation with real values logs each decision it takes from them: keep it quiet."""
+    import contextlib
+    import logging
+    logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+
+    @contextlib.contextmanager
+    def quiet():
+        previous = logger.level
+        logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            logger.setLevel(previous)
+    return quiet()
 
 
 def value(node: fx.Node) -> Any:
