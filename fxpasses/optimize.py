@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,10 +39,11 @@ from .guards import AMBIENT_GUARDS, LossState, ambient_difference, ambient_state
 from .log import logger
 from .pipeline import Pass, PipelineRun, run_pipeline
 from .report import build_report, render_report
-from .runtime import runtime_sites
+from .runtime import runtime_ops
 from .signature import CallSignature, flatten_call
-from .stats import RecordedException, RunStats, failing_node
-from .trace import LeafPolicy, TraceFailure, node_location, trace
+from .locations import node_location
+from .stats import RecordedException, RunStats
+from .trace import LeafPolicy, TraceFailure, trace
 
 _SCALARS = (bool, int, float, str, type(None))
 
@@ -102,6 +106,16 @@ class OptimizedLoss(nn.Module):
         self._specializations: list[Specialization] = []
         self._stats = RunStats()
         self._current: Specialization | None = None
+        self._tracing = threading.Lock()
+
+    # -- pickling: the loss and the options travel; optimization happens again after loading ---
+    def __getstate__(self) -> dict[str, Any]:
+        return {"loss": self._loss, "passes": self._passes, "policy": self._policy,
+                "max_specializations": self._max_specializations}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        OptimizedLoss.__init__(self, state["loss"], state["passes"], state["policy"],
+                               state["max_specializations"])
 
     # -- the call ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -114,9 +128,16 @@ class OptimizedLoss(nn.Module):
         attributes = scalar_attributes(self._loss)
         special = self._find(leaves, spec, attributes)
         if special is None:
-            if len(self._specializations) >= self._max_specializations:
-                return self._native(args, kwargs, "specialization-budget")
-            special = self._specialize(args, kwargs, spec, attributes)
+            if not self._tracing.acquire(blocking=False):  # another thread is optimizing
+                return self._native(args, kwargs, "concurrent-call")
+            try:
+                special = self._find(leaves, spec, attributes)
+                if special is None:
+                    if len(self._specializations) >= self._max_specializations:
+                        return self._native(args, kwargs, "specialization-budget")
+                    special = self._specialize(args, kwargs, spec, attributes)
+            finally:
+                self._tracing.release()
         self._current = special
         if special.disabled is not None:
             return self._native(args, kwargs, special.disabled)
@@ -125,11 +146,10 @@ class OptimizedLoss(nn.Module):
             return self._native(args, kwargs, reason)
         gm = special.graph_module
         try:
-            flat = gm(*special.signature.tensors(leaves))
+            with torch.set_grad_enabled(True):  # restored on every exit, KeyboardInterrupt included
+                flat = gm.forward(*special.signature.tensors(leaves))  # keeps the traceback
         except Exception as exc:  # never lose the training step
-            torch._C._set_grad_enabled(True)  # the graph may have raised inside a no_grad block
-            self._stats.exceptions.append(RecordedException(
-                type(exc).__name__, str(exc)[:500], failing_node(gm, exc), special.index))
+            self._stats.exceptions.append(RecordedException.of(exc, gm, special.index))
             special.disabled = "optimized-path-raised"
             return self._native(args, kwargs, "optimized-path-raised")
         self._stats.optimized += 1
@@ -150,7 +170,7 @@ class OptimizedLoss(nn.Module):
     def _specialize(self, args: tuple, kwargs: dict, spec: Any, attributes: tuple) -> Specialization:
         special = Specialization(len(self._specializations), None, attributes, ambient_state())
         self._specializations.append(special)
-        with _dispatch_modes_restored(), _autocast_cache_off():
+        with _dispatch_modes_restored(), _autocast_cache_off(), _random_state_kept():
             self._build(special, args, kwargs, spec, attributes)
         return special
 
@@ -206,8 +226,8 @@ class OptimizedLoss(nn.Module):
         for special in self._specializations:
             if special.graph_module is None:
                 continue
-            for site in runtime_sites(special.graph_module):
-                self._stats.sites[f"{special.index}:{site.site_id}"] = dict(site.counters)
+            for op in runtime_ops(special.graph_module):
+                self._stats.sites[f"{special.index}:{op.op_id}"] = dict(op.counters)
         return self._stats
 
     @property
@@ -250,6 +270,26 @@ def _dispatch_modes_restored() -> Iterator[None]:
             _pop_mode()
         if leaked > 0:
             logger.warning("popped %d dispatch mode(s) left active by tracing", leaked)
+
+
+@contextlib.contextmanager
+def _random_state_kept() -> Iterator[None]:
+    """Optimizing draws random samples (witnesses, row analysis); a seeded run must not notice.
+
+    Every global generator is restored: torch's CPU and CUDA generators, Python's ``random``, and
+    numpy's when numpy is loaded.
+    """
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    python_state = random.getstate()
+    numpy = sys.modules.get("numpy")
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(python_state)
+        if numpy_state is not None:
+            numpy.random.set_state(numpy_state)
 
 
 def _autocast_cache_off() -> contextlib.ExitStack:

@@ -73,6 +73,8 @@ def _render_runtime(report: dict[str, Any]) -> list[str]:
         lines.append(f"  site {site}: {counts}")
     for exc in stats["exceptions"]:
         lines.append(f"  exception at node {exc['node']}: {exc['type']}: {exc['message']}")
+        if exc.get("statement"):
+            lines.append(f"    while executing {exc['statement']} ({exc.get('location') or 'no source line'})")
     lines.append("whole-loss guards (else native): " + ", ".join(
         f"{g['id']} [{g['code']}]" for g in report["guards"]))
     return lines

@@ -2,26 +2,40 @@
 
 from __future__ import annotations
 
-import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.fx as fx
 
+from .locations import failing_node, node_location
+
 
 @dataclass
 class RecordedException:
-    """An exception raised inside the optimized path (the call itself was recomputed natively)."""
+    """An exception raised inside the optimized path (the call itself was recomputed natively).
+
+    ``node`` is the failing node's name, ``statement`` its ``format_node()`` and ``location`` the
+    user's line it came from, as torch.fx's Interpreter reports a failing node.
+    """
 
     type: str
     message: str
     node: str
     specialization: int
+    statement: str = ""
+    location: str = ""
+
+    @classmethod
+    def of(cls, exc: BaseException, gm: fx.GraphModule, specialization: int) -> "RecordedException":
+        node = failing_node(gm, exc)
+        return cls(type(exc).__name__, str(exc)[:500], node.name if node else "?", specialization,
+                   node.format_node() if node else "", node_location(node) if node else "")
 
     def as_dict(self) -> dict[str, Any]:
         return {"type": self.type, "message": self.message, "node": self.node,
-                "specialization": self.specialization}
+                "specialization": self.specialization, "statement": self.statement,
+                "location": self.location}
 
 
 @dataclass
@@ -52,17 +66,6 @@ class RunStats:
         for exc in self.exceptions:
             lines.append(f"  exception in specialization {exc.specialization} at node "
                          f"{exc.node}: {exc.type}: {exc.message}")
+            if exc.statement:
+                lines.append(f"    while executing {exc.statement} ({exc.location or 'no source line'})")
         return "\n".join(lines)
-
-
-def failing_node(gm: fx.GraphModule, exc: BaseException) -> str:
-    """The graph node whose generated line was executing when ``exc`` was raised, or '?'."""
-    filename = gm.forward.__code__.co_filename
-    lineno = None
-    for frame in traceback.extract_tb(exc.__traceback__):
-        if frame.filename == filename:
-            lineno = frame.lineno
-    lines = gm.code.splitlines()  # the source torch.fx compiled, line for line
-    if lineno is None or not 0 < lineno <= len(lines):
-        return "?"
-    return lines[lineno - 1].strip().split(" = ")[0]

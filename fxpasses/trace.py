@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import linecache
-import os
-import traceback
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -33,18 +31,9 @@ import torch.fx as fx
 from torch import nn
 
 from .certificates import Certificate, Check, Site
+from .locations import exception_location
 from .signature import CallSignature
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_OWN_DIR = os.path.dirname(__file__)
-_WORKLOADS_DIR = os.path.join(_OWN_DIR, "workloads")
-
-
-def _is_user_file(path: str) -> bool:
-    """Frames outside torch and fxpasses' machinery (the bundled workloads are user code)."""
-    if path.startswith(_WORKLOADS_DIR):
-        return True
-    return not path.startswith((_TORCH_DIR, _OWN_DIR, "<"))
 META_KEY = "fxpasses"
 
 
@@ -192,9 +181,11 @@ def _grad_mode_changes_as_nodes(tracer: LossTracer) -> Iterator[None]:
     made while tracing becomes a ``torch._C._set_grad_enabled(mode)`` node, in place.
     """
     original = torch._C._set_grad_enabled
+    tracing_thread = threading.get_ident()
 
     def recording(mode: bool) -> None:
-        tracer.create_node("call_function", original, (bool(mode),), {})
+        if threading.get_ident() == tracing_thread:  # other threads' switches are not the loss's
+            tracer.create_node("call_function", original, (bool(mode),), {})
         original(mode)
 
     torch._C._set_grad_enabled = recording
@@ -215,22 +206,15 @@ def _node_making(tracer: LossTracer, path: str, name: str, bound: Callable, reco
     return call
 
 
-def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
-    """The innermost traceback frame outside torch and fxpasses: the user's line."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if _is_user_file(f.filename)]
-    return frames[-1] if frames else None
-
-
 def _failure_certificate(loss_fn: Any, exc: BaseException) -> Certificate:
-    frame = _user_frame(exc)
-    location = f"{frame.filename}:{frame.lineno}" if frame else "unknown"
-    line = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip() if frame else ""
+    frame = exception_location(exc)
+    location = str(frame) if frame else "unknown"
+    line = frame.text if frame else ""
     text = str(exc)
     control_flow = isinstance(exc, fx.proxy.TraceError) and (
         "control flow" in text or "iterated" in text or "bool" in text)
     code = "trace-control-flow" if control_flow else "trace-failed"
-    function = frame.name if frame else "?"
+    function = frame.function if frame else "?"
     check = Check("symbolic-trace", False, {
         "exception": type(exc).__name__, "message": text[:500], "location": location,
         "line": line, "function": function, "tracer": "torch.fx.Tracer"}, code)
@@ -282,16 +266,3 @@ def _positional_names(loss_fn: Any) -> tuple[str, ...]:
 
 def trace_info(gm: fx.GraphModule) -> TraceInfo:
     return gm.meta[META_KEY]
-
-
-def node_location(node: fx.Node) -> str:
-    """``file:line`` of the innermost frame of the node's recorded stack trace, or ''."""
-    stack = node.meta.get("stack_trace") or ""
-    last = ""
-    for line in stack.splitlines():
-        line = line.strip()
-        if line.startswith('File "'):
-            path, _, rest = line[6:].partition('", line ')
-            if _is_user_file(path):
-                last = f"{path}:{rest.split(',')[0]}"
-    return last

@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 
-from ..runtime import RuntimeSite
+from ..runtime import RuntimeOp
 from . import capture_rules as rules
 from .meta import is_dynamic, tensors_in, value
 
@@ -72,7 +72,7 @@ def classify(node: fx.Node, gm: fx.GraphModule, devices: Sequence[str] = ("cuda"
         return Verdict(False, "op-not-capturable", op, barrier=True, detail="grad-mode switch")
     if rules.is_mutation(node):
         return Verdict(False, "op-not-capturable", op, barrier=True, detail="in-place op")
-    site = node.target if node.op == "call_function" and isinstance(node.target, RuntimeSite) else None
+    site = node.target if node.op == "call_function" and isinstance(node.target, RuntimeOp) else None
     if site is not None and not site.capturable:
         return Verdict(False, "op-not-capturable", op, barrier=not site.pure, detail=type(site).__name__)
     if _host_sync(node):

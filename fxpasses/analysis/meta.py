@@ -18,7 +18,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..runtime import propagating
+from ..runtime import propagating_call
 
 
 def fake_mode() -> FakeTensorMode:
@@ -36,6 +36,9 @@ class _PartialFakeTensorProp(FakeTensorProp):
     def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode):
         super().__init__(gm, mode)
         self.failures: list[tuple[fx.Node, Exception]] = []
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        return propagating_call(target, args, kwargs)  # RuntimeOps: no run-time effects
 
     def run_node(self, n: fx.Node) -> Any:
         if any(self.env.get(a) is _FAILED for a in n.all_input_nodes):
@@ -64,8 +67,7 @@ def annotate(gm: fx.GraphModule, example_tensors: Sequence[torch.Tensor]) -> lis
     fakes = [mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t
              for t in example_tensors]
     prop = _PartialFakeTensorProp(gm, mode)
-    with propagating():
-        prop.propagate_dont_convert_inputs(*fakes)
+    prop.propagate_dont_convert_inputs(*fakes)
     return prop.failures
 
 

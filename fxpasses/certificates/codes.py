@@ -176,6 +176,22 @@ _CODES = (
     Code("capture-failed", "failure",
          "Recording the region into a CUDA graph raised; the region runs natively from now on.",
          "Read the recorded exception; report it if the op table let an unsafe op in."),
+    Code("outputs-alive", "guard",
+         "A tensor still refers to the recording's static memory (an output the caller kept, or "
+         "one an earlier call saved for its pending backward); replaying would overwrite it, so "
+         "this call ran the region natively.",
+         "Expected when two forwards precede one backward; keep no views of loss intermediates."),
+    Code("concurrent-call", "guard",
+         "Another thread was inside the same optimized loss or captured region; this call ran "
+         "natively.", "Expected when threads share one optimized loss."),
+    Code("double-backward-eager", "guard",
+         "A backward with create_graph=True (second-order gradients) went through a captured "
+         "region; the region's gradient was recomputed eagerly so that it is differentiable.",
+         "Expected for gradient penalties; it costs one eager recomputation of the region."),
+    Code("stale-backward", "failure",
+         "A backward reached a replay whose graph memory a later replay overwrote "
+         "(backward(retain_graph=True) again after a new forward); it raised instead of giving a "
+         "wrong gradient.", "Run the second backward before the next forward, or drop CaptureLoss."),
     Code("replay-pending-backward", "guard",
          "The previous replay's backward has not run yet; replaying would overwrite the "
          "activations it needs, so this call ran the region natively.",

@@ -26,46 +26,15 @@ from ..analysis.meta import tensors_in, value
 from ..analysis.witness import padding_witness, witness_holds
 from ..certificates import Certificate, Check, Guard, Site
 from ..pipeline import PassResult
-from ..runtime import RuntimeSite
+from ..runtime import RuntimeOp
 from ..runtime.capture import CapturedRegion, Recorder
+from ..runtime.ownership import OwnedOutputs
 from ..runtime.paired import PairedCall
 from ..runtime.paired_capture import CapturedPairedCall
-from ..trace import node_location
+from ..locations import node_location
 
 _PREFIX = "capture_region_"
-_VIEW_METHODS = {"view", "reshape", "squeeze", "unsqueeze", "expand", "expand_as", "view_as",
-                 "permute", "transpose", "t", "detach", "flatten", "unflatten", "narrow", "select"}
 _EXAMPLES = 8
-
-
-def _is_view(node: fx.Node) -> bool:
-    if node.op == "call_method":
-        return node.target in _VIEW_METHODS
-    if node.op == "call_function" and node.target is operator.getitem:
-        return isinstance(value(node.args[0]), torch.Tensor) or not isinstance(node.args[1], int)
-    return node.op == "call_function" and getattr(node.target, "__name__", "") in _VIEW_METHODS
-
-
-def _reaches_output_through_views(node: fx.Node) -> bool:
-    """Whether ``node``'s memory can be returned to the caller (directly or as a view)."""
-    stack, seen = [node], set()
-    while stack:
-        current = stack.pop()
-        for user in current.users:
-            if user.op == "output":
-                return True
-            if user not in seen and _is_view(user):
-                seen.add(user)
-                stack.append(user)
-    return False
-
-
-def _owned_outputs(fused: fx.Node) -> frozenset[int]:
-    """Flat output positions of a fused region that the caller may keep (they are cloned)."""
-    getitems = [u for u in fused.users if u.op == "call_function" and u.target is operator.getitem]
-    if getitems and len(getitems) == len(fused.users):
-        return frozenset(u.args[1] for u in getitems if _reaches_output_through_views(u))
-    return frozenset({0}) if _reaches_output_through_views(fused) else frozenset()
 
 
 def _histogram(nodes: Sequence[fx.Node], verdicts: dict[fx.Node, Verdict]) -> dict[str, int]:
@@ -111,13 +80,14 @@ class CaptureLoss:
         region_certs = [self._region_certificate(i, nodes, plan) for i, nodes in enumerate(plan.regions)]
         paired = [self._paired_site(gm, node, plan) for node in gm.graph.nodes
                   if isinstance(node.target, PairedCall)]
-        if plan.regions:
-            self._fuse(gm, plan)
-        modified = bool(plan.regions) or any(c.applied for c in paired)
-        return PassResult(gm, modified, region_certs + paired + certificates)
+        regions = self._fuse(gm, plan) if plan.regions else []
+        regions += [n.target.region for n in gm.graph.nodes if isinstance(n.target, CapturedPairedCall)]
+        if regions:
+            self._own_outputs(gm, regions)
+        return PassResult(gm, bool(regions), region_certs + paired + certificates)
 
     # -- rewrite --------------------------------------------------------------------------
-    def _fuse(self, gm: fx.GraphModule, plan: CapturePlan) -> None:
+    def _fuse(self, gm: fx.GraphModule, plan: CapturePlan) -> list[CapturedRegion]:
         partitions = [dict.fromkeys(nodes) for nodes in plan.regions]
         try:
             fuse_by_partitions(gm, partitions, prefix=_PREFIX)
@@ -125,23 +95,36 @@ class CaptureLoss:
             fuse_by_partitions(gm, partitions)
         fused = [n for n in gm.graph.nodes if n.op == "call_module" and
                  n.target.startswith((_PREFIX, "fused_"))]
+        regions = []
         for node in fused:
-            region = gm.get_submodule(node.target)
-            site = CapturedRegion(node.target, region, owned=_owned_outputs(node),
-                                  max_recordings=self.max_recordings, recorder=self.recorder)
+            # parameters and buffers passed in (get_attr) are read in place, never copied
+            identity = frozenset(i for i, a in enumerate(node.args)
+                                 if isinstance(a, fx.Node) and a.op == "get_attr")
+            region = CapturedRegion(node.target, gm.get_submodule(node.target), identity=identity,
+                                    max_recordings=self.max_recordings, recorder=self.recorder)
             with gm.graph.inserting_before(node):
-                call = gm.graph.call_function(site, node.args, node.kwargs)
+                call = gm.graph.call_function(region, node.args, node.kwargs)
             call.meta = dict(node.meta)
             node.replace_all_uses_with(call)
             gm.graph.erase_node(node)
-            gm.delete_submodule(node.target)
+            regions.append(region)
+        return regions
+
+    @staticmethod
+    def _own_outputs(gm: fx.GraphModule, regions: list[CapturedRegion]) -> None:
+        """Route the graph's outputs through one OwnedOutputs (see fxpasses.runtime.ownership)."""
+        output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        leaves = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+        with gm.graph.inserting_before(output):
+            owned = gm.graph.call_function(OwnedOutputs("own_outputs", regions), tuple(leaves))
+        output.args = (owned,) if isinstance(output.args[0], (tuple, list)) else \
+            (gm.graph.call_function(operator.getitem, (owned, 0)),)
 
     # -- certificates ---------------------------------------------------------------------
     def _region_certificate(self, index: int, nodes: list[fx.Node], plan: CapturePlan) -> Certificate:
         inside = set(nodes)
         inputs = {a for n in nodes for a in n.all_input_nodes if a not in inside}
         outputs = [n for n in nodes if any(u not in inside for u in n.users)]
-        owned = [n.name for n in outputs if _reaches_output_through_views(n)]
         the_checks = [
             Check("ops-capturable", True, {"ops": _histogram(nodes, plan.verdicts),
                                            "table": "fxpasses.analysis.capture_rules"}),
@@ -153,10 +136,11 @@ class CaptureLoss:
         ]
         effect = {"region": f"{_PREFIX}{index}", "nodes": len(nodes),
                   "kernel_ops": plan.kernel_ops(nodes), "inputs": len(inputs),
-                  "outputs": len(outputs), "owned_outputs": tuple(owned),
-                  "copy_in": "every tensor input is copied into its static buffer before a replay",
-                  "copy_out": f"{len(owned)} caller-visible outputs and every input gradient are "
-                              "cloned out of graph memory per replay",
+                  "outputs": len(outputs),
+                  "copy_in": "tensor inputs are copied into static buffers before a replay; "
+                             "parameters and buffers are read in place and receive gradients",
+                  "copy_out": "every input gradient is cloned out of graph memory; outputs that "
+                              "reach the caller are cloned when they lie in graph memory",
                   "memory_pool": "one private pool per region (forward, backward, all recordings)"}
         guards = (
             Guard("signature", "input shapes, strides, dtypes, devices, requires_grad, constants, "
@@ -164,6 +148,9 @@ class CaptureLoss:
                   "record-budget", {"max_recordings": self.max_recordings}),
             Guard("backward-done", "the previous replay's backward has run (or its graph was "
                   "freed)", "replay-pending-backward"),
+            Guard("memory-free", "no tensor outside the recording refers to its static memory "
+                  "(storage use counts)", "outputs-alive"),
+            Guard("one-thread", "no other thread is inside the region", "concurrent-call"),
             Guard("capture-ok", "recording did not fail", "capture-failed"),
             Guard("no-new-hooks", "whole-loss guard", "hook-added"),
         )
@@ -174,7 +161,7 @@ class CaptureLoss:
     def _refusals(self, plan: CapturePlan) -> list[Certificate]:
         by_code: dict[str, list[fx.Node]] = {}
         for node, verdict in plan.verdicts.items():
-            if verdict.code and not isinstance(node.target, RuntimeSite):
+            if verdict.code and not isinstance(node.target, RuntimeOp):
                 by_code.setdefault(verdict.code, []).append(node)
         certs = []
         for code, nodes in by_code.items():
@@ -202,10 +189,10 @@ class CaptureLoss:
         """A paired call: inside a region if static; else recorded per row bucket if padding is safe."""
         site: PairedCall = node.target
         verdict = plan.verdicts[node]
-        where = Site((node.name,), (node_location(node),), f"run-time site {site.site_id}")
+        where = Site((node.name,), (node_location(node),), f"run-time site {site.op_id}")
         inside = any(node in r for r in plan.regions)
         if inside or verdict.code != "dynamic-shape":
-            check = Check("site-in-region", inside, {"site": site.site_id, "runs": "inside a region"
+            check = Check("site-in-region", inside, {"site": site.op_id, "runs": "inside a region"
                                                      if inside else "eagerly between regions",
                                                      "reason": verdict.detail or verdict.code or ""},
                           None if inside else (verdict.code or "op-not-capturable"))
@@ -214,7 +201,7 @@ class CaptureLoss:
         module = gm.get_submodule(node.args[0].target)
         on_device = all(isinstance(r, torch.Tensor) and r.device.type in self.devices for r in rows)
         checks = [
-            Check("rows-dynamic", True, {"site": site.site_id, "reason": "row count is data-dependent",
+            Check("rows-dynamic", True, {"site": site.op_id, "reason": "row count is data-dependent",
                                          "licence": "row independence, certified for this PairedCall "
                                                     "by the pass that created it"}),
             Check("rows-on-capture-device", on_device, {"devices": tuple(str(r.device) for r in rows
@@ -239,7 +226,7 @@ class CaptureLoss:
         cert = Certificate.from_checks(self.name, where, checks, effect=effect, guards=guards,
                                        witness=witness)
         if cert.applied:
-            captured = CapturedPairedCall(f"captured_{site.site_id}", site.method, devices=self.devices,
+            captured = CapturedPairedCall(f"captured_{site.op_id}", site.method, devices=self.devices,
                                           min_bucket=self.min_bucket, max_recordings=self.max_recordings,
                                           recorder=self.recorder)
             node.target = captured

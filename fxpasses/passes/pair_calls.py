@@ -30,7 +30,7 @@ from ..analysis.witness import pairing_witness, witness_holds
 from ..certificates import Certificate, Check, Guard, Site
 from ..pipeline import PassResult
 from ..runtime.paired import PairedCall
-from ..trace import node_location
+from ..locations import node_location
 from . import checks
 
 _WITNESS_ROWS = ((5, 3), (0, 4), (2, 0))

@@ -10,7 +10,7 @@ from torch import nn
 
 from fxpasses import PassResult, optimize
 from fxpasses.certificates import Certificate, Site
-from fxpasses.runtime import is_propagating
+from fxpasses.runtime import RuntimeOp
 
 
 def _inputs(rows_a, rows_b, seed=0, dtype=torch.float32):
@@ -132,10 +132,17 @@ def test_reoptimize_accepts_the_current_state(two_branch_loss):
     assert fast.stats.native == {"hook-added": 1} and fast.stats.optimized == 2
 
 
-def _boom(x):
-    if is_propagating():  # shape propagation at optimization time passes through
+class _Boom(RuntimeOp):
+    """Raises when called; shape propagation at optimization time passes through."""
+
+    def propagate(self, x):
         return x
-    raise RuntimeError("injected failure")
+
+    def __call__(self, x):
+        raise RuntimeError("injected failure")
+
+
+_boom = _Boom("_boom")
 
 
 class InjectFailure:

@@ -246,6 +246,7 @@ def test_regions_returning_sizes_and_ints_replay_with_their_constants():
         assert shape == torch.Size([4, 3]) and rows == 4 and torch.allclose(total, (x * y).exp().sum())
         (grad,) = torch.autograd.grad(total, x)
         assert torch.allclose(grad, y * (x * y).exp())
+        del z, total  # a held output would keep the next call eager (outputs-alive)
     assert site.counters == {"recorded": 1, "replayed": 3}
 
 
@@ -261,17 +262,21 @@ def test_pose_outputs_held_across_steps_keep_their_values():
     assert all(torch.equal(first.branches[b][k], v) for (b, k), v in kept.items())
 
 
-def test_owned_outputs_after_a_size_output_are_cloned():
+def test_a_held_output_is_never_overwritten_by_the_next_call():
     from fxpasses.runtime.capture import CapturedRegion
 
     def region(x):
         y = x * 2
         return y, y.shape, y + 1  # top-level output 2 is flat leaf 3 (the Size holds two ints)
 
-    site = CapturedRegion("r", region, owned=frozenset({2}), recorder=EmulatedRecorder())
+    site = CapturedRegion("r", region, recorder=EmulatedRecorder())
     first = site(torch.ones(2, 2))[2]
-    site(torch.zeros(2, 2))
-    assert torch.equal(first, torch.full((2, 2), 3.0))  # the caller's tensor kept its value
+    second = site(torch.zeros(2, 2))[2]  # first is alive: this call runs eagerly
+    assert torch.equal(first, torch.full((2, 2), 3.0)) and torch.equal(second, torch.ones(2, 2))
+    del first, second
+    third = site(torch.zeros(2, 2))[2]  # nothing refers to the static memory: replayed
+    assert torch.equal(third, torch.ones(2, 2))
+    assert site.counters == {"recorded": 1, "replayed": 2, "outputs-alive": 1}
 
 
 def test_paired_flow_is_recorded_per_power_of_two_row_bucket():
@@ -290,6 +295,7 @@ def test_paired_flow_is_recorded_per_power_of_two_row_bucket():
         got = torch.autograd.grad(loss, [a, b, *flow.parameters()])
         want = torch.autograd.grad(flow(a).sum() + 2 * flow(b).sum(), [a, b, *flow.parameters()])
         assert all(torch.allclose(g, w, atol=1e-6) for g, w in zip(got, want))
+        del out_a, out_b, loss  # views of the recording's outputs: held, they force eager calls
     assert site.counters == {"paired": 4, "recorded": 2, "replayed": 3, "record-budget": 1}
 
 
