@@ -47,7 +47,7 @@ REPORT = {
     "specializations": [SPECIALIZATION],
     "stats": {"calls": "int", "optimized": "int", "native": COUNTS,
               "exceptions": [{"type": "str", "message": "str", "node": "str",
-                              "specialization": "int"}],
+                              "specialization": "int", "statement": "str", "location": "str"}],
               "sites": {"*": COUNTS}},
     "digest": "str",
 }

@@ -7,12 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.fx as fx
 
-from fxpasses.certificates import SCHEMA_VERSION
+from fxpasses import PassResult
+from fxpasses.certificates import SCHEMA_VERSION, Certificate, Site
 from fxpasses.certificates import schema
 from fxpasses.certificates.io import REPORT_SCHEMA, dumps, load
 from fxpasses.cli import EXIT_LOAD, import_file, main
 from fxpasses.report import build_report
+from fxpasses.runtime import RuntimeOp
 
 samples = import_file(Path(__file__).with_name("samples.py"))
 
@@ -46,7 +49,7 @@ REPORT_2 = {
         "certificates": [CERTIFICATE_2], "diff": "str"}],
     "stats": {"calls": "int", "optimized": "int", "native": COUNTS,
               "exceptions": [{"type": "str", "message": "str", "node": "str",
-                              "specialization": "int"}],
+                              "specialization": "int", "statement": "str", "location": "str"}],
               "sites": {"*": COUNTS}},
     "digest": "str",
 }
@@ -57,6 +60,28 @@ def test_the_schema_is_the_frozen_one_of_its_version():
     assert schema.REPORT == REPORT_2 and schema.CERTIFICATE == CERTIFICATE_2
 
 
+class _Raise(RuntimeOp):
+    def __call__(self, value: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("raised at run time")
+
+    def propagate(self, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+
+class RaiseAtRunTime:
+    """Route the output through an op that raises: the call runs natively, the exception kept."""
+
+    name = "RaiseAtRunTime"
+
+    def run(self, gm: fx.GraphModule) -> PassResult:
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        (value,) = output.args[0]
+        with gm.graph.inserting_before(output):
+            raised = gm.graph.call_function(_Raise("raise"), (value,))
+        output.args = ((raised,),)
+        return PassResult(gm, True, [Certificate.from_checks(self.name, Site((value.name,)), [])])
+
+
 def test_a_report_follows_the_schema():
     fast = samples.optimized(passes=(samples.DropTimesOne(), samples.RefuseMethods(),
                                      samples.CountOutput()))
@@ -65,6 +90,10 @@ def test_a_report_follows_the_schema():
         fast(*args, **kwargs)
     report = json.loads(dumps(build_report(fast)))
     assert report["stats"]["sites"] and report["stats"]["native"]  # the maps are not empty
+    assert schema.mismatches(report, schema.REPORT) == []
+    raising = samples.optimized(passes=(RaiseAtRunTime(),), calls=1)
+    report = json.loads(dumps(build_report(raising)))
+    assert report["stats"]["exceptions"]  # the list is not empty
     assert schema.mismatches(report, schema.REPORT) == []
 
 
