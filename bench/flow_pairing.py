@@ -99,9 +99,10 @@ def measure(size: int, steps: int, device: str) -> dict:
         timings = interleave(make_arms(variants, x, y, params), lambda r: r, steps,
                              baseline="native", sync=sync, warmup=5, label=f"{where} batch {size}")
         hand, passed = timings["by_hand"].ratio, timings["pass"].ratio
+        share = (passed - 1) / (hand - 1) if hand != 1 else float("nan")
         out[where] = {"ms": {name: t.median_ms for name, t in timings.items()},
                       "speedup_by_hand": hand, "speedup_pass": passed,
-                      "pass_share_of_hand_speedup": (passed - 1) / (hand - 1) if hand != 1 else float("nan")}
+                      "pass_share_of_hand_speedup": share}
     return out
 
 

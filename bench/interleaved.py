@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
             return rotation[r % len(rotation)]
         return make_batch(args.batch, seed=1000 + r, image_size=args.image_size, device=args.device)
 
-    fns = {"eager": loss, **{name: optimize(loss, passes=ARMS[name]()) for name in args.arms.split(",")}}
+    fns = {"eager": loss}
+    fns.update({name: optimize(loss, passes=ARMS[name]()) for name in args.arms.split(",")})
     arms = {name: (lambda b, fn=fn: pose_step(fn, b)) for name, fn in fns.items()}
     timings = interleave(arms, batch, args.rounds, baseline="eager", sync=sync_for(args.device),
                          warmup=max(len(rotation), 1), label="rounds")
@@ -70,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, timing in timings.items():
         low, high = timing.ratio_spread()
         stats = getattr(fns[name], "stats", None)
-        result["arms"][name] = {"median_ms": timing.median_ms, "median_ratio_vs_eager": timing.ratio,
+        result["arms"][name] = {"median_ms": timing.median_ms,
+                                "median_ratio_vs_eager": timing.ratio,
                                 "p10_ratio": low, "p90_ratio": high,
                                 "native_calls": dict(stats.native) if stats is not None else {}}
         print(f"{name:8} median {timing.median_ms:7.2f} ms  eager/arm per round: median "

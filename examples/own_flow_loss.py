@@ -12,6 +12,7 @@ what was checked and what changed. The values and gradients are those of the los
 
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
@@ -47,7 +48,7 @@ class PointFlow(nn.Module):
         y, log_det_y = self.first(x, y)
         x, log_det_x = self.second(y, x)
         z = torch.cat([x, y], dim=-1)
-        return -0.5 * (z * z).sum(-1) - torch.log(torch.tensor(2 * torch.pi)) + log_det_x + log_det_y
+        return -0.5 * (z * z).sum(-1) - math.log(2 * math.pi) + log_det_x + log_det_y
 
 
 class NearFarLoss(nn.Module):
@@ -58,7 +59,8 @@ class NearFarLoss(nn.Module):
         self.flow = PointFlow()
         self.alpha = alpha
 
-    def branch(self, predicted: torch.Tensor, target: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    def branch(self, predicted: torch.Tensor, target: torch.Tensor,
+               keep: torch.Tensor) -> torch.Tensor:
         residual = predicted[keep] - target[keep]
         return -self.flow.log_prob(residual).sum() / keep.sum().clamp(min=1)
 
@@ -73,7 +75,8 @@ def batch(seed: int, rows: int = 256) -> tuple[torch.Tensor, ...]:
     target = torch.randn(rows, 2, generator=g)
     near = (target + 0.1 * torch.randn(rows, 2, generator=g)).requires_grad_()
     far = (target + 0.5 * torch.randn(rows, 2, generator=g)).requires_grad_()
-    return near, far, target, torch.rand(rows, generator=g) < 0.7, torch.rand(rows, generator=g) < 0.3
+    keep_near, keep_far = torch.rand(rows, generator=g) < 0.7, torch.rand(rows, generator=g) < 0.3
+    return near, far, target, keep_near, keep_far
 
 
 def main(path: str) -> None:

@@ -24,7 +24,8 @@ def _identity(out: Any) -> Any:
 
 def grad_leaves(inputs: Any) -> list[torch.Tensor]:
     """The tensors of ``inputs`` that require grad, in pytree order."""
-    return [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    return [t for t in pytree.tree_leaves(inputs)
+            if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 def step(fn: Callable[[Any], Any], inputs: Any,

@@ -218,10 +218,12 @@ class Certificate:
             raise ValueError(f"a tagged float is not a float: {exc}") from None
         wrong = mismatches(decoded, CERTIFICATE, "certificate")
         if wrong:
-            raise ValueError("; ".join(wrong[:5]) + (f" (and {len(wrong) - 5} more)" if len(wrong) > 5 else ""))
+            more = f" (and {len(wrong) - 5} more)" if len(wrong) > 5 else ""
+            raise ValueError("; ".join(wrong[:5]) + more)
         if check_digest and data[DIGEST_KEY] != content_digest(data):
-            raise ValueError(f"certificate {data['pass_name']} @ {', '.join(data['site']['nodes']) or '-'} "
-                             f"was edited after it was written: its digest is {data[DIGEST_KEY]}, "
+            where = f"{data['pass_name']} @ {', '.join(data['site']['nodes']) or '-'}"
+            raise ValueError(f"certificate {where} was edited after it was written: its digest "
+                             f"is {data[DIGEST_KEY]}, "
                              f"its content's {content_digest(data)}")
         data = _from_json_data(decoded)
         witness = data["witness"]

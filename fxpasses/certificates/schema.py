@@ -94,14 +94,16 @@ def mismatches(value: Any, schema: Any, path: str = "$") -> list[str]:
     if isinstance(schema, list):
         if not isinstance(value, list):
             return [f"{path}: {type(value).__name__}, expected a list"]
-        return [m for i, item in enumerate(value) for m in mismatches(item, schema[0], f"{path}[{i}]")]
+        return [m for i, item in enumerate(value)
+                for m in mismatches(item, schema[0], f"{path}[{i}]")]
     if not isinstance(value, dict):
         return [f"{path}: {type(value).__name__}, expected an object"]
     if set(schema) == {"*"}:
         return [m for k, v in value.items() for m in mismatches(v, schema["*"], f"{path}.{k}")]
     out = [f"{path}: missing {key!r}" for key in schema if key not in value]
     out += [f"{path}: unexpected {key!r}" for key in value if key not in schema]
-    return out + [m for k in schema if k in value for m in mismatches(value[k], schema[k], f"{path}.{k}")]
+    return out + [m for k in schema if k in value
+                  for m in mismatches(value[k], schema[k], f"{path}.{k}")]
 
 
 __all__ = ["CERTIFICATE", "REPORT", "SPECIALIZATION", "mismatches"]
