@@ -24,7 +24,7 @@ from torch import nn
 
 from fxpasses import optimize
 from fxpasses.passes import PairRLE
-from fxpasses.timing import interleave
+from fxpasses.timing import device_sync, interleave
 from fxpasses.workloads.pose import DualBranchPoseLoss, make_batch
 
 
@@ -92,7 +92,7 @@ def measure(size: int, steps: int, device: str) -> dict:
     applied = [c.applied for c in variants["pass"].certificates if c.pass_name == "PairRLE"]
     out = {"batch": size, "rows": [x.shape[0], y.shape[0]], "pass_applied": applied}
     cuda = device.startswith("cuda")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync = device_sync(device)
     for where, make_arms in (("eager", eager_arms), ("cuda_graph", graphed_arms)):
         if where == "cuda_graph" and not cuda:
             continue

@@ -21,9 +21,9 @@ import torch
 
 from fxpasses import optimize
 from fxpasses.passes import CaptureLoss, PairRLE
-from fxpasses.timing import interleave
+from fxpasses.timing import device_sync, interleave
 from fxpasses.workloads.pose import DualBranchPoseLoss, make_batch
-from measure import pose_step, sync_for  # bench/measure.py, beside this script
+from measure import pose_step  # bench/measure.py, beside this script
 
 ARMS = {"pair": lambda: [PairRLE()], "capture": lambda: [CaptureLoss()],
         "both": lambda: [PairRLE(), CaptureLoss()]}
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     fns = {"eager": loss}
     fns.update({name: optimize(loss, passes=ARMS[name]()) for name in args.arms.split(",")})
     arms = {name: (lambda b, fn=fn: pose_step(fn, b)) for name, fn in fns.items()}
-    timings = interleave(arms, batch, args.rounds, baseline="eager", sync=sync_for(args.device),
+    timings = interleave(arms, batch, args.rounds, baseline="eager", sync=device_sync(args.device),
                          warmup=max(len(rotation), 1), label="rounds")
     result = {"command": "python bench/interleaved.py " + " ".join(argv or sys.argv[1:]),
               "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",

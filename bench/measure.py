@@ -23,7 +23,7 @@ import torch
 from fxpasses.log import logger
 from fxpasses.steps import differences, step
 from fxpasses.testing.counting import CountLinear
-from fxpasses.timing import interleave
+from fxpasses.timing import device_sync, interleave
 
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
                  "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
@@ -55,11 +55,6 @@ class ArmResult:
         return asdict(self)
 
 
-def sync_for(device: str) -> Callable[[], None]:
-    """What waits for ``device``'s queued work: ``torch.cuda.synchronize`` on CUDA, else nothing."""
-    return torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-
-
 def total(out: Any) -> torch.Tensor:
     """The objective of a pose loss's output: its weighted total."""
     return out.total
@@ -74,7 +69,7 @@ def _profile(fn: Callable, batch: Any, device: str) -> tuple[int, int, float]:
     """Launches and synchronisations issued by the host, and summed kernel time, of one step."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
-    sync = sync_for(device)
+    sync = device_sync(device)
     sync()
     with profile(activities=activities) as prof:
         pose_step(fn, batch)
@@ -96,7 +91,7 @@ def measure_arm(name: str, make: Callable[[], Callable], batches: list[Any], dev
                 profile: bool = True) -> ArmResult:
     """Time one arm (see the module docstring); a failure is recorded, never raised."""
     result = ArmResult(name, batches[0].o2m.scores.shape[0], device)
-    sync = sync_for(device)
+    sync = device_sync(device)
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()

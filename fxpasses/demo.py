@@ -23,7 +23,7 @@ from .passes import CaptureLoss, PairRLE
 from .report import build_report
 from .steps import differences, step
 from .testing.counting import CountLinear
-from .timing import interleave
+from .timing import device_sync, interleave
 from .workloads.pose import DualBranchPoseLoss, make_batch
 from .workloads.pose.batches import STRIDES
 
@@ -87,7 +87,7 @@ def run_demo(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     print(f"fxpasses demo: dual-branch pose loss, batch {args.batch}, {args.image_size} px, "
           f"17 keypoints, on {device} (torch {torch.__version__})")
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = device_sync(device)
 
     def batch(r: int) -> Any:  # a fresh batch per round
         return make_batch(args.batch, seed=args.seed + 1 + r, image_size=args.image_size,
