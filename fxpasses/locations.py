@@ -98,6 +98,18 @@ def failing_node(gm: fx.GraphModule, exc: BaseException) -> fx.Node | None:
     line_map = getattr(gm, "_lineno_map", None)
     if not lines or not line_map:
         return None
-    index = line_map.get(lines[-1] - getattr(gm, "_prologue_start", 0))
+    index = line_map.get(lines[-1] - _prologue_start(gm))
     nodes = list(gm.graph.nodes)
     return nodes[index] if index is not None and 0 <= index < len(nodes) else None
+
+
+def _prologue_start(gm: fx.GraphModule) -> int:
+    """The line of ``def forward`` in ``gm.code``, from which torch.fx's line map counts.
+
+    torch >= 2.10 records it as ``gm._prologue_start``; before, it is found in the code.
+    """
+    start = getattr(gm, "_prologue_start", None)
+    if start is None:
+        lines = gm.code.splitlines()
+        start = next((i for i, line in enumerate(lines, 1) if line.startswith("def forward")), 0)
+    return start

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import hashlib
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ import torch.fx as fx
 
 from .analysis.meta import annotate, annotate_new
 from .certificates import Certificate, Check, Site, pass_counters
+from .certificates.digest import code_fingerprint
 from .locations import node_location
 from .log import logger
 
@@ -81,7 +81,7 @@ class PipelineRun:
 
 
 def fingerprint(gm: fx.GraphModule) -> str:
-    return hashlib.sha256(gm.graph.python_code("self").src.encode()).hexdigest()[:16]
+    return code_fingerprint(gm.graph.python_code("self").src)
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -96,7 +96,8 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _snapshot(step: str, gm: fx.GraphModule, modified: bool, seconds: float = 0.0) -> Snapshot:
-    return Snapshot(step, fingerprint(gm), gm.code, modified, seconds)
+    code = gm.graph.python_code("self").src  # what the fingerprint hashes, so one checks the other
+    return Snapshot(step, code_fingerprint(code), code, modified, seconds)
 
 
 def _failure(pass_name: str, code: str, exc: BaseException | None, detail: dict,

@@ -42,19 +42,20 @@ def test_statements_read_each_node_of_generated_code():
 
 def test_the_same_loss_traced_again_verifies(report):
     result = verify_report(report, traced(samples.make_loss()))
-    assert result.ok and result.checked == 2  # DropTimesOne's two sites, on the traced graph
+    assert result.ok and result.checked == 5  # every certificate, and
+    assert result.compared == 2  # DropTimesOne's two sites, decided on the traced graph
 
 
 def test_the_final_graph_verifies_the_certificates_decided_on_it(report):
     fast = samples.optimized()
     result = verify_report(report, fast.graph_module, step="RefuseMethods")
-    assert result.ok and result.checked == 3  # RefuseMethods decided on DropTimesOne's output
+    assert result.ok and result.compared == 3  # RefuseMethods decided on DropTimesOne's output
 
 
 def test_a_changed_graph_fails_with_each_reason(report):
     gm = traced(samples.SmallLossNoMul().double())
     result = verify_report(report, gm)
-    assert not result.ok and result.checked == 2
+    assert not result.ok and (result.checked, result.compared) == (5, 2)
     kinds = [(p.kind, p.node) for p in result.problems]
     assert kinds == [("fingerprint-changed", ""), ("node-changed", "mul"),
                      ("node-missing", "mul_1")]
