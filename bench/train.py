@@ -60,10 +60,7 @@ from fxpasses.timing import interleave
 from fxpasses.workloads.pose import (DualBranchPoseLoss, PoseNetwork, graph_network,
                                      make_image_batch, train_step)
 
-try:  # the benchmark helpers may move from fxpasses/ into bench/ (issue 11)
-    from fxpasses.benchmark import LAUNCH_EVENTS, SYNC_EVENTS
-except ImportError:
-    from benchmark import LAUNCH_EVENTS, SYNC_EVENTS  # bench/benchmark.py, next to this script
+from measure import LAUNCH_EVENTS, SYNC_EVENTS  # bench/measure.py, next to this script
 
 ARMS = ("native", "optimized", "graphed", "both", "network-only", "native-perturbed")
 NEEDS_CUDA = {"graphed": "the forward is replayed with torch.cuda.make_graphed_callables",

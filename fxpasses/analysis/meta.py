@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..runtime import propagating_call
-from .ops import NODE_FACTS, NodeFacts, aten_facts, is_torch_code, mutated_storages, storage_id
+from .ops import NODE_FACTS, NodeFacts, aten_facts, is_torch_code, written_storages, storage_id
 
 
 def fake_mode() -> FakeTensorMode:
@@ -38,13 +38,14 @@ class _OpRecorder(TorchDispatchMode):
         super().__init__()
         self.watched = watched
         self.ops: dict[str, None] = {}
-        self.writes = self.host = self.random = self.computes = False
+        self.writes: set[int] = set()
+        self.host = self.random = self.computes = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         facts = aten_facts(func)
         self.ops[facts.name] = None
-        self.writes |= mutated_storages(func, args, kwargs, self.watched)
+        self.writes |= written_storages(func, args, kwargs) & self.watched
         self.random |= facts.random
         self.computes |= facts.computes
         self.host |= facts.value_on_host
@@ -97,7 +98,8 @@ class _PartialFakeTensorProp(FakeTensorProp):
         except Exception as exc:
             if isinstance(exc, GuardOnDataDependentSymNode) and _host_scalar(n):
                 self._record_facts(n, True)  # ``bool(n == 0)`` feeding a guard: no tensor
-                return None                   # metadata depends on its value
+                n.meta["val"] = None          # metadata depends on its value
+                return None
             self.failures.append((n, exc))
             n.meta.pop("val", None)
             result, complete = _FAILED, False
@@ -130,7 +132,8 @@ class _PartialFakeTensorProp(FakeTensorProp):
             return
         module = self.fetch_attr(n.target) if n.op == "call_module" else None
         host = rec.host or bool(n.meta.get("unbacked_bindings"))
-        n.meta[NODE_FACTS] = NodeFacts(tuple(rec.ops), rec.writes, host, rec.random, rec.computes,
+        n.meta[NODE_FACTS] = NodeFacts(tuple(rec.ops), bool(rec.writes), frozenset(rec.writes),
+                                       host, rec.random, rec.computes,
                                        complete, is_torch_code(n, module))
 
 

@@ -22,11 +22,13 @@ from __future__ import annotations
 import functools
 import operator
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
+
+from ..runtime.trace_ops import set_item
 
 NODE_FACTS = "fxpasses.facts"  # node.meta key of a NodeFacts
 
@@ -82,7 +84,8 @@ class NodeFacts:
     """What one node of a traced loss did while its shapes were propagated.
 
     ``ops``: the aten ops it ran, in order, each once. ``writes_input``: one of them wrote to the
-    memory of a node input or of the module it calls (its parameters and buffers). ``host_read``:
+    memory of a node input or of the module it calls (its parameters and buffers); ``writes``:
+    those storages (ids of the fake storages, valid while the graph's metadata lives). ``host_read``:
     one of them reads tensor data on the host (``.item()``, ``nonzero``...), or the node's result
     has sizes known only from data. ``random``: one draws random numbers. ``computes``: one makes a new tensor (a
     kernel runs; views and metadata reads do not). ``complete``: shape
@@ -92,6 +95,7 @@ class NodeFacts:
 
     ops: tuple[str, ...]
     writes_input: bool
+    writes: frozenset[int]
     host_read: bool
     random: bool
     computes: bool
@@ -103,13 +107,17 @@ def node_facts(node: fx.Node) -> NodeFacts | None:
     return node.meta.get(NODE_FACTS)
 
 
+_PYTHON_BUILTINS = (getattr, bool, int, float, abs, min, max, len)
+
+
 def is_torch_code(node: fx.Node, module: nn.Module | None = None) -> bool:
     """Whether ``node``'s target is torch's own code (its effects are the ops it runs)."""
     if node.op == "call_function":
         target = node.target
         owner = getattr(target, "__module__", None) or ""
         return owner == "torch" or owner.startswith("torch.") or owner in ("_operator", "operator") \
-            or target is getattr or target in vars(operator).values()
+            or target in _PYTHON_BUILTINS or target in vars(operator).values() \
+            or target is set_item  # fxpasses' own expression form of ``x[i] = v``: its ops show
     if node.op == "call_method":
         return hasattr(torch.Tensor, node.target)
     if node.op == "call_module" and module is not None:
@@ -164,20 +172,15 @@ def may_write_inputs(node: fx.Node) -> bool:
                for schema in schemas for a in schema.arguments)
 
 
-def mutated_storages(op: Any, args: tuple, kwargs: dict, storages: Iterable[int]) -> bool:
-    """Whether ``op`` called with these arguments writes to one of ``storages`` (storage ids)."""
+def written_storages(op: Any, args: tuple, kwargs: dict) -> set[int]:
+    """The storages (ids) that ``op`` called with these arguments writes to."""
     facts = aten_facts(op)
     if not facts.mutates:
-        return False
+        return set()
     schema = op._schema
     positional = [a.name for a in schema.arguments if not a.kwarg_only]
     bound = dict(zip(positional, args)) | dict(kwargs)
-    wanted = set(storages)
-    for name in facts.mutates:
-        for t in _tensors(bound.get(name)):
-            if storage_id(t) in wanted:
-                return True
-    return False
+    return {storage_id(t) for name in facts.mutates for t in _tensors(bound.get(name))}
 
 
 def storage_id(t: torch.Tensor) -> int:
