@@ -231,10 +231,10 @@ class OptimizedLoss(nn.Module):
     @property
     def stats(self) -> RunStats:
         """A snapshot: calls by path and reason, with the run-time ops' counters of every
-        specialization (keyed ``index:op``)."""
+        specialization (keyed ``index:op``; ops that counted nothing are left out)."""
         sites = {f"{special.index}:{op.op_id}": dict(op.counters)
                  for special in self.specializations if special.graph_module is not None
-                 for op in runtime_ops(special.graph_module)}
+                 for op in runtime_ops(special.graph_module) if op.counters}
         return dataclasses.replace(self._stats, native=Counter(self._stats.native),
                                    abandoned=Counter(self._stats.abandoned),
                                    retraced=Counter(self._stats.retraced),

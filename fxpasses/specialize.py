@@ -9,6 +9,7 @@ structure run natively.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from torch import nn
 from .certificates import Certificate, Check, Guard, Site
 from .guards import Assumption, LossRoots, first_failure, user_classes, whole_loss_assumptions
 from .log import logger
-from .pipeline import Pass, PipelineRun, run_pipeline
+from .pipeline import Pass, PipelineRun, fingerprint, run_pipeline
 from .signature import CallSignature, flatten_call
 from .trace import LeafPolicy, TraceFailure, TraceInfo, positional_names, trace
 
@@ -76,7 +77,8 @@ def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pas
     roots = special.roots(loss, leaves)
     whole = tuple(a for a in whole_loss_assumptions(roots) if a.kind in _PER_TRACE_KINDS)
     special.assumptions = info.assumptions + whole
-    certificate = _trace_certificate(loss, info, special.assumptions)
+    certificate = dataclasses.replace(_trace_certificate(loss, info, special.assumptions),
+                                      graph_fingerprint=fingerprint(gm))
     special.certificates.append(certificate)
     if not certificate.applied:
         special.disabled = certificate.codes[0]

@@ -46,6 +46,7 @@ REPORT = {
     "guards": [{"id": "str", "description": "str", "code": "str", "evidence": EVIDENCE}],
     "specializations": [SPECIALIZATION],
     "stats": {"calls": "int", "optimized": "int", "native": COUNTS,
+              "abandoned": COUNTS, "retraced": COUNTS,
               "exceptions": [{"type": "str", "message": "str", "node": "str",
                               "specialization": "int", "statement": "str", "location": "str"}],
               "sites": {"*": COUNTS}},

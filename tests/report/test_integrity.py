@@ -55,14 +55,15 @@ def traced_graph():
 
 
 def refused(report: dict) -> dict:
-    return report["specializations"][0]["certificates"][2]  # RefuseMethods @ ...
+    return next(c for c in report["specializations"][0]["certificates"]
+                if c["pass_name"] == "RefuseMethods")
 
 
 def test_an_untouched_report_has_no_problem_and_loads(pristine, tmp_path):
     assert report_problems(pristine) == []
     assert load(saved(pristine, tmp_path)) == pristine
     result = verify_report(pristine, traced_graph())
-    assert result.ok and (result.checked, result.compared) == (5, 2)  # every certificate
+    assert result.ok and (result.checked, result.compared) == (7, 3)  # every certificate
 
 
 def test_applied_with_a_failed_check_is_a_decision_and_codes_mismatch(report, tmp_path):
@@ -95,7 +96,7 @@ def test_an_edited_graph_fingerprint_is_never_skipped(report):
     result = verify_report(resealed(report), traced_graph())
     assert not result.ok and "ok" not in result.render().splitlines()[0].split(": ")[-1]
     assert kinds(result.problems) == {"fingerprint-unknown"}
-    assert result.checked == 5
+    assert result.checked == 7
 
 
 def test_an_emptied_graph_fingerprint_is_named(report):
@@ -130,7 +131,7 @@ def test_an_edited_certificate_breaks_its_own_digest_and_the_files(report):
     refused(report)["message"] = "all fine"
     problems = report_problems(report)
     assert [p.kind for p in problems] == ["digest-mismatch", "digest-mismatch"]
-    assert "certificate 2 (RefuseMethods @" in problems[1].certificate
+    assert "certificate 3 (RefuseMethods @" in problems[1].certificate
     with pytest.raises(ValueError, match="edited after it was written"):
         Certificate.from_dict(refused(report))
 
@@ -138,7 +139,7 @@ def test_an_edited_certificate_breaks_its_own_digest_and_the_files(report):
 def test_require_applied_reads_the_certificates_not_the_counters(report, tmp_path, capsys):
     counters = report["specializations"][0]["counters"]["RefuseMethods"]
     counters["applied"], counters["refused"] = 3, {}
-    assert not_applied(report, ["RefuseMethods"]) == {"RefuseMethods": "op-not-capturable: 3"}
+    assert not_applied(report, ["RefuseMethods"]) == {"RefuseMethods": "op-unknown: 4"}
     path = saved(report, tmp_path)
     assert main(["explain", str(path), "--require-applied", "RefuseMethods"]) == EXIT_LOAD
     assert main(["explain", str(saved(resealed(report), tmp_path)), "--require-applied",

@@ -19,7 +19,7 @@ from fxpasses.runtime import RuntimeOp
 
 samples = import_file(Path(__file__).with_name("samples.py"))
 
-# Frozen copies of the structures of report schema 2 / certificate schema 2. A change of
+# Frozen copies of the structures of report schema 3 / certificate schema 2. A change of
 # fxpasses.certificates.schema must bump the versions and update these.
 EVIDENCE = {"*": "json"}
 CERTIFICATE_2 = {
@@ -35,7 +35,7 @@ CERTIFICATE_2 = {
     "message": "str", "graph_fingerprint": "str", "schema_version": "int", "digest": "str",
 }
 COUNTS = {"*": "int"}
-REPORT_2 = {
+REPORT_3 = {
     "report_schema": "int", "certificate_schema": "int", "created": "str",
     "versions": {"fxpasses": "str", "torch": "str", "python": "str"},
     "loss": "str", "pipeline": ["str"],
@@ -48,6 +48,7 @@ REPORT_2 = {
         "counters": {"*": {"seen": "int", "applied": "int", "refused": COUNTS, "failed": COUNTS}},
         "certificates": [CERTIFICATE_2], "diff": "str"}],
     "stats": {"calls": "int", "optimized": "int", "native": COUNTS,
+              "abandoned": COUNTS, "retraced": COUNTS,
               "exceptions": [{"type": "str", "message": "str", "node": "str",
                               "specialization": "int", "statement": "str", "location": "str"}],
               "sites": {"*": COUNTS}},
@@ -56,8 +57,8 @@ REPORT_2 = {
 
 
 def test_the_schema_is_the_frozen_one_of_its_version():
-    assert (REPORT_SCHEMA, SCHEMA_VERSION) == (2, 2), "freeze the new structures above"
-    assert schema.REPORT == REPORT_2 and schema.CERTIFICATE == CERTIFICATE_2
+    assert (REPORT_SCHEMA, SCHEMA_VERSION) == (3, 2), "freeze the new structures above"
+    assert schema.REPORT == REPORT_3 and schema.CERTIFICATE == CERTIFICATE_2
 
 
 class _Raise(RuntimeOp):
