@@ -10,8 +10,9 @@ Each call of an OptimizedLoss:
    ``max_specializations`` (the assumption that failed is counted as the reason); a trace that
    fails is a refusal certificate and calls of that structure run natively;
 3. runs the rewritten graph. A guard node that fails (a data-dependent decision went the other
-   way) abandons the call: it runs natively, counted by the guard's line; a decision that keeps
-   failing gets a specialization of its own. Any other exception is recorded (type, message,
+   way) abandons the call: it runs natively, counted by the guard's line; the second call since
+   the last trace that every specialization abandons is traced instead (its decisions get a
+   specialization of their own, within ``max_specializations``). Any other exception is recorded (type, message,
    node), the specialization is disabled, and the call is recomputed natively.
 
 "Native" is always the same thing: calling the original ``loss_fn`` with the original arguments.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import sys
 import threading
 from collections import Counter
 from pathlib import Path
@@ -46,7 +48,7 @@ from .specialize import Specialization, build
 from .stats import RecordedException, RunStats
 from .trace import LeafPolicy
 
-_RETRACE_AFTER = 2  # calls in a row abandoned by every trace before the next call is traced
+_RETRACE_AFTER = 2  # the 2nd call since the last trace that every trace abandons is traced
 _ABANDONED = object()
 _WHOLE_LOSS_KINDS = ("hooks", "methods", "modules", "modes")
 
@@ -110,7 +112,7 @@ class OptimizedLoss(nn.Module):
         self._current: Specialization | None = None
         self._tracing = threading.Lock()
         self._refusal = "specialization-budget"  # why the last specialization was not made
-        self._abandon_streak = 0  # calls in a row that every matching trace abandoned
+        self._abandoned_since_trace = 0  # calls that every matching trace abandoned
         self._abandon_code = "guard-failed"
 
     def _whole_loss(self) -> tuple[Assumption, ...]:
@@ -136,21 +138,35 @@ class OptimizedLoss(nn.Module):
         if failed is not None:
             return self._native(args, kwargs, failed.code)
         candidates = self._candidates(leaves, spec)
-        if not candidates or self._abandon_streak >= _RETRACE_AFTER:
+        if not candidates:
             special = self._specialize(args, kwargs)
-            if special is None and not candidates:
+            if special is None:
                 return self._native(args, kwargs, self._refusal)
-            candidates = [special] if special is not None else candidates
-        for special in candidates:  # most recently useful first
+            candidates = [special]
+        result = self._first_result(candidates, args, kwargs, leaves)
+        if result is not _ABANDONED:
+            return result
+        self._abandoned_since_trace += 1  # every trace's decisions failed on this call
+        if self._abandoned_since_trace >= _RETRACE_AFTER:  # this call's path gets its own trace
+            special = self._specialize(args, kwargs)
+            if special is not None:
+                result = self._first_result([special], args, kwargs, leaves)
+                if result is not _ABANDONED:
+                    return result
+        return self._native(args, kwargs, self._abandon_code)
+
+    def _first_result(self, candidates: list[Specialization], args: tuple, kwargs: dict,
+                      leaves: list[Any]) -> Any:
+        """The result of the first candidate (most recently useful first) that does not
+        abandon the call; a disabled one answers natively with its reason."""
+        for special in candidates:
             self._current = special
             if special.disabled is not None:
                 return self._native(args, kwargs, special.disabled)
             result = self._run(special, args, kwargs, leaves)
             if result is not _ABANDONED:
-                self._abandon_streak = 0
                 return result
-        self._abandon_streak += 1  # every trace's decisions failed: a path of its own, soon
-        return self._native(args, kwargs, self._abandon_code)
+        return _ABANDONED
 
     def _candidates(self, leaves: list[Any], spec: Any) -> list[Specialization]:
         """The specializations that cover the call and whose assumptions hold, most recently
@@ -173,6 +189,10 @@ class OptimizedLoss(nn.Module):
         if not self._tracing.acquire(blocking=False):  # another thread is optimizing
             self._refusal = "concurrent-call"
             return None
+        if sys.getprofile() is not None:  # the trace's profile hook would displace it
+            self._tracing.release()
+            self._refusal = "profiler-active"
+            return None
         try:
             if len(self._specializations) >= self._max_specializations:
                 self._refusal = "specialization-budget"
@@ -181,6 +201,7 @@ class OptimizedLoss(nn.Module):
                 special = build(self._loss, args, kwargs, len(self._specializations),
                                 self._passes, self._policy)
             self._specializations.insert(0, special)
+            self._abandoned_since_trace = 0
             return special
         finally:
             self._tracing.release()

@@ -221,6 +221,11 @@ _CODES = (
          "one an earlier call saved for its pending backward); replaying would overwrite it, so "
          "this call ran the region natively.",
          "Expected when two forwards precede one backward; keep no views of loss intermediates."),
+    Code("profiler-active", "guard",
+         "A profiler installed with sys.setprofile is running; the trace records the globals the "
+         "loss reads with a profile hook of its own, so this call ran natively and is traced on "
+         "a later call without the profiler (specializations made before keep running).",
+         "Make the first call outside the profiler, or profile with torch.profiler."),
     Code("concurrent-call", "guard",
          "Another thread was inside the same optimized loss or captured region; this call ran "
          "natively.", "Expected when threads share one optimized loss."),

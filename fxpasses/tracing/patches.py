@@ -6,12 +6,15 @@
   ``_set_grad_enabled`` nodes in place; an autocast switch inside the loss is refused;
 * density methods (``flow.log_prob``), leaf modules and leaf functions become one node each:
   the call runs on plain values with recording paused, its results are traced;
-* a profile hook records the globals of every user function the trace executes.
+* a profile hook records the globals of every user function the trace executes (garbage
+  collection is off meanwhile, so that no collection callback's globals are taken for the loss's;
+  a profiler already installed with ``sys.setprofile`` is off during the trace).
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 import threading
 from typing import Any, Callable, Iterator
@@ -177,10 +180,14 @@ def patched(rec: Recorder, tracker: ObjectTracker, patcher: ModulePatcher,
         if event == "call" and is_user_file(frame.f_code.co_filename) and not rec.paused:
             tracker.globals_of(frame.f_code, frame.f_globals)
 
+    collecting = gc.isenabled()
+    gc.disable()  # a collection's callbacks (a test framework's, a profiler's) are not the loss
     sys.setprofile(profile)
     try:
         with tracker.hooks():
             yield
     finally:
         sys.setprofile(previous_profile)
+        if collecting:
+            gc.enable()
         patches.restore()

@@ -9,6 +9,8 @@ global read by a function loss, a hook added to a function loss's flow, a reboun
 
 from __future__ import annotations
 
+import cProfile
+import pstats
 import types
 
 import pytest
@@ -201,14 +203,38 @@ def test_a_decision_that_goes_the_other_way_runs_natively_then_gets_its_own_trac
     fast = optimize(loss)
     positive, negative = torch.ones(3, 2), -torch.ones(3, 2)
     fast(positive)
-    for _ in range(2):  # abandoned: no visible effect, native result, counted with its line
-        assert torch.equal(fast(negative), loss(negative))
-    assert fast.stats.native == {"guard-failed": 2}
+    # abandoned: no visible effect, native result, counted with its line
+    assert torch.equal(fast(negative), loss(negative))
+    assert fast.stats.native == {"guard-failed": 1}
     (where,) = fast.stats.abandoned
     assert where.startswith("guard-failed at ") and where.endswith(
         f"test_assumptions.py:{Branchy.forward.__code__.co_firstlineno + 1}")
-    fast(negative)  # the path kept failing: its own trace
-    assert len(fast.specializations) == 2
+    assert torch.equal(fast(negative), loss(negative))  # failed again: traced on this call
+    assert len(fast.specializations) == 2 and fast.stats.abandoned[where] == 2
     for x in (positive, negative, positive, negative):  # each path finds its trace
         assert torch.equal(fast(x), loss(x))
-    assert fast.stats.native == {"guard-failed": 2} and fast.stats.optimized == 6
+    assert fast.stats.native == {"guard-failed": 1} and fast.stats.optimized == 6
+
+
+def test_decisions_that_alternate_still_get_their_own_trace():
+    """Abandoned calls count since the last trace, not in a row: alternating paths both trace."""
+    loss = Branchy()
+    fast = optimize(loss)
+    positive, negative = torch.ones(3, 2), -torch.ones(3, 2)
+    for x in (positive, negative, positive, negative, positive, negative):
+        assert torch.equal(fast(x), loss(x))
+    assert len(fast.specializations) == 2 and fast.stats.native == {"guard-failed": 1}
+
+
+def test_a_first_call_under_a_profiler_runs_natively_and_keeps_the_profiler():
+    loss, x = Branchy(), torch.ones(3, 2)
+    fast = optimize(loss)
+    profiler = cProfile.Profile()
+    with profiler:
+        assert torch.equal(fast(x), loss(x))
+    assert fast.stats.native == {"profiler-active": 1} and not fast.specializations
+    assert any(f[2] == "forward" for f in pstats.Stats(profiler).stats)  # it saw the loss run
+    fast(x)  # outside the profiler: traced
+    with profiler:  # a specialization made before runs under a profiler
+        assert torch.equal(fast(x), loss(x))
+    assert fast.stats.optimized == 2
