@@ -126,6 +126,12 @@ def _metadata_failure(failures: list[tuple[fx.Node, Exception]], fingerprint: st
                        graph_fingerprint=fingerprint)
 
 
+def _no_site(pass_name: str) -> Certificate:
+    """What a pass that reported no site at all is certified with: it found nothing to do."""
+    return Certificate.from_checks(pass_name, Site((), (), "the whole graph"), [
+        Check("sites-found", False, {"sites": 0}, "no-site")])
+
+
 def _unannotated(gm: fx.GraphModule) -> set[str]:
     return {n.name for n in gm.graph.nodes if "val" not in n.meta and n.op != "output"}
 
@@ -178,8 +184,8 @@ def run_pipeline(gm: fx.GraphModule, passes: Sequence[Pass],
                 "message": f"pass said modified={result.modified}, fingerprint "
                            f"{'changed' if after != before else 'unchanged'}"}, before))
             continue
-        certificates.extend(dataclasses.replace(c, graph_fingerprint=before)
-                            for c in result.certificates)
+        found = list(result.certificates) or [_no_site(p.name)]
+        certificates.extend(dataclasses.replace(c, graph_fingerprint=before) for c in found)
         logger.debug("pass %s: modified=%s, %d certificate(s), %.3f s", p.name, result.modified,
                      len(result.certificates), time.perf_counter() - start)
         current = result.graph_module

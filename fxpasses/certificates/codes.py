@@ -91,6 +91,11 @@ _CODES = (
          "specialization was disabled.",
          "Read the recorded exception and node in explain(); report it if it is fxpasses' fault."),
     # -- call pairing (PairCalls / PairRLE) -----------------------------------------------
+    Code("no-site", "refusal",
+         "The pass found nothing in the graph to rewrite (no call of the methods it pairs, no "
+         "node it handles): it changed nothing.",
+         "A module the trace went through has no call of its own in the graph: declare it a leaf "
+         "(optimize(..., leaf_modules=[...])) or name its method in density_methods=."),
     Code("pair-single-call", "refusal",
          "Only one call of this module method is in the graph: nothing to pair it with.",
          "Nothing to do; pairing needs two calls of the same module and method."),

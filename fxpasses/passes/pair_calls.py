@@ -100,6 +100,8 @@ class PairCalls:
     # -- the pass -------------------------------------------------------------------------
     def run(self, gm: fx.GraphModule) -> PassResult:
         sites = self._call_sites(gm)
+        if not sites:
+            return PassResult(gm, False, [self._no_site(gm)])
         certificates: list[Certificate] = []
         modified = False
         by_kind: dict[tuple[type, str], list[CallGroup]] = defaultdict(list)
@@ -120,6 +122,23 @@ class PairCalls:
                         modified = True
                     certificates.append(cert)
         return PassResult(gm, modified, certificates)
+
+    def _no_site(self, gm: fx.GraphModule) -> Certificate:
+        """No call of ``methods`` in the graph; the wanted modules the trace went through are
+        named (their calls became their ops: nothing is left to pair)."""
+        reached = getattr(gm.meta.get("fxpasses"), "modules", ())
+        paths: dict[int, list[str]] = defaultdict(list)  # a module's paths below each reached one
+        for top in reached:
+            for path, m in top.named_modules():
+                if path and any(m is r for r in reached):
+                    paths[id(m)].append(path)
+        through = sorted({min(paths[id(m)], key=len) for m in reached if paths[id(m)]
+                          and any(self._wanted(p, m) for p in paths[id(m)])
+                          and any(callable(getattr(m, name, None)) for name in self.methods)})
+        check = Check("call-sites-found", False, {
+            "methods": self.methods, "modules": tuple(map(_shown, self.modules)),
+            "traced_through": tuple(through[:10])}, "no-site")
+        return Certificate.from_checks(self.name, Site((), (), "the whole graph"), [check])
 
     def _single(self, s: CallGroup) -> Certificate:
         check = Check("has-partner", False, {"module": s.path, "method": s.method, "calls": 1},
@@ -298,3 +317,7 @@ def _real_device(device: torch.device) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         return torch.device("cpu")
     return device
+
+
+def _shown(module_spec: Any) -> str:
+    return module_spec.__qualname__ if isinstance(module_spec, type) else str(module_spec)

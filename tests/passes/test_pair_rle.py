@@ -9,6 +9,7 @@ from torch import nn
 
 from fxpasses import optimize
 from fxpasses.passes import PairRLE
+from fxpasses.pipeline import PassResult
 from fxpasses.testing import assert_equivalent
 from fxpasses.testing.counting import CountLinear
 
@@ -433,3 +434,47 @@ def test_shape_propagation_failure_is_reported_and_pairing_still_decides():
     failed = [c for c in fast.certificates if c.decision == "failed"]
     assert [c.codes for c in failed] == [("metadata-failed",)]
     assert failed[0].checks[0].evidence["exception"] == "GuardOnDataDependentSymNode"
+
+
+class _Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 1)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class _TwoHeadCalls(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = _Head()
+
+    def forward(self, a, b):
+        return self.head(a).mean() + self.head(b).mean()
+
+
+def test_a_module_traced_through_is_named_in_a_no_site_certificate():
+    args = (torch.randn(3, 2), torch.randn(4, 2))
+    fast = optimize(_TwoHeadCalls(), passes=[PairRLE("forward", modules=["head"])])
+    fast(*args)
+    (cert,) = [c for c in fast.certificates if c.pass_name == "PairRLE"]
+    assert cert.codes == ("no-site",) and cert.checks[0].evidence["traced_through"] == ("head",)
+    assert "PairRLE: sites 1, applied 0, refused no-site: 1" in fast.explain()
+    declared = optimize(_TwoHeadCalls(), passes=[PairRLE("forward", modules=["head"])],
+                        leaf_modules=[_Head])  # what the certificate's hint says to do
+    declared(*args)
+    assert [c.applied for c in declared.certificates if c.pass_name == "PairRLE"] == [True]
+
+
+def test_any_pass_that_reports_nothing_gets_a_no_site_certificate():
+    class Silent:
+        name = "Silent"
+
+        def run(self, gm):
+            return PassResult(gm, False, [])
+
+    fast = optimize(lambda x: x.sum(), passes=[Silent()])
+    fast(torch.ones(2, requires_grad=True))
+    (cert,) = [c for c in fast.certificates if c.pass_name == "Silent"]
+    assert cert.codes == ("no-site",) and not cert.applied
