@@ -41,7 +41,14 @@ def test_tiny_cpu_runs_write_their_results(tmp_path):
                "--rounds", "2", "--rotate", "0", "--arms", "pair", "--out", str(tmp_path / "il"))
     assert done.returncode == 0, done.stderr[-3000:]
     arms = json.loads((tmp_path / "il" / "interleaved.json").read_text())["arms"]
-    assert set(arms) == {"eager", "pair"} and arms["eager"]["median_ratio_vs_eager"] == 1.0
+    assert set(arms) == {"eager", "pair"} and arms["eager"]["ratio"] == 1.0
+    assert arms["pair"]["optimized_calls"] + sum(arms["pair"]["native_calls"].values()) == 2 + 2 + 1 + 1
+
+    done = run("interleaved.py", "--loss", "wild", "--device", "cpu", "--batch", "1",
+               "--image-size", "64", "--rounds", "1", "--arms", "pair", "--out", str(tmp_path / "w"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    arms = json.loads((tmp_path / "w" / "interleaved.json").read_text())["arms"]
+    assert arms["pair"]["specializations"] >= 1 and arms["pair"]["optimized_calls"] >= 1
 
     done = run("flow_pairing.py", "--device", "cpu", "--batch", "1", "--steps", "2",
                "--out", str(tmp_path / "flow"))
