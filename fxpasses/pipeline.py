@@ -127,7 +127,7 @@ def _metadata_failure(failures: list[tuple[fx.Node, Exception]], fingerprint: st
 
 
 def _no_site(pass_name: str) -> Certificate:
-    """What a pass that reported no site at all is certified with: it found nothing to do."""
+    """What a pass that left the graph alone and reported no site is certified with."""
     return Certificate.from_checks(pass_name, Site((), (), "the whole graph"), [
         Check("sites-found", False, {"sites": 0}, "no-site")])
 
@@ -184,7 +184,7 @@ def run_pipeline(gm: fx.GraphModule, passes: Sequence[Pass],
                 "message": f"pass said modified={result.modified}, fingerprint "
                            f"{'changed' if after != before else 'unchanged'}"}, before))
             continue
-        found = list(result.certificates) or [_no_site(p.name)]
+        found = list(result.certificates) or ([] if result.modified else [_no_site(p.name)])
         certificates.extend(dataclasses.replace(c, graph_fingerprint=before) for c in found)
         logger.debug("pass %s: modified=%s, %d certificate(s), %.3f s", p.name, result.modified,
                      len(result.certificates), time.perf_counter() - start)

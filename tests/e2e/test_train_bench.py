@@ -29,6 +29,7 @@ def test_training_benchmark_on_a_cpu_in_float64(tmp_path, capsys, monkeypatch, r
     spec = importlib.util.spec_from_file_location("bench_train", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, bench)  # dataclasses look their module up
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # it imports bench/measure.py beside it
     spec.loader.exec_module(bench)
     assert bench.main(["--device", "cpu", "--dtype", "float64", "--batch", "2", "--image-size", "64",
                        "--steps", "20", "--settle", "1", "--widths", "4,8,8,16,16", "--hidden", "8",
