@@ -17,6 +17,7 @@ from __future__ import annotations
 import linecache
 import os
 import re
+import sysconfig
 import traceback
 from dataclasses import dataclass
 
@@ -26,13 +27,18 @@ import torch.fx as fx
 TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
 _WORKLOADS_DIR = os.path.join(_OWN_DIR, "workloads")
+_STDLIB = sysconfig.get_paths()["stdlib"]
+_INSTALLED = tuple({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)')
 
 
 def is_user_file(path: str) -> bool:
-    """Frames outside torch and fxpasses' machinery (the bundled workloads are user code)."""
+    """Frames outside torch, fxpasses' machinery and Python's standard library (the bundled
+    workloads and installed third-party packages are user code)."""
     if path.startswith(_WORKLOADS_DIR):
         return True
+    if path.startswith(_STDLIB) and not path.startswith(_INSTALLED):
+        return False
     return not path.startswith((TORCH_DIR, _OWN_DIR, "<"))
 
 
@@ -92,6 +98,18 @@ def failing_node(gm: fx.GraphModule, exc: BaseException) -> fx.Node | None:
     line_map = getattr(gm, "_lineno_map", None)
     if not lines or not line_map:
         return None
-    index = line_map.get(lines[-1] - getattr(gm, "_prologue_start", 0))
+    index = line_map.get(lines[-1] - _prologue_start(gm))
     nodes = list(gm.graph.nodes)
     return nodes[index] if index is not None and 0 <= index < len(nodes) else None
+
+
+def _prologue_start(gm: fx.GraphModule) -> int:
+    """The line of ``def forward`` in ``gm.code``, from which torch.fx's line map counts.
+
+    torch >= 2.10 records it as ``gm._prologue_start``; before, it is found in the code.
+    """
+    start = getattr(gm, "_prologue_start", None)
+    if start is None:
+        lines = gm.code.splitlines()
+        start = next((i for i, line in enumerate(lines, 1) if line.startswith("def forward")), 0)
+    return start

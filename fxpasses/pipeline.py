@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import hashlib
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -27,8 +26,9 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 import torch.fx as fx
 
-from .analysis.meta import annotate
+from .analysis.meta import annotate, annotate_new
 from .certificates import Certificate, Check, Site, pass_counters
+from .certificates.digest import code_fingerprint
 from .locations import node_location
 from .log import logger
 
@@ -81,7 +81,7 @@ class PipelineRun:
 
 
 def fingerprint(gm: fx.GraphModule) -> str:
-    return hashlib.sha256(gm.graph.python_code("self").src.encode()).hexdigest()[:16]
+    return code_fingerprint(gm.graph.python_code("self").src)
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -96,7 +96,8 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _snapshot(step: str, gm: fx.GraphModule, modified: bool, seconds: float = 0.0) -> Snapshot:
-    return Snapshot(step, fingerprint(gm), gm.code, modified, seconds)
+    code = gm.graph.python_code("self").src  # what the fingerprint hashes, so one checks the other
+    return Snapshot(step, code_fingerprint(code), code, modified, seconds)
 
 
 def _failure(pass_name: str, code: str, exc: BaseException | None, detail: dict,
@@ -123,6 +124,12 @@ def _metadata_failure(failures: list[tuple[fx.Node, Exception]], fingerprint: st
                        message=f"no shapes from node {node.name} on: {type(exc).__name__}: "
                                f"{str(exc).splitlines()[0][:200] if str(exc) else ''}",
                        graph_fingerprint=fingerprint)
+
+
+def _no_site(pass_name: str) -> Certificate:
+    """What a pass that left the graph alone and reported no site is certified with."""
+    return Certificate.from_checks(pass_name, Site((), (), "the whole graph"), [
+        Check("sites-found", False, {"sites": 0}, "no-site")])
 
 
 def _unannotated(gm: fx.GraphModule) -> set[str]:
@@ -161,7 +168,7 @@ def run_pipeline(gm: fx.GraphModule, passes: Sequence[Pass],
             certificates.append(_failure(p.name, "lint-failed", exc, {}, before))
             continue
         if example_tensors is not None and result.modified:
-            failures = annotate(result.graph_module, example_tensors)
+            failures = annotate_new(result.graph_module)
             new = [(n, e) for n, e in failures if n.name not in _unannotated(current)]
             if new:
                 node, exc = new[0]
@@ -177,8 +184,8 @@ def run_pipeline(gm: fx.GraphModule, passes: Sequence[Pass],
                 "message": f"pass said modified={result.modified}, fingerprint "
                            f"{'changed' if after != before else 'unchanged'}"}, before))
             continue
-        certificates.extend(dataclasses.replace(c, graph_fingerprint=before)
-                            for c in result.certificates)
+        found = list(result.certificates) or ([] if result.modified else [_no_site(p.name)])
+        certificates.extend(dataclasses.replace(c, graph_fingerprint=before) for c in found)
         logger.debug("pass %s: modified=%s, %d certificate(s), %.3f s", p.name, result.modified,
                      len(result.certificates), time.perf_counter() - start)
         current = result.graph_module

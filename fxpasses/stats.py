@@ -45,6 +45,7 @@ class RunStats:
     optimized: int = 0
     native: Counter = field(default_factory=Counter)
     abandoned: Counter = field(default_factory=Counter)  # "code at file:line" of abandoned calls
+    retraced: Counter = field(default_factory=Counter)  # "source (file:line)" of failed assumptions
     exceptions: list[RecordedException] = field(default_factory=list)
     sites: dict[str, dict[str, int]] = field(default_factory=dict)
 
@@ -54,7 +55,7 @@ class RunStats:
 
     def as_dict(self) -> dict[str, Any]:
         return {"calls": self.calls, "optimized": self.optimized, "native": dict(self.native),
-                "abandoned": dict(self.abandoned),
+                "abandoned": dict(self.abandoned), "retraced": dict(self.retraced),
                 "exceptions": [e.as_dict() for e in self.exceptions],
                 "sites": {k: dict(v) for k, v in self.sites.items()}}
 
@@ -64,6 +65,8 @@ class RunStats:
                  f"{sum(self.native.values())} ({native})"]
         for where, n in self.abandoned.most_common():
             lines.append(f"  abandoned (ran natively): {where}: {n}")
+        for what, n in self.retraced.most_common():
+            lines.append(f"  traced again, an assumption changed: {what}: {n}")
         for site, counters in self.sites.items():
             text = ", ".join(f"{k}: {v}" for k, v in sorted(counters.items()))
             lines.append(f"  site {site}: {text}")

@@ -15,14 +15,16 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
+from torch.fx.experimental.symbolic_shapes import (GuardOnDataDependentSymNode,
+                                                   PendingUnbackedSymbolNotFound, ShapeEnv,
+                                                   free_unbacked_symbols)
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..runtime import propagating_call
-from .ops import NODE_FACTS, NodeFacts, aten_facts, is_torch_code, mutated_storages, storage_id
+from .ops import NODE_FACTS, NodeFacts, aten_facts, is_torch_code, written_storages, storage_id
 
 
 def fake_mode() -> FakeTensorMode:
@@ -36,13 +38,14 @@ class _OpRecorder(TorchDispatchMode):
         super().__init__()
         self.watched = watched
         self.ops: dict[str, None] = {}
-        self.writes = self.host = self.random = self.computes = False
+        self.writes: set[int] = set()
+        self.host = self.random = self.computes = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         facts = aten_facts(func)
         self.ops[facts.name] = None
-        self.writes |= mutated_storages(func, args, kwargs, self.watched)
+        self.writes |= written_storages(func, args, kwargs) & self.watched
         self.random |= facts.random
         self.computes |= facts.computes
         self.host |= facts.value_on_host
@@ -73,8 +76,10 @@ class _PartialFakeTensorProp(FakeTensorProp):
         self._recorder: _OpRecorder | None = None
 
     def _recorded(self, run, target: Any, args: tuple, kwargs: dict, state: Sequence[torch.Tensor] = ()):
-        watched = {storage_id(t) for t in [*pytree.tree_leaves((args, kwargs)), *state]
-                   if isinstance(t, torch.Tensor)}
+        tensors = [t for t in [*pytree.tree_leaves((args, kwargs)), *state] if isinstance(t, torch.Tensor)]
+        # a real tensor (a parameter, a buffer) reaches the ops as its memoized fake copy
+        tensors += [self._mode.from_tensor(t) for t in tensors if not isinstance(t, FakeTensor)]
+        watched = {storage_id(t) for t in tensors}
         self._recorder = _OpRecorder(watched)
         with self._recorder:
             return run(target, args, kwargs)
@@ -95,9 +100,13 @@ class _PartialFakeTensorProp(FakeTensorProp):
             return _FAILED
         self._recorder = None
         try:
-            result = super().run_node(n)
+            result = self._run_tolerating_consumed_scalars(n)
             complete = True
         except Exception as exc:
+            if isinstance(exc, GuardOnDataDependentSymNode) and _host_scalar(n):
+                self._record_facts(n, True)  # ``bool(n == 0)`` feeding a guard: no tensor
+                n.meta["val"] = None          # metadata depends on its value
+                return None
             self.failures.append((n, exc))
             n.meta.pop("val", None)
             result, complete = _FAILED, False
@@ -107,17 +116,42 @@ class _PartialFakeTensorProp(FakeTensorProp):
         self._record_facts(n, complete)
         return result
 
+    def _run_tolerating_consumed_scalars(self, n: fx.Node) -> Any:
+        """Run ``n``; an op that reads a tensor's value and uses it inside (``torch.full(size,
+        fill_tensor)``) leaves a data-dependent symbol no output holds, which FakeTensorProp
+        reports as an error: such a node is run again with those symbols allowed to vanish (the
+        host read itself is in the node's facts)."""
+        shape_env = self._mode.shape_env
+        try:
+            result = super().run_node(n)
+        except PendingUnbackedSymbolNotFound:
+            shape_env.pending_fresh_unbacked_symbols.clear()
+            with shape_env.ignore_fresh_unbacked_symbols():
+                result = super().run_node(n)
+        for symbol in n.meta.get("unbacked_bindings", {}):
+            if symbol.is_integer:  # a size read from data: decide as sizes >= 2, as torch's
+                shape_env._constrain_range_for_size(symbol, min=2)  # size-oblivious tests do
+        return result
+
     def _record_facts(self, n: fx.Node, complete: bool) -> None:
         rec = self._recorder
         if rec is None:  # placeholders, get_attr, output
             return
         module = self.fetch_attr(n.target) if n.op == "call_module" else None
         host = rec.host or bool(n.meta.get("unbacked_bindings"))
-        n.meta[NODE_FACTS] = NodeFacts(tuple(rec.ops), rec.writes, host, rec.random, rec.computes,
+        n.meta[NODE_FACTS] = NodeFacts(tuple(rec.ops), bool(rec.writes), frozenset(rec.writes),
+                                       host, rec.random, rec.computes,
                                        complete, is_torch_code(n, module))
 
 
 _FAILED = object()
+
+
+def _host_scalar(n: fx.Node) -> bool:
+    """A Python-level computation on sizes (``bool``, ``==``...), not a tensor op."""
+    target = n.target
+    return n.op == "call_function" and (target in (bool, int, float) or
+                                        getattr(target, "__module__", None) in ("_operator", "operator"))
 
 
 def annotate(gm: fx.GraphModule, example_tensors: Sequence[torch.Tensor]) -> list[tuple[fx.Node, Exception]]:
@@ -134,8 +168,69 @@ def annotate(gm: fx.GraphModule, example_tensors: Sequence[torch.Tensor]) -> lis
     fakes = [mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t
              for t in example_tensors]
     prop = _PartialFakeTensorProp(gm, mode)
-    prop.propagate_dont_convert_inputs(*fakes)
+    with _quiet_shape_env():
+        prop.propagate_dont_convert_inputs(*fakes)
+    for node in gm.graph.nodes:
+        node.meta[_ANNOTATED] = _input_names(node)
+    gm.meta[_FAKE_MODE] = mode
+    gm.meta[_INPUTS] = dict(zip((n.name for n in gm.graph.find_nodes(op="placeholder")), fakes))
     return prop.failures
+
+
+def annotate_new(gm: fx.GraphModule) -> list[tuple[fx.Node, Exception]]:
+    """Metadata for the nodes a pass added to an annotated graph, and for those whose inputs it
+    changed (rewired, or themselves given new metadata), in the same fake mode; the others keep
+    theirs: cheap where :func:`annotate` propagates the whole graph again."""
+    mode = gm.meta[_FAKE_MODE]
+    prop = _PartialFakeTensorProp(gm, mode)
+    fresh: set[fx.Node] = set()
+    with mode, _quiet_shape_env():
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":  # objects and floats too, not only what meta holds
+                prop.env[node] = gm.meta[_INPUTS][node.name]
+                continue
+            if node.op == "get_attr":  # a module, a constant: what propagation fetched
+                prop.env[node] = prop.fetch_attr(node.target)
+                continue
+            if node.meta.get(_ANNOTATED) == _input_names(node) and fresh.isdisjoint(node.all_input_nodes):
+                prop.env[node] = _FAILED if "val" not in node.meta and node.op.startswith("call") \
+                    and NODE_FACTS not in node.meta else node.meta.get("val")
+                continue
+            if node.op == "output":
+                continue
+            for key in ("val", "unbacked_bindings", NODE_FACTS):  # stale: computed from other inputs
+                node.meta.pop(key, None)
+            prop.env[node] = prop.run_node(node)
+            node.meta[_ANNOTATED] = _input_names(node)
+            fresh.add(node)
+    return prop.failures
+
+
+def _input_names(node: fx.Node) -> tuple[str, ...]:
+    """What a node's metadata was computed from (names survive graph copies)."""
+    return tuple(a.name for a in node.all_input_nodes)
+
+
+_ANNOTATED = "fxpasses.annotated"
+_FAKE_MODE = "fxpasses.fake_mode"
+_INPUTS = "fxpasses.fake_inputs"  # what the placeholders were propagated with
+
+
+def _quiet_shape_env():
+    """Shape propagation with real values logs each decision it takes from them: keep it quiet."""
+    import contextlib
+    import logging
+    logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+
+    @contextlib.contextmanager
+    def quiet():
+        previous = logger.level
+        logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            logger.setLevel(previous)
+    return quiet()
 
 
 def value(node: fx.Node) -> Any:

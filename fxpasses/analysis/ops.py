@@ -22,11 +22,13 @@ from __future__ import annotations
 import functools
 import operator
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
+
+from ..runtime.trace_ops import set_item
 
 NODE_FACTS = "fxpasses.facts"  # node.meta key of a NodeFacts
 
@@ -50,12 +52,21 @@ class AtenFacts:
     computes: bool  # returns a tensor that is not a view of an argument: a kernel runs
 
 
+# Ops whose schema does not mark arguments they write: batch norm updates its running statistics
+# in training mode, but ``native_batch_norm``'s schema declares them read-only.
+_UNDECLARED_WRITES = {"native_batch_norm": ("running_mean", "running_var"),
+                      "cudnn_batch_norm": ("running_mean", "running_var"),
+                      "miopen_batch_norm": ("running_mean", "running_var")}
+
+
 @functools.lru_cache(maxsize=None)
 def aten_facts(op: Any) -> AtenFacts:
     """The facts of an aten ``OpOverload`` (an op without a schema has none of them)."""
     schema = getattr(op, "_schema", None)
     arguments = schema.arguments if schema is not None else ()
     written = tuple(a.name for a in arguments if a.alias_info is not None and a.alias_info.is_write)
+    packet = getattr(getattr(op, "overloadpacket", None), "__name__", "")
+    written += tuple(n for n in _UNDECLARED_WRITES.get(packet, ()) if n not in written)
     returns = schema.returns if schema is not None else ()
     aliased = tuple(a.name for a in arguments if a.alias_info is not None and not a.alias_info.is_write
                     and any(r.alias_info is not None for r in returns))
@@ -73,7 +84,8 @@ class NodeFacts:
     """What one node of a traced loss did while its shapes were propagated.
 
     ``ops``: the aten ops it ran, in order, each once. ``writes_input``: one of them wrote to the
-    memory of a node input or of the module it calls (its parameters and buffers). ``host_read``:
+    memory of a node input or of the module it calls (its parameters and buffers); ``writes``:
+    those storages (ids of the fake storages, valid while the graph's metadata lives). ``host_read``:
     one of them reads tensor data on the host (``.item()``, ``nonzero``...), or the node's result
     has sizes known only from data. ``random``: one draws random numbers. ``computes``: one makes a new tensor (a
     kernel runs; views and metadata reads do not). ``complete``: shape
@@ -83,6 +95,7 @@ class NodeFacts:
 
     ops: tuple[str, ...]
     writes_input: bool
+    writes: frozenset[int]
     host_read: bool
     random: bool
     computes: bool
@@ -94,18 +107,45 @@ def node_facts(node: fx.Node) -> NodeFacts | None:
     return node.meta.get(NODE_FACTS)
 
 
+_PYTHON_BUILTINS = (getattr, bool, int, float, abs, min, max, len)
+
+
 def is_torch_code(node: fx.Node, module: nn.Module | None = None) -> bool:
     """Whether ``node``'s target is torch's own code (its effects are the ops it runs)."""
     if node.op == "call_function":
         target = node.target
         owner = getattr(target, "__module__", None) or ""
         return owner == "torch" or owner.startswith("torch.") or owner in ("_operator", "operator") \
-            or target is getattr or target in vars(operator).values()
+            or target in _PYTHON_BUILTINS or target in vars(operator).values() \
+            or target is set_item  # fxpasses' own expression form of ``x[i] = v``: its ops show
     if node.op == "call_method":
         return hasattr(torch.Tensor, node.target)
     if node.op == "call_module" and module is not None:
         return all(type(m).__module__.startswith("torch.nn.") for m in module.modules())
     return False
+
+
+def _aten_packet(name: str) -> Any:
+    """``torch.ops.aten.<name>`` if it is an op (not one of the namespace's own attributes)."""
+    packet = getattr(torch.ops.aten, name, None) if not name.startswith("__") or name.startswith("__i") else None
+    return packet if isinstance(packet, torch._ops.OpOverloadPacket) else None
+
+
+# Python's in-place operator protocol on tensors, as the aten ops that implement it
+_IN_PLACE_DUNDERS = {"__iadd__": "add_", "__isub__": "sub_", "__imul__": "mul_",
+                     "__itruediv__": "div_", "__ifloordiv__": "floor_divide_",
+                     "__imod__": "remainder_", "__ipow__": "pow_"}
+
+
+@functools.lru_cache(maxsize=None)
+def method_writes_self(name: str) -> bool:
+    """Whether ``tensor.<name>(...)`` writes to ``tensor``, from the schemas of the aten op of
+    that name (``add_``: ``Tensor(a!) self``); ``x += y`` is ``__iadd__``, that is ``add_``."""
+    packet = _aten_packet(_IN_PLACE_DUNDERS.get(name, name))
+    if packet is None:
+        return False
+    return any(a.name == "self" and a.alias_info is not None and a.alias_info.is_write
+               for overload in packet.overloads() for a in getattr(packet, overload)._schema.arguments)
 
 
 # Python's in-place operators (``x += y`` traces as operator.iadd); conservative: a few extras
@@ -124,28 +164,26 @@ def may_write_inputs(node: fx.Node) -> bool:
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
     if node.op == "call_function" and (node.target is getattr or node.target in vars(operator).values()):
         return str(name) in _IN_PLACE_OPERATORS  # operator.iadd and friends write; the rest read
-    packet = getattr(torch.ops.aten, str(name), None) if name else None
-    if packet is None:
-        return True
-    schemas = [getattr(packet, o)._schema for o in packet.overloads()]
+    if isinstance(node.target, torch._ops.OpOverload):  # one overload: its own schema
+        schemas = [node.target._schema]
+    else:
+        packet = _aten_packet(str(name)) if name else None
+        if packet is None:
+            return True
+        schemas = [getattr(packet, o)._schema for o in packet.overloads()]
     return any(a.alias_info is not None and a.alias_info.is_write and a.name != "out"
                for schema in schemas for a in schema.arguments)
 
 
-def mutated_storages(op: Any, args: tuple, kwargs: dict, storages: Iterable[int]) -> bool:
-    """Whether ``op`` called with these arguments writes to one of ``storages`` (storage ids)."""
+def written_storages(op: Any, args: tuple, kwargs: dict) -> set[int]:
+    """The storages (ids) that ``op`` called with these arguments writes to."""
     facts = aten_facts(op)
     if not facts.mutates:
-        return False
+        return set()
     schema = op._schema
     positional = [a.name for a in schema.arguments if not a.kwarg_only]
     bound = dict(zip(positional, args)) | dict(kwargs)
-    wanted = set(storages)
-    for name in facts.mutates:
-        for t in _tensors(bound.get(name)):
-            if storage_id(t) in wanted:
-                return True
-    return False
+    return {storage_id(t) for name in facts.mutates for t in _tensors(bound.get(name))}
 
 
 def storage_id(t: torch.Tensor) -> int:

@@ -28,12 +28,27 @@ class Code:
 
 _CODES = (
     # -- tracing and the pipeline -----------------------------------------------------------
-    Code("trace-control-flow", "refusal",
-         "Python control flow (if/while/bool/int) depends on a traced tensor value.",
-         "Declare the function that branches a leaf: optimize(..., leaf_functions=[fn])."),
+    Code("trace-unsupported", "refusal",
+         "The loss does something a concrete trace cannot record (its values leave torch: "
+         ".numpy(), backward() inside the loss, an in-place write to a tensor the trace does not "
+         "follow, autocast switched inside the loss).",
+         "Declare the function that does it a leaf: optimize(..., leaf_functions=[fn])."),
     Code("trace-failed", "refusal",
-         "Symbolic tracing of the loss raised an exception.",
+         "Tracing the loss raised an exception.",
          "Declare the failing function or module a leaf, or simplify the code at the named line."),
+    Code("trace-write-before-guard", "refusal",
+         "The loss writes to an input, a parameter or a buffer before a data-dependent decision "
+         "the trace guards: a call that decides otherwise could not be abandoned without a "
+         "visible effect.", "Move the in-place update after the decision, or out of the loss."),
+    Code("assumption-changed", "guard",
+         "A value the trace read from the loss's state (an attribute, a dict of gains, a global, "
+         "an argument's field, a module's identity) changed; the loss was traced again for it "
+         "(or ran natively once the specializations were spent).",
+         "Expected when settings change; floats read as arithmetic are inputs and never cause it."),
+    Code("guard-failed", "guard",
+         "A decision the trace took on a value (a size, if mask.any(), an .item()) went the "
+         "other way in this call; the optimized call was abandoned and ran natively.",
+         "Expected on unusual batches; a decision that keeps failing gets its own trace."),
     Code("pass-raised", "failure",
          "A pass raised an exception; the graph from before the pass was kept.",
          "Report it with the certificate JSON; the loss keeps its previous graph."),
@@ -76,6 +91,11 @@ _CODES = (
          "specialization was disabled.",
          "Read the recorded exception and node in explain(); report it if it is fxpasses' fault."),
     # -- call pairing (PairCalls / PairRLE) -----------------------------------------------
+    Code("no-site", "refusal",
+         "The pass found nothing in the graph to rewrite (no call of the methods it pairs, no "
+         "node it handles): it changed nothing.",
+         "A module the trace went through has no call of its own in the graph: declare it a leaf "
+         "(optimize(..., leaf_modules=[...])) or name its method in density_methods=."),
     Code("pair-single-call", "refusal",
          "Only one call of this module method is in the graph: nothing to pair it with.",
          "Nothing to do; pairing needs two calls of the same module and method."),
@@ -229,6 +249,11 @@ _CODES = (
          "one an earlier call saved for its pending backward); replaying would overwrite it, so "
          "this call ran the region natively.",
          "Expected when two forwards precede one backward; keep no views of loss intermediates."),
+    Code("profiler-active", "guard",
+         "A profiler installed with sys.setprofile is running; the trace records the globals the "
+         "loss reads with a profile hook of its own, so this call ran natively and is traced on "
+         "a later call without the profiler (specializations made before keep running).",
+         "Make the first call outside the profiler, or profile with torch.profiler."),
     Code("concurrent-call", "guard",
          "Another thread was inside the same optimized loss or captured region; this call ran "
          "natively.", "Expected when threads share one optimized loss."),

@@ -1,11 +1,11 @@
 """CaptureLoss: CUDA-graph capture of the loss's capturable regions, forward and backward.
 
 The graph is partitioned (:mod:`fxpasses.analysis.capture`) into maximal regions of capturable
-nodes; each region is fused into a submodule by torch.fx's ``fuse_by_partitions`` and its call is
+nodes; each region is fused into a submodule (:mod:`fxpasses.analysis.fusion`) and its call is
 replaced by a :class:`~fxpasses.runtime.capture.CapturedRegion`, which records and replays it
 (:mod:`fxpasses.runtime.capture`). Everything else runs eagerly between regions. Certificates: one
-per region (applied), one per refusal code (the nodes and ops that stay eager, and why), and one
-per paired call site: inside a region when its shapes are static; otherwise, when the rows are on
+per region (applied), one per source line whose nodes stay eager (a check per node, with its
+code), and one per call proven row-independent by an earlier pass (``fxpasses.facts``): inside a region when its shapes are static; otherwise, when the rows are on
 a capture device and zero padding rows are inert (a float64 witness), its one flow call is recorded
 per power-of-two row bucket (:mod:`fxpasses.runtime.paired_capture`).
 """
@@ -18,9 +18,9 @@ from typing import Sequence
 
 import torch
 import torch.fx as fx
-from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
 from ..analysis.capture import CapturePlan, Verdict, plan_regions
+from ..analysis.fusion import fuse_region
 from ..analysis.meta import tensors_in, value
 from ..analysis.witness import padding_witness, witness_holds
 from ..certificates import Certificate, Check, Guard, Site
@@ -29,10 +29,19 @@ from ..pipeline import PassResult
 from ..runtime import RuntimeOp
 from ..runtime.capture import CapturedRegion, Recorder
 from ..runtime.ownership import OwnedOutputs
+from ..runtime.trace_ops import ReadSource, ReadState
 from ..runtime.paired_capture import CapturedPairedCall
 from ..locations import node_location
 
 _PREFIX = "capture_region_"
+def _is_state(arg: object) -> bool:
+    """A value the graph reads from the loss's state (a parameter, a buffer, a tensor attribute)
+    rather than computes or receives as input: replays read it in place."""
+    if not isinstance(arg, fx.Node):
+        return False
+    return arg.op == "get_attr" or (arg.op == "call_function" and isinstance(arg.target, (ReadState, ReadSource)))
+
+
 def _histogram(nodes: Sequence[fx.Node], verdicts: dict[fx.Node, Verdict]) -> dict[str, int]:
     return dict(Counter(verdicts[n].op for n in nodes).most_common(12))
 
@@ -82,7 +91,7 @@ class CaptureLoss:
         paired = [self._row_independent_call(gm, node, fact, plan) for node, fact in calls]
         regions = [self._capture_padded(gm, node, fact) for (node, fact), cert in zip(calls, paired)
                    if cert.applied and not any(node in r for r in plan.regions)]  # (else in a region)
-        if plan.regions:  # fuse_by_partitions rebuilds the graph: other rewrites come before it
+        if plan.regions:
             regions += self._fuse(gm, plan)
         if regions:
             self._own_outputs(gm, regions)
@@ -103,18 +112,11 @@ class CaptureLoss:
 
     # -- rewrite --------------------------------------------------------------------------
     def _fuse(self, gm: fx.GraphModule, plan: CapturePlan) -> list[CapturedRegion]:
-        partitions = [dict.fromkeys(nodes) for nodes in plan.regions]
-        try:
-            fuse_by_partitions(gm, partitions, prefix=_PREFIX)
-        except TypeError:  # torch < 2.6 has no prefix argument
-            fuse_by_partitions(gm, partitions)
-        fused = [n for n in gm.graph.nodes if n.op == "call_module" and
-                 n.target.startswith((_PREFIX, "fused_"))]
+        fused = [fuse_region(gm, nodes, f"{_PREFIX}{i}") for i, nodes in enumerate(plan.regions)]
         regions = []
         for node in fused:
-            # parameters and buffers passed in (get_attr) are read in place, never copied
-            identity = frozenset(i for i, a in enumerate(node.args)
-                                 if isinstance(a, fx.Node) and a.op == "get_attr")
+            # parameters, buffers and other state read by the graph are used in place, never copied
+            identity = frozenset(i for i, a in enumerate(node.args) if _is_state(a))
             region = CapturedRegion(node.target, gm.get_submodule(node.target), identity=identity,
                                     max_recordings=self.max_recordings, recorder=self.recorder)
             with gm.graph.inserting_before(node):
@@ -147,7 +149,7 @@ class CaptureLoss:
                                           "node's FakeTensorProp metadata but bucketed "
                                           "capacities (a recording per bucket)"}),
             Check("on-capture-device", True, {"devices": self.devices}),
-            Check("no-barrier-inside", True, {"partitioner": "fxpasses convex greedy regions; fuse_by_partitions",
+            Check("no-barrier-inside", True, {"partitioner": "fxpasses convex greedy regions; fxpasses.analysis.fusion",
                                               "split_at": "grad-mode switches, ops writing their inputs, "
                                                           "user code, nodes without metadata"}),
         ]

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..analysis.ops import may_write_inputs, node_facts
+from ..analysis.order import conflict
 from ..analysis.graph import dependent_pairs, downstream, grad_modes, to_digraph
 from ..analysis.meta import is_dynamic, value
 from ..analysis.rows import analyze_rows
@@ -30,7 +30,6 @@ from ..analysis.witness import pairing_witness, witness_holds
 from ..certificates import Certificate, Check, Guard, Site
 from ..facts import RowIndependentCall, prove
 from ..pipeline import PassResult
-from ..runtime import RuntimeOp
 from ..runtime.paired import PairedCall
 from ..locations import node_location
 from . import checks
@@ -53,21 +52,6 @@ class CallGroup:
     def site(self, description: str = "") -> Site:
         return Site(tuple(c.name for c in self.calls), tuple(node_location(c) for c in self.calls),
                     description or f"{len(self.calls)} calls of {self.path}.{self.method}")
-
-
-def order_matters(node: fx.Node) -> bool:
-    """Effects that fix a node's place (grad-mode switches are compared separately): writes to
-    its inputs or random draws seen in its ops, an impure node, or code whose ops were not seen."""
-    if not node.op.startswith("call_") or node.target is torch._C._set_grad_enabled:
-        return False
-    if isinstance(node.target, RuntimeOp):
-        return not node.target.pure
-    facts = node_facts(node)
-    if facts is None or not facts.complete:  # never propagated: what its schema allows
-        return may_write_inputs(node) or node.is_impure()
-    if not facts.torch_code:
-        return True
-    return facts.writes_input or facts.random or node.is_impure()
 
 
 class PairCalls:
@@ -116,6 +100,8 @@ class PairCalls:
     # -- the pass -------------------------------------------------------------------------
     def run(self, gm: fx.GraphModule) -> PassResult:
         sites = self._call_sites(gm)
+        if not sites:
+            return PassResult(gm, False, [self._no_site(gm)])
         certificates: list[Certificate] = []
         modified = False
         by_kind: dict[tuple[type, str], list[CallGroup]] = defaultdict(list)
@@ -136,6 +122,23 @@ class PairCalls:
                         modified = True
                     certificates.append(cert)
         return PassResult(gm, modified, certificates)
+
+    def _no_site(self, gm: fx.GraphModule) -> Certificate:
+        """No call of ``methods`` in the graph; the wanted modules the trace went through are
+        named (their calls became their ops: nothing is left to pair)."""
+        reached = getattr(gm.meta.get("fxpasses"), "modules", ())
+        paths: dict[int, list[str]] = defaultdict(list)  # a module's paths below each reached one
+        for top in reached:
+            for path, m in top.named_modules():
+                if path and any(m is r for r in reached):
+                    paths[id(m)].append(path)
+        through = sorted({min(paths[id(m)], key=len) for m in reached if paths[id(m)]
+                          and any(self._wanted(p, m) for p in paths[id(m)])
+                          and any(callable(getattr(m, name, None)) for name in self.methods)})
+        check = Check("call-sites-found", False, {
+            "methods": self.methods, "modules": tuple(map(_shown, self.modules)),
+            "traced_through": tuple(through[:10])}, "no-site")
+        return Certificate.from_checks(self.name, Site((), (), "the whole graph"), [check])
 
     def _single(self, s: CallGroup) -> Certificate:
         check = Check("has-partner", False, {"module": s.path, "method": s.method, "calls": 1},
@@ -212,14 +215,20 @@ class PairCalls:
             "dependencies": tuple(f"{a} -> {b}" for a, b in dependent), "analysis": "networkx.has_path"},
             None if not dependent else "calls-dependent")
         moved, jumped = self._reordering(gm, s, g) if not dependent else ([], [])
-        mutations = [n.name for n in [*moved, *jumped] if order_matters(n)]
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        # a moved node now runs after every jumped node: only those it used to precede swap
+        conflicts = [f"{m.name} / {j.name}: {why}" for m in moved for j in jumped
+                     if order[j] > order[m] and (why := conflict(m, j)) is not None]
         modes = grad_modes(gm.graph)
         last = max(s.calls, key=list(gm.graph.nodes).index)
         mode_changes = [n.name for n in moved if modes[n] != modes[last]]
-        ok = not mutations and not mode_changes
-        reorder = Check("reorder-pure", ok, {
-            "moved_nodes": len(moved), "mutations": tuple(mutations),
-            "grad_mode_changes": tuple(mode_changes)}, None if ok else "pair-reorder-mutation")
+        ok = not conflicts and not mode_changes
+        reorder = Check("reorder-safe", ok, {
+            "moved_nodes": len(moved), "jumped_nodes": len(jumped),
+            "conflicts": tuple(conflicts[:10]), "conflicts_total": len(conflicts),
+            "grad_mode_changes": tuple(mode_changes),
+            "analysis": "fxpasses.analysis.order (storages, random draws, attributes)"},
+            None if ok else "pair-reorder-mutation")
         return [independent, reorder]
 
     @staticmethod
@@ -308,3 +317,7 @@ def _real_device(device: torch.device) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         return torch.device("cpu")
     return device
+
+
+def _shown(module_spec: Any) -> str:
+    return module_spec.__qualname__ if isinstance(module_spec, type) else str(module_spec)

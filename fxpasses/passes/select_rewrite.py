@@ -17,7 +17,7 @@ For one level (the spaces whose masks are available together; see
 ``masked_fill``, not a product: a padding row's value is a real row's, finite where that row's
 is, but ``0 * inf`` would be NaN. The read comes where the last mask of the level is computed;
 selections placed earlier move after it with everything that depends on them, when the nodes
-moved and jumped over are pure and keep their grad mode (as PairCalls checks its reordering);
+moved and jumped over do not conflict and keep their grad mode (as PairCalls checks its reordering);
 otherwise each space reads its own count.
 """
 
@@ -32,11 +32,11 @@ import torch.fx as fx
 
 from ..analysis.graph import downstream, grad_modes, to_digraph
 from ..analysis.meta import value
+from ..analysis.order import conflict
 from ..analysis.selection import SpaceAnalysis
 from ..facts import BucketedSizes, prove
 from ..locations import node_location
 from ..runtime.select import ReadCounts
-from .pair_calls import order_matters
 
 
 @dataclass
@@ -216,8 +216,9 @@ def _placement(graph: fx.Graph, sites: list[fx.Node], counts: list[fx.Node], gro
     nodes that move there; ``(None, [])`` when one read per space is needed instead.
 
     Nodes of an analysed region (the row walk refused any write to state or inputs) and nodes
-    made by this rewrite are pure; any other node moved or jumped over must be (PairCalls'
-    ``order_matters``)."""
+    made by this rewrite are pure (two pure nodes swap freely); any other pair of a moved node and
+    a node it jumps over must not conflict (:func:`fxpasses.analysis.order.conflict`, as PairCalls
+    checks its reordering)."""
     order = _order(graph)
     last = max(counts, key=order.__getitem__)
     early = [s for s in sites if order[s] < order[last]]
@@ -248,13 +249,17 @@ def _placement(graph: fx.Graph, sites: list[fx.Node], counts: list[fx.Node], gro
         wanted = {modes[n] for n in moved}
     jumped = [n for n in graph.nodes if anchor is not None and order[moved[0]] < order[n]
               <= order[anchor] and n not in dependents]
-    effects = [n.name for n in [*moved, *jumped]
-               if n not in analysed and not n.meta.get(MADE) and order_matters(n)]
+    pure = analysed | {n for n in graph.nodes if n.meta.get(MADE)}
+    # a moved node now runs after every jumped node: only those it used to precede swap
+    effects = [f"{m.name} / {j.name}: {why}" for m in moved for j in jumped
+               if order[j] > order[m] and not (m in pure and j in pure)
+               and (why := conflict(m, j)) is not None]
     ok = len(wanted) == 1 and anchor is not None and not effects
     evidence.update(grouped=ok, moved_nodes=len(moved), jumped_nodes=len(jumped),
-                    effects=tuple(effects[:10]), grad_modes=tuple(sorted(wanted)))
+                    conflicts=tuple(effects[:10]), grad_modes=tuple(sorted(wanted)),
+                    analysis="fxpasses.analysis.order (storages, random draws, attributes)")
     if not ok:
-        evidence["reason"] = "nodes with effects in between" if effects else \
+        evidence["reason"] = "nodes that may not swap in between" if effects else \
             "the moved nodes run in different grad modes" if len(wanted) != 1 else \
             "no grad-mode switch back to the moved nodes' mode"
         return None, []

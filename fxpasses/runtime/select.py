@@ -11,7 +11,8 @@ buckets, and the counts of rows handed back to the caller, are needed on the hos
 
 An empty selection has no real row to copy into its padding, so the call is abandoned
 (:class:`~fxpasses.runtime.abandon.Abandon`, code ``selection-empty``): ``OptimizedLoss`` runs it
-natively, counted. The read happens before any value of the call reaches the caller.
+natively, counted (and never traced again for it: a new trace would abandon it too). The read
+happens before any value of the call reaches the caller.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class ReadCounts(RuntimeOp):
         for count, site in zip(values, self.sites):
             if count == 0:
                 self.count("selection-empty")
-                raise Abandon("selection-empty", site, "a selection is empty: no real row to pad with")
+                raise Abandon("selection-empty", site, "a selection is empty: no real row to pad with",
+                              retrace=False)  # any trace's read abandons it again
         return (*(bucket(v, self.min_bucket) for v in values), *values)
 
     def propagate(self, *counts: torch.Tensor) -> tuple[torch.SymInt, ...]:

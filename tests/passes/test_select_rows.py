@@ -163,6 +163,14 @@ def test_every_selection_rewritten_with_one_host_read_per_level():
     assert fast.stats.optimized == calls + 1
 
 
+def test_empty_selections_run_natively_without_new_traces():
+    loss, fast = optimized("select")
+    traced = len(fast.specializations)
+    for seed in range(3):  # a new trace would abandon them again: none is made
+        assert_same(loss, fast, inputs("empty", "random", seed))
+    assert len(fast.specializations) == traced
+
+
 def test_everything_downstream_is_captured():
     _, fast = optimized("all")
     capture = [c for c in fast.certificates if c.pass_name == "CaptureLoss"]

@@ -4,6 +4,7 @@ value and in a single parameter gradient, compares NaN positions, and leaves the
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -145,3 +146,17 @@ def test_pose_loss_outputs_and_tensor_alpha():
     failed = {c.where for c in report.failures}
     assert "output .branches['o2o']['rle']" in failed and "output .total" not in failed
     assert "grad args[0].o2o.sigmas" in failed and "grad args[0].o2m.sigmas" not in failed
+
+
+def test_comparing_an_optimized_loss_warns_nothing(two_branch_loss, two_branch_inputs):
+    """The oracle copies the candidate; an OptimizedLoss that ran once holds pytree specs, whose
+    deep copy torch 2.13 warns about (FutureWarning on LeafSpec): only the loss and its options
+    are copied, so nothing warns."""
+    from fxpasses import optimize
+    from fxpasses.passes import PairRLE
+
+    fast = optimize(two_branch_loss, passes=[PairRLE()])
+    fast(*two_branch_inputs).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_equivalent(two_branch_loss, fast, two_branch_inputs)
