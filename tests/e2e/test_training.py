@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fxpasses import optimize
-from fxpasses.passes import CaptureLoss, PairRLE
+from fxpasses.passes import CaptureLoss, PairRLE, SelectRows
 from fxpasses.runtime.emulated import EmulatedRecorder
 from fxpasses.workloads.pose import DualBranchPoseLoss, PoseNetwork, make_image_batch, train_step
 
@@ -25,6 +25,9 @@ PASSES = {
     "PairRLE": lambda: [PairRLE()],
     "PairRLE+CaptureLoss": lambda: [PairRLE(), CaptureLoss(devices=("cpu",),
                                                            recorder=EmulatedRecorder())],
+    "PairRLE+SelectRows+CaptureLoss": lambda: [
+        PairRLE(), SelectRows(min_bucket=8),
+        CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder(), max_recordings=64)],
 }
 
 
