@@ -50,15 +50,13 @@ class Rewritten:
 
 def rewrite_level(gm: fx.GraphModule, analyses: list[SpaceAnalysis], level_id: str,
                   min_bucket: int, masks: dict[str, fx.Node], proof: str, *,
-                  group: bool = True, slice_exits: bool = False,
-                  analysed: frozenset[str] = frozenset()) -> Rewritten:
+                  group: bool = True, slice_exits: bool = False) -> Rewritten:
     """Rewrite the spaces of one level in ``gm`` (see the module docstring).
 
     ``masks``: mask nodes by mask name (a child's mask is the and-node its parent made; updated
     here for this level's children). ``proof``: the certificate id cited by the bucket fact.
     ``slice_exits``: slice every value whose rows leave (for the witness, whose outputs are
-    those values) instead of the graph outputs only. ``analysed``: names of the nodes of every
-    region the row walk proved free of writes (this level's are added).
+    those values) instead of the graph outputs only.
     """
     graph = gm.graph
     named = {n.name: n for n in graph.nodes}
@@ -70,9 +68,7 @@ def rewrite_level(gm: fx.GraphModule, analyses: list[SpaceAnalysis], level_id: s
             counts.append(_made(graph.call_function(torch.sum, (mask,)), mask))
     result = Rewritten()
     sites = [named[s] for a, _ in spaces for s in a.space.sites]
-    names = analysed | {n for a, _ in spaces for n in a.region}
-    analysed_nodes = {named[n] for n in names if n in named}
-    anchor, moved = _placement(graph, sites, counts, group, analysed_nodes, result.placement)
+    anchor, moved = _placement(graph, sites, counts, group, result.placement)
     result.grouped = anchor is not None and len(spaces) > 1
     groups = [list(range(len(spaces)))] if anchor is not None else [[i] for i in range(len(spaces))]
     for number, members in enumerate(groups):
@@ -106,14 +102,10 @@ def rewrite_level(gm: fx.GraphModule, analyses: list[SpaceAnalysis], level_id: s
     return result
 
 
-MADE = "fxpasses.select.made"  # node.meta key: made by this rewrite (pure by construction)
-
-
 def _made(node: fx.Node, like: fx.Node) -> fx.Node:
     """A new node of the rewrite, reporting the user's line of ``like``."""
     if "stack_trace" in like.meta:
         node.meta["stack_trace"] = like.meta["stack_trace"]
-    node.meta[MADE] = True
     return node
 
 
@@ -211,14 +203,12 @@ def _mask_reduction(graph: fx.Graph, named: dict[str, fx.Node], r: Any, invalid:
 # -- one read for the level: where, and what moves ---------------------------------------------
 
 def _placement(graph: fx.Graph, sites: list[fx.Node], counts: list[fx.Node], group: bool,
-               analysed: set[fx.Node], evidence: dict) -> tuple[fx.Node | None, list[fx.Node]]:
+               evidence: dict) -> tuple[fx.Node | None, list[fx.Node]]:
     """Where the level's nodes that must follow its one read go (an anchor: after it), and the
     nodes that move there; ``(None, [])`` when one read per space is needed instead.
 
-    Nodes of an analysed region (the row walk refused any write to state or inputs) and nodes
-    made by this rewrite are pure (two pure nodes swap freely); any other pair of a moved node and
-    a node it jumps over must not conflict (:func:`fxpasses.analysis.order.conflict`, as PairCalls
-    checks its reordering)."""
+    No moved node may conflict with a node it jumps over (:func:`fxpasses.analysis.order.conflict`:
+    storages, random draws, attributes; as PairCalls checks its reordering)."""
     order = _order(graph)
     last = max(counts, key=order.__getitem__)
     early = [s for s in sites if order[s] < order[last]]
@@ -249,11 +239,9 @@ def _placement(graph: fx.Graph, sites: list[fx.Node], counts: list[fx.Node], gro
         wanted = {modes[n] for n in moved}
     jumped = [n for n in graph.nodes if anchor is not None and order[moved[0]] < order[n]
               <= order[anchor] and n not in dependents]
-    pure = analysed | {n for n in graph.nodes if n.meta.get(MADE)}
     # a moved node now runs after every jumped node: only those it used to precede swap
     effects = [f"{m.name} / {j.name}: {why}" for m in moved for j in jumped
-               if order[j] > order[m] and not (m in pure and j in pure)
-               and (why := conflict(m, j)) is not None]
+               if order[j] > order[m] and (why := conflict(m, j)) is not None]
     ok = len(wanted) == 1 and anchor is not None and not effects
     evidence.update(grouped=ok, moved_nodes=len(moved), jumped_nodes=len(jumped),
                     conflicts=tuple(effects[:10]), grad_modes=tuple(sorted(wanted)),

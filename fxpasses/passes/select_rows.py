@@ -95,12 +95,11 @@ class SelectRows:
         certificates = {s.mask: self._certificate(named, s, analyses[s.mask], checks[s.mask],
                                                   witnesses.get(s.mask)) for s in spaces}
         masks: dict[str, fx.Node] = {}
-        analysed = frozenset(n for a in applied.values() for n in a.region)
         for level in sorted({applied_space.space.level for applied_space in applied.values()}):
             members = [a for a in applied.values() if a.space.level == level]
             proof = certificates[members[0].space.mask].id
             done = rewrite_level(gm, members, f"level{level}", self.min_bucket, masks, proof,
-                                 group=self.group, analysed=analysed)
+                                 group=self.group)
             for a in members:
                 cert = certificates[a.space.mask]
                 certificates[a.space.mask] = dataclasses.replace(cert, effect={
