@@ -10,9 +10,9 @@ AdamW and its own :class:`DualBranchPoseLoss` on that copy's head flow:
 * ``pair``: ``optimize(loss, passes=[PairRLE()])``;
 * ``both``: ``optimize(loss, passes=[PairRLE(), CaptureLoss()])`` (CUDA graphs inside DDP's backward).
 
-Phase 1, agreement: ``--agree`` steps in lockstep on the same per-rank batches (the last rank's batch
-has no visible keypoints at step 1 and no objects at step 2: the classic trigger of DDP's unused
-parameter error). After each backward, the all-reduced gradients of every arm against native's:
+Phase 1, agreement: ``--agree`` forward-backward passes at equal parameters (no optimizer step) on
+the same per-rank batches (the last rank's batch has no visible keypoints at pass 1 and no objects at
+pass 2: the classic trigger of DDP's unused parameter error). After each backward, the all-reduced gradients of every arm against native's:
 the largest ``|g - g_native| / (atol + rtol |g_native|)`` over all parameters (rtol 1e-3, atol 1e-5 in
 float32: a measured rounding figure, not a pass/fail) and the parameters without a gradient (must be
 none). Phase 2, speed: ``--steps`` interleaved rounds (:func:`fxpasses.timing.interleave`, a fresh
@@ -40,7 +40,8 @@ from fxpasses import optimize
 from fxpasses.log import enable
 from fxpasses.passes import CaptureLoss, PairRLE
 from fxpasses.timing import interleave
-from fxpasses.workloads.pose import DualBranchPoseLoss, PoseNetwork, make_image_batch, train_step
+from fxpasses.workloads.pose import (DualBranchPoseLoss, PoseNetwork, forward_backward,
+                                     make_image_batch, train_step)
 
 ARMS = {"native": lambda: None, "pair": lambda: [PairRLE()],
         "both": lambda: [PairRLE(), CaptureLoss()]}
@@ -85,7 +86,7 @@ def _train(rank: int, world: int, args) -> dict:
     arms = {}
     for name, passes in ARMS.items():
         network = copy.deepcopy(base)
-        loss = DualBranchPoseLoss(flow=network.model[-1].flow_model)
+        loss = DualBranchPoseLoss(flow=network.model[-1].flow_model).cuda()
         chosen = passes()
         fn = loss if chosen is None else optimize(loss, passes=chosen)
         model = DistributedDataParallel(network, device_ids=[rank])
@@ -94,8 +95,9 @@ def _train(rank: int, world: int, args) -> dict:
     for step in range(args.agree):
         batch = _batch(rank, world, step, args)
         grads = {}
-        for name, (model, fn, optimizer) in arms.items():
-            train_step(model, fn, optimizer, batch)
+        for name, (model, fn, _) in arms.items():  # equal parameters: no optimizer step
+            model.zero_grad(set_to_none=True)
+            forward_backward(model, fn, batch)
             grads[name] = {n: p.grad for n, p in model.module.named_parameters()}
             agreement[name]["no_grad"].append([n for n, g in grads[name].items() if g is None])
         for name in ARMS:
