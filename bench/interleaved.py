@@ -1,11 +1,14 @@
 """Eager, fxpasses and torch.compile arms, step by step in alternation, on a fresh batch each step.
 
     python bench/interleaved.py --loss reference --batch 16 --rounds 100 --out out/ref16
+    python bench/interleaved.py --loss reference --batch 16 --arms both,all,compile-ro --out out/all16
     python bench/interleaved.py --loss wild --batch 16 --arms pair,both,compile --out out/wild16
     python bench/interleaved.py --device cpu --batch 2 --image-size 128 --rounds 3 \\
         --arms pair,both --out out/smoke                                    # a smoke run
 
-``--loss reference`` is :class:`DualBranchPoseLoss`; ``--loss wild`` is the public-style
+fxpasses arms: ``pair`` (PairRLE), ``capture`` (CaptureLoss), ``both`` (the two), ``select``
+(SelectRows), ``all`` (PairRLE, SelectRows, CaptureLoss). ``--loss reference`` is
+:class:`DualBranchPoseLoss`; ``--loss wild`` is the public-style
 :class:`WildPoseLoss` (``fxpasses.workloads.pose.wild``), unmodified, on the same batches in its
 own format. Every arm first makes one step on its own batch (its *first call*: tracing, passes,
 recordings, or torch.compile's compilation); then each round times one forward+backward step of
@@ -31,7 +34,7 @@ from typing import Any, Callable
 import torch
 
 from fxpasses import optimize
-from fxpasses.passes import CaptureLoss, PairRLE
+from fxpasses.passes import CaptureLoss, PairRLE, SelectRows
 from fxpasses.steps import step
 from fxpasses.timing import device_sync, interleave
 from fxpasses.workloads.pose import (DualBranchPoseLoss, RealNVP, StandInModel, WildPoseLoss,
@@ -39,7 +42,8 @@ from fxpasses.workloads.pose import (DualBranchPoseLoss, RealNVP, StandInModel, 
 from measure import LAUNCH_EVENTS, SYNC_EVENTS  # bench/measure.py, beside this script
 
 PASSES = {"pair": lambda: [PairRLE()], "capture": lambda: [CaptureLoss()],
-          "both": lambda: [PairRLE(), CaptureLoss()]}
+          "both": lambda: [PairRLE(), CaptureLoss()], "select": lambda: [SelectRows()],
+          "all": lambda: [PairRLE(), SelectRows(), CaptureLoss()]}
 COMPILE = {"compile": "default", "compile-ro": "reduce-overhead"}
 
 
@@ -162,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
               "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
               "torch": torch.__version__, "loss": args.loss, "batch": args.batch,
               "image_size": args.image_size, "rounds": args.rounds, "rotate": args.rotate, "arms": {}}
-    print(f"\n| arm | median ms | × eager (p10–p90) | first call s | launches | syncs | GPU busy ms | fxpasses |")
+    print("\n| arm | median ms | × eager (p10–p90) | first call s | launches | syncs | GPU busy ms | fxpasses |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for name, timing in timings.items():
         low, high = timing.ratio_spread()

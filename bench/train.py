@@ -7,7 +7,8 @@ gradients set to None, the network's forward, the loss, backward, ``optimizer.st
 Arms, each with its own copy of the network (same initial weights) and its own optimizer:
 
 * ``native``: the network and :class:`DualBranchPoseLoss` as written;
-* ``optimized``: the loss through ``optimize(loss, passes=[PairRLE(), CaptureLoss()])``;
+* ``optimized``: the loss through ``optimize(loss, passes=[PairRLE(), CaptureLoss()])``
+  (``--select``: ``[PairRLE(), SelectRows(), CaptureLoss()]``);
 * ``graphed``: the network's forward and backward replayed as CUDA graphs, native loss;
 * ``both``: the graphed network and the optimized loss;
 * ``network-only`` (calibration): the network with a trivial loss (the mean of its outputs), so
@@ -55,7 +56,7 @@ from torch.utils import _pytree as pytree
 
 from fxpasses import optimize
 from fxpasses.log import enable, logger, progress
-from fxpasses.passes import CaptureLoss, PairRLE
+from fxpasses.passes import CaptureLoss, PairRLE, SelectRows
 from fxpasses.timing import interleave
 from fxpasses.workloads.pose import (DualBranchPoseLoss, PoseNetwork, graph_network,
                                      make_image_batch, train_step)
@@ -112,7 +113,8 @@ def build_arm(name: str, base: PoseNetwork, args: argparse.Namespace) -> Arm:
     loss: Callable = DualBranchPoseLoss(flow=network.model[-1].flow_model).to(args.device,
                                                                              args.dtype)
     if name in ("optimized", "both"):
-        loss = optimize(loss, passes=[PairRLE(), CaptureLoss()])
+        passes = [PairRLE(), SelectRows(), CaptureLoss()] if args.select else [PairRLE(), CaptureLoss()]
+        loss = optimize(loss, passes=passes)
     elif name == "network-only":
         loss = trivial_loss
     elif name == "native-perturbed":
@@ -262,7 +264,8 @@ def markdown(report: dict[str, Any]) -> str:
              "", f"`{report['command']}`", "",
              f"PoseNetwork widths {c['widths']}, depth {c['depth']}, hidden {c['hidden']} "
              f"({report['result']['parameters']:,} parameters), batch {c['batch']}, {c['image_size']} px, "
-             f"{precision}, AdamW lr {c['lr']}; "
+             f"{precision}, AdamW lr {c['lr']}; optimized loss: PairRLE, "
+             f"{'SelectRows, ' if c.get('select') else ''}CaptureLoss; "
              f"{c['steps']} interleaved rounds; {report['result']['steps_per_arm']} steps per arm.",
              "",
              "| arm | median step ms (p10–p90) | × native (p10–p90) | wall s / steps (batches s) | "
@@ -296,6 +299,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--settle", type=int, default=3, help="steps after the first, per arm")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {ARMS}")
     parser.add_argument("--autocast", action="store_true", help="bf16 autocast")
+    parser.add_argument("--select", action="store_true",
+                        help="the optimized loss runs SelectRows too (between PairRLE and CaptureLoss)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"),
                         help="parameters and batches (float64: agreement to rounding, on a CPU)")
     parser.add_argument("--widths", default="16,32,64,128,256", help="backbone stage channels")

@@ -9,6 +9,7 @@ through the pipeline's graph copies.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Union
 
 import torch.fx as fx
 
@@ -30,9 +31,24 @@ class RowIndependentCall:
     kind = "row-independent-call"
 
 
-def prove(node: fx.Node, fact: RowIndependentCall) -> None:
+@dataclass(frozen=True)
+class BucketedSizes:
+    """The node returns ``buckets`` capacities (power-of-two buckets of row counts), then as
+    many counts. A shape whose data-dependent sizes are only such capacities is static for one
+    recording: the buckets bound the recordings (a run-time op reads them; see SelectRows)."""
+
+    certificate: str
+    buckets: int
+
+    kind = "bucketed-sizes"
+
+
+Fact = Union[RowIndependentCall, BucketedSizes]
+
+
+def prove(node: fx.Node, fact: Fact) -> None:
     node.meta.setdefault(PROVEN, {})[fact.kind] = fact
 
 
-def proven(node: fx.Node, kind: str) -> RowIndependentCall | None:
+def proven(node: fx.Node, kind: str) -> Any:
     return node.meta.get(PROVEN, {}).get(kind)

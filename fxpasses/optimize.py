@@ -12,7 +12,8 @@ Each call of an OptimizedLoss:
 3. runs the rewritten graph. A guard node that fails (a data-dependent decision went the other
    way) abandons the call: it runs natively, counted by the guard's line; the second call since
    the last trace that every specialization abandons is traced instead (its decisions get a
-   specialization of their own, within ``max_specializations``). Any other exception is recorded (type, message,
+   specialization of their own, within ``max_specializations``), unless an abandon says no trace
+   would decide differently (an empty selection). Any other exception is recorded (type, message,
    node), the specialization is disabled, and the call is recomputed natively.
 
 "Native" is always the same thing: calling the original ``loss_fn`` with the original arguments.
@@ -115,6 +116,7 @@ class OptimizedLoss(nn.Module):
         self._refusal = "specialization-budget"  # why the last specialization was not made
         self._abandoned_since_trace = 0  # calls that every matching trace abandoned
         self._abandon_code = "guard-failed"
+        self._retrace_helps = True  # no abandon of this call said a new trace would abandon too
 
     def _whole_loss(self) -> tuple[Assumption, ...]:
         roots = LossRoots(self._loss, (), self._guarded_modules, self._classes)
@@ -146,11 +148,12 @@ class OptimizedLoss(nn.Module):
             if special is None:
                 return self._native(args, kwargs, self._refusal)
             candidates = [special]
+        self._retrace_helps = True
         result = self._first_result(candidates, args, kwargs, leaves)
         if result is not _ABANDONED:
             return result
         self._abandoned_since_trace += 1  # every trace's decisions failed on this call
-        if self._abandoned_since_trace >= _RETRACE_AFTER:  # this call's path gets its own trace
+        if self._retrace_helps and self._abandoned_since_trace >= _RETRACE_AFTER:  # its own trace
             special = self._specialize(args, kwargs)
             if special is not None:
                 result = self._first_result([special], args, kwargs, leaves)
@@ -218,6 +221,7 @@ class OptimizedLoss(nn.Module):
             special.abandoned[stop.where] += 1
             self._stats.abandoned[f"{stop.code} at {stop.where}"] += 1
             self._abandon_code = stop.code
+            self._retrace_helps &= stop.retrace
             return _ABANDONED
         except Exception as exc:  # never lose the training step
             self._stats.exceptions.append(RecordedException.of(exc, gm, special.index))

@@ -14,13 +14,29 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from ..facts import BucketedSizes, proven
 from .capture_rules import Verdict, launches_kernels, verdict
+from .meta import value
 
 
-def classify(node: fx.Node, devices: Sequence[str] = ("cuda",)) -> Verdict:
+def classify(node: fx.Node, devices: Sequence[str] = ("cuda",),
+             static: frozenset = frozenset()) -> Verdict:
     """Whether ``node`` can be captured, and if not, the reason code (see module docstring)."""
-    return verdict(node, devices)[0]
+    return verdict(node, devices, static)[0]
+
+
+def bucketed_symbols(gm: fx.GraphModule) -> frozenset:
+    """The data-dependent sizes that are bucketed capacities (:class:`~fxpasses.facts.BucketedSizes`):
+    static for one recording, as each bucket value is a recording of its own."""
+    found: set = set()
+    for node in gm.graph.nodes:
+        fact = proven(node, BucketedSizes.kind)
+        if fact is not None and isinstance(value(node), tuple):
+            for size in value(node)[:fact.buckets]:
+                found |= set(free_unbacked_symbols(size))
+    return frozenset(found)
 
 
 @dataclass
@@ -37,7 +53,8 @@ class CapturePlan:
 def plan_regions(gm: fx.GraphModule, devices: Sequence[str] = ("cuda",),
                  min_region_ops: int = 4) -> CapturePlan:
     """Classify every node and group the capturable ones into regions (see module docstring)."""
-    verdicts = {n: classify(n, devices) for n in gm.graph.nodes}
+    static = bucketed_symbols(gm)
+    verdicts = {n: classify(n, devices, static) for n in gm.graph.nodes}
     plan = CapturePlan(verdicts)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for nodes in _grow_regions(gm.graph, verdicts):
@@ -48,43 +65,35 @@ def plan_regions(gm: fx.GraphModule, devices: Sequence[str] = ("cuda",),
 
 
 def _grow_regions(graph: fx.Graph, verdicts: dict[fx.Node, Verdict]) -> list[list[fx.Node]]:
-    """Greedy convex regions in one pass over the nodes in graph order.
+    """Regions as classes of capturable nodes with the same (segment, stage).
 
-    ``leaves[n]`` is the set of regions with a path to ``n`` that leaves the region on the way.
-    A capturable node may join region R only if R is not in the union of its inputs' ``leaves``:
-    then contracting R stays acyclic. It tries the
-    regions of its inputs first, then the latest region of its segment, else opens a new one.
-    Regions never span a barrier (a new segment starts at each one).
+    A *segment* is the stretch of graph between two barriers: regions never span one. The
+    *stage* of a node orders it against the eager nodes (not capturable, e.g. a host read) of its
+    segment, as late as possible: for ``n`` feeding ``u`` in the same segment,
+    ``stage(u) >= stage(n) + 1`` when ``n`` is eager and ``stage(u) >= stage(n)`` otherwise, every
+    node at the largest stage this allows. Along any path the segment never decreases, and within
+    a segment the stage never decreases and grows after an eager node, so contracting every region
+    keeps the graph acyclic; a segment has one region per eager node it must wait for, plus one.
 
     Written by hand: torch.fx's CapabilityBasedPartitioner (torch 2.13) loops forever when a
     boolean mask and the tensor it indexes both have only getitem users, as every x[mask] has.
     """
-    region_of: dict[fx.Node, int] = {}
-    leaves: dict[fx.Node, set[int]] = {}
-    regions: list[list[fx.Node]] = []
-    segment_of_region: list[int] = []
-    segment = 0
-    latest: int | None = None
-    for node in graph.nodes:
-        verdict = verdicts[node]
-        if verdict.barrier:
-            segment, latest = segment + 1, None
-        inputs = node.all_input_nodes
-        through: set[int] = set().union(*(leaves.get(i, set()) for i in inputs)) if inputs else set()
-        if verdict.capturable:
-            direct = [region_of[i] for i in inputs if i in region_of]
-            candidates = [r for r in dict.fromkeys(reversed(direct)) if segment_of_region[r] == segment]
-            if latest is not None:
-                candidates.append(latest)
-            chosen = next((r for r in candidates if r not in through), None)
-            if chosen is None:
-                chosen = len(regions)
-                regions.append([])
-                segment_of_region.append(segment)
-            regions[chosen].append(node)
-            region_of[node] = chosen
-            latest = chosen
-            leaves[node] = through | {r for r in direct if r != chosen}
-        else:
-            leaves[node] = through | {region_of[i] for i in inputs if i in region_of}
-    return [r for r in regions if r]
+    nodes = list(graph.nodes)
+    segment_of, segment = {}, 0
+    for node in nodes:
+        if verdicts[node].barrier:
+            segment += 1
+        segment_of[node] = segment
+
+    def eager(node: fx.Node) -> bool:
+        return not verdicts[node].capturable and node.op not in ("placeholder", "get_attr", "output")
+
+    stage: dict[fx.Node, int] = {}
+    for node in reversed(nodes):  # users in a later segment come later whatever their stage
+        stage[node] = min((stage[u] - eager(node) for u in node.users
+                           if segment_of[u] == segment_of[node]), default=len(nodes))
+    classes: dict[tuple[int, int], list[fx.Node]] = {}
+    for node in nodes:
+        if verdicts[node].capturable:
+            classes.setdefault((segment_of[node], stage[node]), []).append(node)
+    return list(classes.values())

@@ -35,6 +35,7 @@ class Probe:
     node: fx.Node
     facts: NodeFacts | None
     devices: Sequence[str]
+    static: frozenset = frozenset()  # data-dependent sizes that are static per recording (buckets)
 
     @property
     def runtime_op(self) -> RuntimeOp | None:
@@ -96,7 +97,7 @@ def _random(p: Probe) -> bool:
 
 
 def _dynamic(p: Probe) -> bool:
-    return is_dynamic(value(p.node)) or any(is_dynamic(value(a)) for a in p.node.all_input_nodes)
+    return any(is_dynamic(value(n), p.static) for n in (p.node, *p.node.all_input_nodes))
 
 
 def _off_device(p: Probe) -> bool:
@@ -122,9 +123,11 @@ ROWS: tuple[Row, ...] = (
 )
 
 
-def verdict(node: fx.Node, devices: Sequence[str] = ("cuda",)) -> tuple[Verdict, Row]:
-    """The verdict of the first row of :data:`ROWS` that holds for ``node``, and that row."""
-    probe = Probe(node, node_facts(node), tuple(devices))
+def verdict(node: fx.Node, devices: Sequence[str] = ("cuda",),
+            static: frozenset = frozenset()) -> tuple[Verdict, Row]:
+    """The verdict of the first row of :data:`ROWS` that holds for ``node``, and that row.
+    ``static``: data-dependent sizes to treat as static (bucketed capacities)."""
+    probe = Probe(node, node_facts(node), tuple(devices), static)
     row = next(r for r in ROWS if r.when(probe))
     detail = "" if row.capturable or row.code is None else row.name
     return Verdict(row.capturable, row.code, op_name(node), row.barrier, detail), row

@@ -51,8 +51,15 @@ class _OpRecorder(TorchDispatchMode):
         self.host |= facts.value_on_host
         out = func(*args, **kwargs)
         if facts.data_dependent and not facts.value_on_host:  # a shape known only from data?
-            self.host |= is_dynamic(out)
+            self.host |= bool(_size_symbols(out) - _size_symbols((args, kwargs)))
         return out
+
+
+def _size_symbols(val: Any) -> set:
+    """Unbacked symbols in the sizes of ``val``'s tensors: an op whose output has one its inputs
+    lack (nonzero, a boolean mask) made a shape from data; ``table[index]`` did not."""
+    return {s for t in pytree.tree_leaves(val) if isinstance(t, torch.Tensor)
+            for s in free_unbacked_symbols(tuple(t.shape))}
 
 
 class _PartialFakeTensorProp(FakeTensorProp):
@@ -166,31 +173,49 @@ def annotate(gm: fx.GraphModule, example_tensors: Sequence[torch.Tensor]) -> lis
     with _quiet_shape_env():
         prop.propagate_dont_convert_inputs(*fakes)
     for node in gm.graph.nodes:
-        node.meta[_ANNOTATED] = True
+        node.meta[_ANNOTATED] = _input_names(node)
     gm.meta[_FAKE_MODE] = mode
+    gm.meta[_INPUTS] = dict(zip((n.name for n in gm.graph.find_nodes(op="placeholder")), fakes))
     return prop.failures
 
 
 def annotate_new(gm: fx.GraphModule) -> list[tuple[fx.Node, Exception]]:
-    """Metadata for the nodes a pass added to an annotated graph, in the same fake mode (the
-    others keep theirs): cheap where :func:`annotate` propagates the whole graph again."""
+    """Metadata for the nodes a pass added to an annotated graph, and for those whose inputs it
+    changed (rewired, or themselves given new metadata), in the same fake mode; the others keep
+    theirs: cheap where :func:`annotate` propagates the whole graph again."""
     mode = gm.meta[_FAKE_MODE]
     prop = _PartialFakeTensorProp(gm, mode)
+    fresh: set[fx.Node] = set()
     with mode, _quiet_shape_env():
         for node in gm.graph.nodes:
-            if node.meta.get(_ANNOTATED):
+            if node.op == "placeholder":  # objects and floats too, not only what meta holds
+                prop.env[node] = gm.meta[_INPUTS][node.name]
+                continue
+            if node.op == "get_attr":  # a module, a constant: what propagation fetched
+                prop.env[node] = prop.fetch_attr(node.target)
+                continue
+            if node.meta.get(_ANNOTATED) == _input_names(node) and fresh.isdisjoint(node.all_input_nodes):
                 prop.env[node] = _FAILED if "val" not in node.meta and node.op.startswith("call") \
                     and NODE_FACTS not in node.meta else node.meta.get("val")
                 continue
             if node.op == "output":
                 continue
+            for key in ("val", "unbacked_bindings", NODE_FACTS):  # stale: computed from other inputs
+                node.meta.pop(key, None)
             prop.env[node] = prop.run_node(node)
-            node.meta[_ANNOTATED] = True
+            node.meta[_ANNOTATED] = _input_names(node)
+            fresh.add(node)
     return prop.failures
+
+
+def _input_names(node: fx.Node) -> tuple[str, ...]:
+    """What a node's metadata was computed from (names survive graph copies)."""
+    return tuple(a.name for a in node.all_input_nodes)
 
 
 _ANNOTATED = "fxpasses.annotated"
 _FAKE_MODE = "fxpasses.fake_mode"
+_INPUTS = "fxpasses.fake_inputs"  # what the placeholders were propagated with
 
 
 def _quiet_shape_env():
@@ -214,11 +239,12 @@ def value(node: fx.Node) -> Any:
     return node.meta.get("val")
 
 
-def is_dynamic(val: Any) -> bool:
-    """Whether any tensor (or integer) in ``val`` has a data-dependent size or value."""
+def is_dynamic(val: Any, static: frozenset = frozenset()) -> bool:
+    """Whether any tensor (or integer) in ``val`` has a data-dependent size or value, other than
+    the symbols in ``static``."""
     for leaf in pytree.tree_leaves(val):
         if isinstance(leaf, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)):
-            if free_unbacked_symbols(leaf):
+            if set(free_unbacked_symbols(leaf)) - static:
                 return True
     return False
 

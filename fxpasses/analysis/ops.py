@@ -164,10 +164,13 @@ def may_write_inputs(node: fx.Node) -> bool:
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
     if node.op == "call_function" and (node.target is getattr or node.target in vars(operator).values()):
         return str(name) in _IN_PLACE_OPERATORS  # operator.iadd and friends write; the rest read
-    packet = _aten_packet(str(name)) if name else None
-    if packet is None:
-        return True
-    schemas = [getattr(packet, o)._schema for o in packet.overloads()]
+    if isinstance(node.target, torch._ops.OpOverload):  # one overload: its own schema
+        schemas = [node.target._schema]
+    else:
+        packet = _aten_packet(str(name)) if name else None
+        if packet is None:
+            return True
+        schemas = [getattr(packet, o)._schema for o in packet.overloads()]
     return any(a.alias_info is not None and a.alias_info.is_write and a.name != "out"
                for schema in schemas for a in schema.arguments)
 

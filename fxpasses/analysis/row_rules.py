@@ -307,11 +307,15 @@ def gather(call: OpCall) -> int | None:
 
 
 def index_tensor(call: OpCall) -> int | None:
-    # x[:, idx] with one row-free index off the row dim, or table[idx] with row-carrying indices
-    # (an embedding): each output row reads one input row. Where the rows land is the dim
-    # sized by the row count.
+    # x[:, idx] with one row-free index off the row dim, or table[idx] / table[i, j] with
+    # row-carrying indices (an embedding, in one or several dims): each output row reads one
+    # input row. Where the rows land is the dim sized by the row count.
     value = call.args["self"]
     indexed = [(dim, i) for dim, i in enumerate(call.args["indices"]) if i is not None]
+    if value.rows is None and len(indexed) > 1:  # the indices broadcast against each other
+        rank = max(len(i.shape) for _, i in indexed)
+        _carried(call, [(i, _right_aligned(i, rank)) for _, i in indexed], "broadcasts")
+        return _one_scaling_dim(call)
     if len(indexed) != 1:
         raise RowRefusal("rows-op-unknown", f"{call.name} with {len(indexed)} index tensors is "
                                             "not in the row-preserving table")
@@ -367,6 +371,18 @@ def along_dim(call: OpCall) -> Any:
     value = call.args["self"]
     _not_along_rows(call, value, call.args["dim"], "works")
     return (value.rows,) * len(call.out_shapes) if len(call.out_shapes) > 1 else value.rows
+
+
+def elementwise_loss(call: OpCall) -> int | None:
+    # loss(x, y, reduction="none") is elementwise over its broadcast operands; "sum"/"mean"
+    # reduce every element, the rows included
+    operands = [call.args[k] for k in ("self", "target", "weight", "pos_weight") if k in call.args]
+    if call.args["reduction"] == 0:
+        return _pointwise_rows(call, operands)
+    if any(isinstance(v, RowValue) and v.rows is not None for v in operands):
+        raise RowRefusal(MIXED, f"{call.name} reduces over the row dim (reduction "
+                                f"{call.args['reduction']})")
+    return None
 
 
 def arange(call: OpCall) -> None:
@@ -502,6 +518,8 @@ _TABLE: tuple[tuple[Rule, str], ...] = (
                 "std_mean max.dim max.default min.dim min.default argmax argmin any all"),
     (along_dim, "softmax _softmax log_softmax _log_softmax cumsum cumprod logcumsumexp sort "
                 "argsort topk glu"),
+    (elementwise_loss, "binary_cross_entropy_with_logits binary_cross_entropy mse_loss l1_loss "
+                       "smooth_l1_loss huber_loss soft_margin_loss"),
     (factory, "zeros ones full empty new_zeros new_ones new_full new_empty scalar_tensor"),
     (arange, "arange"),
     (matmul, "matmul mm bmm mv dot"), (addmm, "addmm baddbmm"), (linear, "linear"),

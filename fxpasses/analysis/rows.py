@@ -13,6 +13,11 @@ changes with the row count is Python code that depends on it.
 
 Every finding is collected (no short-circuit); the reported code is the most fundamental one
 (``rows-mixed`` first: results would change), and ``evidence["findings"]`` lists them all.
+
+``analyze_function_rows(fn, inputs_at, input_rows)`` is the same walk for a function of several
+inputs, each carrying the rows on a given dim or none (a part of a traced loss, see
+:mod:`fxpasses.analysis.selection`): it reports where each output carries the rows, and the
+caller decides what may happen to them.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import traceback
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -51,6 +56,9 @@ _SIZE_ARGUMENTS = frozenset({"size", "sizes", "shape", "length", "end", "repeats
 _MAKE_FX_OPTIONS = {key: False for key in ("_error_on_data_dependent_ops",)
                     if key in inspect.signature(make_fx).parameters}
 UNKNOWN = object()  # the value of a refused op: what depends on it is not analysed further
+# products that sum over an inner dim: their rounding may change with the row count (tiling)
+_CONTRACTING = frozenset(getattr(torch.ops.aten, name) for name in (
+    "linear", "mm", "bmm", "matmul", "addmm", "baddbmm", "mv", "dot"))
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,54 @@ def analyze_rows(module: nn.Module, method: str, example: torch.Tensor, *,
     return RowAnalysis(False, primary.code, evidence, linear_calls)
 
 
+@dataclass(frozen=True)
+class FunctionRows:
+    """Where the outputs of a function carry the rows: per flat output leaf a :class:`RowValue`,
+    a constant (the same at both row counts) or ``UNKNOWN`` (downstream of a refused op)."""
+
+    ok: bool
+    code: str | None
+    evidence: dict
+    outputs: tuple
+
+
+def analyze_function_rows(fn: Any, inputs_at: Any, input_rows: Sequence[int | None],
+                          state: nn.Module, taken: Sequence[int] = ()) -> FunctionRows:
+    """Trace ``fn(state, *inputs_at(count))`` at two row counts and walk it with the rule table.
+
+    ``inputs_at(count)`` gives the tensor inputs for a row count; ``input_rows[i]`` is the dim of
+    input ``i`` that carries the rows (None: row-free). ``fn`` returns a flat tuple. ``state``: the
+    module whose parameters and buffers ``fn`` reads; each trace gets a deep copy of it on the
+    CPU. ``taken``: sizes the two row counts must avoid (every static size of the inputs).
+    """
+    free = [n for n in _CANDIDATE_ROW_COUNTS if n not in set(taken)]
+    counts = (free[0], free[1])
+    evidence: dict[str, Any] = {"tracer": TRACER, "torch": torch.__version__, "row_counts": counts,
+                                "inputs": len(input_rows),
+                                "row_inputs": sum(r is not None for r in input_rows)}
+    traces = []
+    for count in counts:
+        try:
+            traces.append(_trace_function(fn, inputs_at(count), state))
+        except Exception as exc:  # any failure of user code or of make_fx is a refusal
+            evidence.update(_failure_evidence(exc, count))
+            return FunctionRows(False, "rows-analysis-failed", evidence, ())
+    (first, state_names), (second, _) = traces
+    walk = _Walk(first, second, counts, 0, state_names, input_rows=tuple(input_rows))
+    findings = walk.run()
+    ops = [n for n in first.graph.nodes if n.op == "call_function"]
+    contracting = sum(getattr(n.target, "overloadpacket", None) in _CONTRACTING for n in ops)
+    evidence.update(ops=len(ops), contracting_ops=contracting,
+                    op_histogram=dict(Counter(_op_name(n.target) for n in ops).most_common(10)))
+    if not findings:
+        return FunctionRows(True, None, evidence, tuple(walk.outputs))
+    primary = min(findings, key=lambda f: (_PRIORITY.index(f.code), f.position))
+    evidence.update(primary.as_evidence())
+    evidence["findings"] = tuple(f.as_evidence(code=True) for f in findings[:_MAX_FINDINGS])
+    evidence["findings_total"] = len(findings)
+    return FunctionRows(False, primary.code, evidence, tuple(walk.outputs))
+
+
 # -- tracing -----------------------------------------------------------------------------------
 
 def _trace(module: nn.Module, method: str, rows: torch.Tensor) -> tuple[fx.GraphModule, dict]:
@@ -122,6 +178,19 @@ def _trace(module: nn.Module, method: str, rows: torch.Tensor) -> tuple[fx.Graph
         graph_module = make_fx(scored, pre_dispatch=True, **_MAKE_FX_OPTIONS)(rows)
     names = {t.untyped_storage().data_ptr(): name for name, t in
              [*clone.named_parameters(), *clone.named_buffers()]}
+    return graph_module, names
+
+
+def _trace_function(fn: Any, inputs: Sequence[torch.Tensor],
+                    state: nn.Module) -> tuple[fx.GraphModule, dict]:
+    """One make_fx trace of ``fn`` on a fresh CPU copy of ``state``; its state names by storage."""
+    clone = copy.deepcopy(state).to("cpu")
+    names = {t.untyped_storage().data_ptr(): name for name, t in
+             [*clone.named_parameters(), *clone.named_buffers()]}
+    with _no_distribution_validation(), fx_traceback.preserve_node_meta(), \
+            torch.random.fork_rng(devices=[]):
+        graph_module = make_fx(lambda *xs: fn(clone, *xs), pre_dispatch=True,
+                               **_MAKE_FX_OPTIONS)(*inputs)
     return graph_module, names
 
 
@@ -207,8 +276,13 @@ class _Walk:
     """
 
     def __init__(self, first: fx.GraphModule, second: fx.GraphModule, counts: tuple[int, int],
-                 row_dim: int, state_names: dict[int, str]):
+                 row_dim: int, state_names: dict[int, str],
+                 input_rows: tuple[int | None, ...] | None = None):
         self.first, self.second, self.counts, self.row_dim = first, second, counts, row_dim
+        # per placeholder, its row dim; None: every input and output carries rows on row_dim
+        self.input_rows = input_rows
+        self.outputs: list[Any] = []
+        self.placeholders = 0
         self.state_names = state_names
         self.index = {n: i for i, n in enumerate(first.graph.nodes)}
         self.index2 = {n: i for i, n in enumerate(second.graph.nodes)}
@@ -256,7 +330,9 @@ class _Walk:
     def _visit(self, a: fx.Node, b: fx.Node) -> Any:
         if a.op == "placeholder":
             self.origin[a] = "input"
-            return RowValue(tuple(a.meta["val"].shape), self.row_dim)
+            rows = self.row_dim if self.input_rows is None else self.input_rows[self.placeholders]
+            self.placeholders += 1
+            return RowValue(tuple(a.meta["val"].shape), rows)
         if a.op == "get_attr":
             return self._constant(a, b)
         if a.op == "output":
@@ -284,6 +360,8 @@ class _Walk:
         return RowValue(tuple(value.shape), None)
 
     def _check_output(self, a: fx.Node) -> None:
+        if self.input_rows is not None:
+            return self._record_outputs(a)
         for index, leaf in enumerate(pytree.tree_leaves(a.args[0])):
             value = self.env.get(leaf, leaf) if isinstance(leaf, fx.Node) else leaf
             if value is UNKNOWN or (isinstance(value, RowValue) and value.rows == self.row_dim):
@@ -292,6 +370,20 @@ class _Walk:
                 else f"rows on dim {value.rows}"
             raise RowRefusal("rows-mixed", f"output {index} has {where}; rows must be on dim "
                                            f"{self.row_dim}")
+
+    def _record_outputs(self, a: fx.Node) -> None:
+        """Function mode: keep each output's value; a constant output must not vary with the
+        row count (a size read from the rows, used as a value)."""
+        output = next(n for n in reversed(self.second.graph.nodes) if n.op == "output")
+        second = pytree.tree_leaves(output.args[0])
+        for index, (leaf, other) in enumerate(zip(pytree.tree_leaves(a.args[0]), second)):
+            if isinstance(leaf, fx.Node):
+                self.outputs.append(self.env.get(leaf, UNKNOWN))
+                continue
+            self.outputs.append(leaf)
+            if isinstance(other, fx.Node) or _differ(leaf, other):
+                raise RowRefusal("rows-shape-dependent", f"output {index} is {leaf} at "
+                                 f"{self.counts[0]} rows and {other} at {self.counts[1]}")
 
     def _call(self, a: fx.Node, b: fx.Node) -> Any:
         target, name = a.target, _op_name(a.target)

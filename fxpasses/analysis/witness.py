@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any, Sequence
 
 import torch
@@ -21,8 +22,10 @@ def _max_abs(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
             continue
         if x.shape != y.shape:
             return float("inf")
-        if x.numel():
-            worst = max(worst, (x - y).abs().max().item())
+        if x.numel():  # a NaN or inf on one side only is an infinite difference, never 0
+            same = (x == y) | (x.isnan() & y.isnan())
+            gap = torch.where(same, 0.0, (x - y).abs()).nan_to_num(nan=math.inf, posinf=math.inf)
+            worst = max(worst, gap.max().item())
     return worst
 
 

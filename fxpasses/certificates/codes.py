@@ -170,6 +170,29 @@ _CODES = (
     Code("pair-tensor-subclass", "guard",
          "At run time a branch's rows were a tensor subclass; this call ran two native calls.",
          "Pass plain torch.Tensor rows."),
+    # -- selections with a static capacity (SelectRows) -----------------------------------
+    Code("select-mask-shape", "refusal",
+         "The boolean mask does not index the leading dims of what it selects from, or its shape "
+         "depends on data other than the rows of another selection.",
+         "Select with a mask shaped as the leading dims of the tensor (x[m], m.shape == "
+         "x.shape[:m.dim()])."),
+    Code("select-boundary", "refusal",
+         "Selected rows leave the analysed part other than through a reduction over the rows "
+         "that the rewrite can mask (sum, mean, a loss with reduction=), a further selection, a "
+         "row-independent call or a graph output: padding rows would reach a result.",
+         "Reduce the selected rows with sum or mean (or a loss's reduction=) before combining "
+         "them with anything else."),
+    Code("select-parent-refused", "refusal",
+         "The mask carries the rows of an earlier selection that was not rewritten, so its row "
+         "count is still data-dependent.", "Read the certificate of the earlier selection."),
+    Code("select-witness-mismatch", "refusal",
+         "The float64 witness found the rewritten selection differs from the native one (values "
+         "or gradients), or raises where the native does not.",
+         "The analysis missed something: report it with the certificate JSON."),
+    Code("selection-empty", "guard",
+         "At run time a selection rewritten to a static capacity came out empty (no real row to "
+         "pad with); the call ran natively.",
+         "Expected now and then (a batch without foreground); frequent ones cost a native call."),
     # -- loss capture (CaptureLoss) -------------------------------------------------------
     Code("not-on-capture-device", "refusal",
          "The loss's tensors are on devices CaptureLoss does not capture (CPU tensors with the "

@@ -3,5 +3,6 @@
 from .capture_loss import CaptureLoss
 from .pair_calls import PairCalls
 from .pair_rle import PairRLE
+from .select_rows import SelectRows
 
-__all__ = ["CaptureLoss", "PairCalls", "PairRLE"]
+__all__ = ["CaptureLoss", "PairCalls", "PairRLE", "SelectRows"]

@@ -146,7 +146,8 @@ class CaptureLoss:
             Check("ops-capturable", True, {"ops": _histogram(nodes, plan.verdicts),
                                            "table": "fxpasses.analysis.capture_rules.ROWS"}),
             Check("static-shapes", True, {"evidence": "no unbacked (data-dependent) size in any "
-                                          "node's FakeTensorProp metadata"}),
+                                          "node's FakeTensorProp metadata but bucketed "
+                                          "capacities (a recording per bucket)"}),
             Check("on-capture-device", True, {"devices": self.devices}),
             Check("no-barrier-inside", True, {"partitioner": "fxpasses convex greedy regions; fxpasses.analysis.fusion",
                                               "split_at": "grad-mode switches, ops writing their inputs, "

@@ -5,6 +5,9 @@ A run-time op (a guard on a data-dependent decision, a selection that came out e
 code and the op's location, and keeps the specialization: the next call may hold again. An op may
 abandon only before anything visible happened (no input, parameter or buffer written, no value
 returned), which the pass that put it in the graph certifies.
+
+``retrace``: whether a new trace of that call could decide differently (a guard: yes, the call
+took another path; an empty selection: no, every trace would abandon it again).
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ from __future__ import annotations
 class Abandon(Exception):
     """The optimized forward stops here; the call runs natively (see the module docstring)."""
 
-    def __init__(self, code: str, where: str = "", detail: str = ""):
+    def __init__(self, code: str, where: str = "", detail: str = "", *, retrace: bool = True):
         super().__init__(f"{code} at {where or '?'}: {detail}")
         self.code = code
         self.where = where
         self.detail = detail
+        self.retrace = retrace

@@ -302,10 +302,14 @@ def test_float32_rows_follow_the_casting_branch():
 
 
 def test_distribution_prior_with_argument_validation_is_accepted():
-    assert distributions.Distribution._validate_args  # validation on, as by default
-    analysis = analysis_of("distribution-prior")
-    assert analysis.ok and analysis.linear_calls == 36
-    assert distributions.Distribution._validate_args  # and restored
+    previous = distributions.Distribution._validate_args  # torch.compile turns it off for good
+    distributions.Distribution.set_default_validate_args(True)  # validation on, as by default
+    try:
+        analysis = analysis_of("distribution-prior")
+        assert analysis.ok and analysis.linear_calls == 36
+        assert distributions.Distribution._validate_args  # and restored
+    finally:
+        distributions.Distribution.set_default_validate_args(previous)
 
 
 def test_workload_flows_are_row_independent():

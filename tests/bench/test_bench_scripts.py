@@ -38,11 +38,12 @@ def test_tiny_cpu_runs_write_their_results(tmp_path):
     assert rows[1]["linear_calls"] * 2 == rows[0]["linear_calls"]
 
     done = run("interleaved.py", "--device", "cpu", "--batch", "1", "--image-size", "64",
-               "--rounds", "2", "--rotate", "0", "--arms", "pair", "--out", str(tmp_path / "il"))
+               "--rounds", "2", "--rotate", "0", "--arms", "pair,all", "--out", str(tmp_path / "il"))
     assert done.returncode == 0, done.stderr[-3000:]
     arms = json.loads((tmp_path / "il" / "interleaved.json").read_text())["arms"]
-    assert set(arms) == {"eager", "pair"} and arms["eager"]["ratio"] == 1.0
-    assert arms["pair"]["optimized_calls"] + sum(arms["pair"]["native_calls"].values()) == 2 + 2 + 1 + 1
+    assert set(arms) == {"eager", "pair", "all"} and arms["eager"]["ratio"] == 1.0
+    for name in ("pair", "all"):
+        assert arms[name]["optimized_calls"] + sum(arms[name]["native_calls"].values()) == 2 + 2 + 1 + 1
 
     done = run("interleaved.py", "--loss", "wild", "--device", "cpu", "--batch", "1",
                "--image-size", "64", "--rounds", "1", "--arms", "pair", "--out", str(tmp_path / "w"))

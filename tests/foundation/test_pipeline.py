@@ -167,3 +167,29 @@ def test_nodes_the_traced_graph_cannot_propagate_get_an_annotate_certificate():
     (cert,) = run.certificates
     assert (cert.pass_name, cert.decision, cert.codes) == ("annotate", "failed", ("metadata-failed",))
     assert cert.graph_fingerprint == run.snapshots[0].fingerprint
+
+
+class FirstRow:
+    """Rewires the users of the first input to its first row: their shapes change."""
+
+    name = "first-row"
+
+    def run(self, gm: fx.GraphModule) -> PassResult:
+        x = next(iter(gm.graph.find_nodes(op="placeholder")))
+        with gm.graph.inserting_after(x):
+            row = gm.graph.call_method("narrow", (x, 0, 0, 1))
+        x.replace_all_uses_with(row, delete_user_cb=lambda user: user is not row)
+        return PassResult(gm, True, [])
+
+
+class Scaled(torch.nn.Module):
+    def forward(self, a):
+        return (a * 2).exp().sum(0)
+
+
+def test_nodes_whose_inputs_a_pass_rewired_get_new_metadata():
+    a = torch.randn(4, 3)
+    run = run_pipeline(trace(Scaled(), (a,)), [FirstRow()], [a])
+    shapes = {n.name: tuple(n.meta["val"].shape) for n in run.graph_module.graph.nodes
+              if n.op.startswith("call_")}
+    assert shapes["narrow"] == (1, 3) and shapes["exp"] == (1, 3) and shapes["sum_1"] == (3,), shapes

@@ -1,4 +1,4 @@
-"""On a CUDA device: both passes on the reference loss, against native, in fp32 and bf16 autocast.
+"""On a CUDA device: the passes on the reference loss, against native, in fp32 and bf16 autocast.
 
 Differences are measured, not assumed: each test records the relative difference of the loss
 and the relative L2 difference of every input gradient, and writes them to
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fxpasses import optimize
-from fxpasses.passes import CaptureLoss, PairRLE
+from fxpasses.passes import CaptureLoss, PairRLE, SelectRows
 from fxpasses.workloads.pose import DualBranchPoseLoss, make_batch
 
 pytestmark = pytest.mark.cuda
@@ -75,11 +75,13 @@ def _differences(loss, fast, batches, autocast):
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
-@pytest.mark.parametrize("passes", ["PairRLE", "CaptureLoss", "PairRLE+CaptureLoss"])
+@pytest.mark.parametrize("passes", ["PairRLE", "CaptureLoss", "PairRLE+CaptureLoss",
+                                    "PairRLE+SelectRows+CaptureLoss"])
 def test_values_and_gradients_against_native(passes, autocast):
     torch.manual_seed(0)
     loss = DualBranchPoseLoss().cuda()
-    chosen = [{"PairRLE": PairRLE, "CaptureLoss": CaptureLoss}[p]() for p in passes.split("+")]
+    chosen = [{"PairRLE": PairRLE, "CaptureLoss": CaptureLoss, "SelectRows": SelectRows}[p]()
+              for p in passes.split("+")]
     fast = optimize(loss, passes=chosen)
     batches = [_batch(4, seed) for seed in range(3)]
     value, grad, param_grad = _differences(loss, fast, batches, autocast)

@@ -1,0 +1,189 @@
+"""SelectRows: boolean-mask selections with a static capacity, so that what follows can be recorded.
+
+    # x[m] == x.flatten(0, m.dim() - 1)[idx][:count]   sum(v) == sum(where(valid, v, 0))
+    # when every op from the selection to the reduction maps each row from that row alone
+
+Each ``x[m]`` is a host synchronisation with a data-dependent row count, so CaptureLoss keeps
+everything downstream of it eager. SelectRows gathers the selected rows into a buffer of
+capacity ``C`` (the count's power-of-two bucket, at least ``min_bucket``), the padding rows
+copying a real row, and masks the padding at every reduction over the rows; counts used as
+divisors stay the true counts, on the device. One :class:`~fxpasses.runtime.select.ReadCounts`
+per level reads the counts of all its masks with one host synchronisation (two per step for the
+reference loss: foreground anchors, then visible keypoints). The shapes then depend only on the
+buckets, which CaptureLoss treats as static per recording.
+
+Per space (a mask and its selections), all checks are evaluated:
+
+* ``mask-indexes-leading-dims`` (``select-mask-shape``);
+* ``parent-rewritten``: a mask carrying an earlier selection's rows needs that selection
+  rewritten (``select-parent-refused``);
+* ``rows-independent``: the region that reads the rows, traced at two row counts and walked with
+  the row rule table (``rows-*`` codes, naming the op and its line);
+* ``rows-leave-through-boundaries`` (``select-boundary``);
+* ``witness``: a float64 comparison of the level's selections, native against rewritten, over
+  full, asymmetric, capacity-reached/-exceeded and empty masks (``select-witness-mismatch``).
+
+An empty selection is refused at run time: the call runs natively, counted as ``selection-empty``.
+
+Order with PairRLE: either order is correct. After PairRLE (``[PairRLE(), SelectRows(),
+CaptureLoss()]``, the recommended one) the paired flow call is a boundary the padded rows pass
+through (its row independence is the fact PairRLE proved); before it, the flow's ops are walked
+with the rest of the region and PairRLE then pairs two calls on padded rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import traceback
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..analysis.meta import value
+from ..analysis.selection import Space, SpaceAnalysis, analyze_space, find_spaces
+from ..certificates import Certificate, Check, Guard, Site
+from ..locations import node_location
+from ..pipeline import PassResult
+from .select_rewrite import rewrite_level
+from .select_witness import selection_witness
+
+EXACT = "exact"
+REORDERED = "reduction order changes: not bitwise, float64 difference measured"
+
+
+class SelectRows:
+    """Rewrite boolean-mask selections to a static capacity (see the module docstring).
+
+    ``min_bucket``: the smallest capacity. ``group``: one host read per level (else per mask).
+    """
+
+    name = "SelectRows"
+
+    def __init__(self, *, min_bucket: int = 64, group: bool = True):
+        if min_bucket < 1:
+            raise ValueError(f"min_bucket must be >= 1, got {min_bucket}")
+        self.min_bucket = min_bucket
+        self.group = group
+
+    def __repr__(self) -> str:
+        return f"SelectRows(min_bucket={self.min_bucket}, group={self.group})"
+
+    def run(self, gm: fx.GraphModule) -> PassResult:
+        spaces = find_spaces(gm)
+        named = {n.name: n for n in gm.graph.nodes}
+        analyses = {s.mask: analyze_space(gm, s) for s in spaces}
+        checks = {s.mask: self._checks(named, s, analyses[s.mask]) for s in spaces}
+        applied: dict[str, SpaceAnalysis] = {}
+        witnesses: dict[str, Any] = {}
+        for level in sorted({s.level for s in spaces if s.level > 0}):
+            members = [s for s in spaces if s.level == level]
+            for s in members:
+                ok = s.parent in applied
+                parent = Check("parent-rewritten", s.parent is None or ok,
+                               {"parent": s.parent, "level": s.level},
+                               None if s.parent is None or ok else "select-parent-refused")
+                checks[s.mask].insert(1, parent)
+            ready = [s for s in members if all(c.ok for c in checks[s.mask])]
+            if ready:
+                witness, check = self._witness(gm, [analyses[s.mask] for s in ready])
+                for s in ready:
+                    checks[s.mask].append(check)
+                    witnesses[s.mask] = witness
+                    if check.ok:
+                        applied[s.mask] = analyses[s.mask]
+        certificates = {s.mask: self._certificate(named, s, analyses[s.mask], checks[s.mask],
+                                                  witnesses.get(s.mask)) for s in spaces}
+        masks: dict[str, fx.Node] = {}
+        analysed = frozenset(n for a in applied.values() for n in a.region)
+        for level in sorted({applied_space.space.level for applied_space in applied.values()}):
+            members = [a for a in applied.values() if a.space.level == level]
+            proof = certificates[members[0].space.mask].id
+            done = rewrite_level(gm, members, f"level{level}", self.min_bucket, masks, proof,
+                                 group=self.group, analysed=analysed)
+            for a in members:
+                cert = certificates[a.space.mask]
+                certificates[a.space.mask] = dataclasses.replace(cert, effect={
+                    **cert.effect, "host_reads": {
+                        "reads": tuple(done.reads), "grouped": done.grouped,
+                        "placement": done.placement}})
+        return PassResult(gm, bool(applied), [certificates[s.mask] for s in spaces])
+
+    # -- checks ---------------------------------------------------------------------------
+    def _checks(self, named: dict[str, fx.Node], space: Space, analysis: SpaceAnalysis) -> list[Check]:
+        shape = _mask_shape(named, space)
+        rows_code = analysis.code if analysis.code and analysis.code.startswith("rows-") else None
+        boundary_code = analysis.code if analysis.code == "select-boundary" else None
+        evidence = dict(analysis.evidence)
+        rows = Check("rows-independent", rows_code is None,
+                     {k: v for k, v in evidence.items() if k != "boundaries"}, rows_code)
+        if rows_code is not None:  # where the rows go is known only from a complete walk
+            boundary = Check("rows-leave-through-boundaries", False,
+                             {"not_evaluated": "the walk of the region was refused"}, rows_code)
+        else:
+            found = {k: evidence[k] for k in ("node", "statement", "reason", "source")
+                     if boundary_code and k in evidence}
+            boundary = Check("rows-leave-through-boundaries", boundary_code is None, {
+                **evidence.get("boundaries", {}), **found,
+                "masked_reductions": tuple(f"{r.kind} of {r.rows} at {r.node}"
+                                           for r in analysis.reductions),
+                "row_independent_calls": analysis.calls}, boundary_code)
+        return [shape, rows, boundary]
+
+    def _witness(self, gm: fx.GraphModule, analyses: list[SpaceAnalysis]) -> tuple[Any, Check]:
+        try:
+            with torch.random.fork_rng(devices=[]):
+                witness = selection_witness(gm, analyses)
+        except Exception as exc:  # the native level itself failing on witness inputs included
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            return None, Check("witness", False, {"exception": type(exc).__name__,
+                                                  "message": str(exc)[:300],
+                                                  "raised_at": f"{frame.filename}:{frame.lineno}"},
+                               "select-witness-mismatch")
+        holds = witness.max_abs_value_diff <= 1e-9 and witness.max_abs_grad_diff <= 1e-9
+        return witness, Check("witness", holds, {
+            "max_rel_value_diff": witness.max_abs_value_diff,
+            "max_rel_grad_diff": witness.max_abs_grad_diff, "tolerance": 1e-9,
+            "spaces": tuple(a.space.mask for a in analyses)},
+            None if holds else "select-witness-mismatch")
+
+    def _certificate(self, named: dict[str, fx.Node], space: Space, analysis: SpaceAnalysis,
+                     checks: list[Check], witness: Any) -> Certificate:
+        sites = [named[s] for s in space.sites]
+        contracting = analysis.evidence.get("contracting_ops", 0)
+        exact = not analysis.reductions and not analysis.calls and not contracting
+        effect = {
+            "level": space.level, "sites": len(sites), "region_nodes": len(analysis.region),
+            "capacity": f"next power of two of the count, at least {self.min_bucket}",
+            "padding": "copies of the last real row (never uninitialised memory)",
+            "numeric_class": EXACT if exact else REORDERED,
+            "masked_reductions": tuple(f"{r.kind} at {r.node}" for r in analysis.reductions),
+            "divisors": "true counts, on the device",
+            "empty_selection": "abandoned at run time: the call runs natively (selection-empty)"}
+        guards = (Guard("selection-not-empty", "every selection of the level has a row",
+                        "selection-empty"),)
+        site = Site((space.mask, *space.sites),
+                    tuple(dict.fromkeys(loc for n in sites if (loc := node_location(n)))),
+                    f"{len(sites)} selection(s) by mask {space.mask} (level {space.level})")
+        return Certificate.from_checks(self.name, site, checks, effect=effect, guards=guards,
+                                       witness=witness)
+
+
+def _mask_shape(named: dict[str, fx.Node], space: Space) -> Check:
+    mask = value(named[space.mask])
+    wrong = [s for s in space.sites if not _leading(mask, value(named[s].args[0]))]
+    ok = not wrong and space.level > 0
+    evidence = {"mask_shape": _shape_text(mask), "level": space.level,
+                "sites_not_indexing_leading_dims": tuple(wrong)}
+    if space.level == 0:
+        evidence["reason"] = "the mask's shape depends on data other than a selection's rows"
+    return Check("mask-indexes-leading-dims", ok, evidence, None if ok else "select-mask-shape")
+
+
+def _leading(mask: torch.Tensor, source: torch.Tensor) -> bool:
+    return mask.dim() <= source.dim() and all(
+        str(a) == str(b) for a, b in zip(mask.shape, source.shape[:mask.dim()]))
+
+
+def _shape_text(val: Any) -> tuple[str, ...]:
+    return tuple(str(s) for s in val.shape) if isinstance(val, torch.Tensor) else ()

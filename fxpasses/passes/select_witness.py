@@ -1,0 +1,228 @@
+"""The float64 witness of a selection level: native selections against the rewrite, on CPU.
+
+The level's selections, their regions and masked reductions are cut out of the loss as one
+function of the masks, the selected tensors and whatever else they read; it runs as traced and
+as rewritten (:mod:`.select_rewrite`, with every value whose rows leave sliced to the real rows)
+on drawn masks:
+
+* ``full``: every position selected; ``asymmetric``: a different share per space;
+* ``capacity-reached`` / ``capacity-exceeded``: exactly the witness bucket (4) and one more;
+* ``one-empty``: the first space selects nothing — the rewrite must abandon the call (it runs
+  natively), never return a value.
+
+Unselected positions of the selected tensors hold NaN, +inf and -inf; everything else is uniform
+in [0.5, 1.5) (integers zero: a valid index). Values and the gradients of every floating input
+and every parameter must match; a non-finite value matches only the same non-finite value.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from ..analysis.meta import value
+from ..analysis.selection import (SpaceAnalysis, concrete_size, meta_value, subgraph,
+                                  symbols_of)
+from ..certificates import Witness
+from ..pipeline import copy_graph_module
+from ..runtime import RuntimeOp
+from ..runtime.abandon import Abandon
+from ..runtime.select import ReadCounts
+from .select_rewrite import rewrite_level
+
+WITNESS_BUCKET = 4
+PARENT_ROWS = 6  # the row count of the parent level in a child level's witness
+MAX_MASK_ELEMENTS = 256
+TOLERANCE = 1e-9  # relative, in float64
+_POISON = (math.nan, math.inf, -math.inf)
+
+
+def level_module(gm: fx.GraphModule, analyses: list[SpaceAnalysis]) -> fx.GraphModule:
+    """The level's sites, regions, reductions and row-independent calls (with their parts) as
+    one GraphModule of their inputs."""
+    names = {s for a in analyses for s in (*a.space.sites, *a.region, *a.calls,
+                                            *(r.node for r in a.reductions))}
+    nodes = [n for n in gm.graph.nodes if n.name in names or
+             (n.op == "call_function" and n.target is operator.getitem and
+              isinstance(n.args[0], fx.Node) and n.args[0].name in names and n.args[0].name in
+              {c for a in analyses for c in a.calls})]
+    module, _, _ = subgraph(gm, nodes)
+    return module
+
+
+class _Witnessed(fx.Interpreter):
+    """Runs a level: a run-time op other than the host read computes without its counters."""
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        if isinstance(target, RuntimeOp) and not isinstance(target, ReadCounts):
+            return target.propagate(*args, **kwargs)
+        return super().call_function(target, args, kwargs)
+
+
+def selection_witness(gm: fx.GraphModule, analyses: list[SpaceAnalysis], seed: int = 0) -> Witness:
+    """Compare the level's native and rewritten function (see the module docstring).
+
+    The masks (and the leading dims of what they select from) are shrunk to at most
+    ``MAX_MASK_ELEMENTS`` positions: the level's ops see only rows, whatever their number. If the
+    native level does not run at the shrunk shapes, it runs at the traced ones.
+    """
+    native = level_module(gm, analyses)
+    rewritten = copy_graph_module(native)
+    rewrite_level(rewritten, analyses, "witness", WITNESS_BUCKET, {}, "witness", slice_exits=True)
+    rewritten.recompile()
+    placeholders = [n for n in native.graph.nodes if n.op == "placeholder"]
+    masks = sorted({a.space.mask for a in analyses})
+    sources = {n.args[0].name: n.args[1].name for n in native.graph.nodes
+               if n.name in {s for a in analyses for s in a.space.sites}}
+    parents = frozenset().union(*(symbols_of(meta_value(p)) for p in placeholders))
+    sizes = dict.fromkeys(parents, PARENT_ROWS)
+    traced = {m: tuple(concrete_size(s, sizes) for s in value(_named(native, m)).shape)
+              for m in masks}
+    try:
+        shapes = {m: _shrunk(shape) for m, shape in traced.items()}
+        cases = _run_cases(native, rewritten, placeholders, shapes, sources, sizes, seed)
+    except Exception:  # the level reads the mask's sizes somewhere: witness it as traced
+        shapes = traced
+        cases = _run_cases(native, rewritten, placeholders, shapes, sources, sizes, seed)
+    return Witness(seed=seed, dtype="torch.float64",
+                   shapes={"masks": {m: shapes[m] for m in masks},
+                           "traced_masks": {m: traced[m] for m in masks},
+                           "witness_bucket": WITNESS_BUCKET,
+                           "parent_rows": PARENT_ROWS if parents else None,
+                           "cases": {k: v[2] for k, v in cases.items()}},
+                   max_abs_value_diff=max(v[0] for v in cases.values()),
+                   max_abs_grad_diff=max(v[1] for v in cases.values()),
+                   compared=("values (relative to 1 + |native|)", "input gradients",
+                             "parameter gradients", "abandon on an empty selection"))
+
+
+def _shrunk(shape: tuple[int, ...]) -> tuple[int, ...]:
+    shape = list(shape)
+    while math.prod(shape) > MAX_MASK_ELEMENTS:
+        largest = shape.index(max(shape))
+        shape[largest] = (shape[largest] + 1) // 2
+    return tuple(shape)
+
+
+def _run_cases(native: fx.GraphModule, rewritten: fx.GraphModule, placeholders: list[fx.Node],
+               shapes: dict[str, tuple[int, ...]], sources: dict[str, str], sizes: dict,
+               seed: int) -> dict[str, tuple[float, float, dict]]:
+    masks = sorted(shapes)
+    out = {}
+    for case, counts in _cases([math.prod(shapes[m]) for m in masks]):
+        generator = torch.Generator().manual_seed(seed + len(out))
+        chosen = {m: _mask(shapes[m], n, generator) for m, n in zip(masks, counts)}
+        inputs = [_input(p, chosen, sources, sizes, generator) for p in placeholders]
+        gaps = _compare(native, rewritten, inputs, seed, 0 in counts)
+        out[case] = (gaps[0], gaps[1], {"selected": tuple(counts), **gaps[2]})
+    return out
+
+
+def _named(gm: fx.GraphModule, name: str) -> fx.Node:
+    return next(n for n in gm.graph.nodes if n.name == name)
+
+
+def _cases(numels: list[int]) -> list[tuple[str, list[int]]]:
+    shares = [(0.5, 0.25, 0.75)[i % 3] for i in range(len(numels))]
+    out = [("full", list(numels)),
+           ("asymmetric", [max(1, int(n * s)) for n, s in zip(numels, shares)]),
+           ("capacity-reached", [min(n, WITNESS_BUCKET) for n in numels]),
+           ("capacity-exceeded", [min(n, WITNESS_BUCKET + 1) for n in numels])]
+    out.append(("one-empty", [0] + [max(1, int(n * s)) for n, s in zip(numels[1:], shares[1:])]))
+    return out
+
+
+def _mask(shape: tuple[int, ...], count: int, generator: torch.Generator) -> torch.Tensor:
+    chosen = torch.randperm(math.prod(shape), generator=generator)[:count]
+    flat = torch.zeros(math.prod(shape), dtype=torch.bool)
+    flat[chosen] = True
+    return flat.view(shape)
+
+
+def _input(node: fx.Node, masks: dict, sources: dict, sizes: dict,
+           generator: torch.Generator) -> Any:
+    if node.name in masks:
+        return masks[node.name]
+    val = meta_value(node)
+    if isinstance(val, torch.dtype) and val.is_floating_point:
+        return torch.float64
+    if isinstance(val, torch.device):
+        return torch.device("cpu")
+    if isinstance(val, torch.SymInt):
+        return concrete_size(val, sizes)
+    if not isinstance(val, torch.Tensor):
+        return val
+    shape = [concrete_size(s, sizes) for s in val.shape]
+    mask = masks.get(sources.get(node.name))
+    if mask is not None:  # the selected dims as the (shrunk) mask's
+        shape[:mask.dim()] = mask.shape
+    if val.dtype.is_floating_point:
+        x = torch.rand(shape, generator=generator, dtype=torch.float64) + 0.5
+        if mask is not None:  # unselected positions must never matter
+            poison = torch.tensor(_POISON, dtype=torch.float64)[torch.arange(x[~mask].numel()) % 3]
+            x[~mask] = poison.view(-1, *x.shape[mask.dim():]) if x.dim() > mask.dim() \
+                else poison
+        return x.requires_grad_(True)  # every floating input: its gradient is compared
+    if val.dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=generator).bool()
+    return torch.zeros(shape, dtype=val.dtype)
+
+
+def _run(module: fx.GraphModule, inputs: list[Any], seed: int) -> tuple[list[Any], list[Any]]:
+    """Outputs, and gradients of every input that requires grad and every parameter."""
+    module = copy.deepcopy(module).to(torch.float64)
+    inputs = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+              for x in inputs]
+    outputs = pytree.tree_leaves(_Witnessed(module).run(*inputs))
+    wrt = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    wrt += [p for p in module.parameters() if p.requires_grad]
+    objective = sum(((o * torch.randn(o.shape, generator=torch.Generator().manual_seed(seed + i),
+                                      dtype=o.dtype)).sum()
+                     for i, o in enumerate(outputs)
+                     if isinstance(o, torch.Tensor) and o.requires_grad), torch.zeros(()))
+    if not objective.requires_grad or not wrt:
+        return outputs, []
+    grads = torch.autograd.grad(objective, wrt, allow_unused=True)
+    return outputs, [torch.zeros_like(w) if g is None else g for g, w in zip(grads, wrt)]
+
+
+def _compare(native: fx.GraphModule, rewritten: fx.GraphModule, inputs: list[Any],
+             seed: int, empty: bool) -> tuple[float, float, dict]:
+    expected, expected_grads = _run(native, inputs, seed)
+    try:
+        got, got_grads = _run(rewritten, inputs, seed)
+    except Abandon as stop:
+        gap = 0.0 if empty and stop.code == "selection-empty" else math.inf
+        return gap, gap, {"outcome": f"abandoned ({stop.code})"}
+    if empty:  # an empty selection must abandon, never compute
+        return math.inf, math.inf, {"outcome": "computed on an empty selection"}
+    values = max((_gap(a, b) for a, b in zip(expected, got)), default=0.0)
+    if len(expected) != len(got):
+        values = math.inf
+    grads = max((_gap(a, b) for a, b in zip(expected_grads, got_grads)), default=0.0)
+    return values, grads, {"outcome": "compared", "outputs": len(expected),
+                           "gradients": len(expected_grads)}
+
+
+def _gap(a: Any, b: Any) -> float:
+    """Worst ``|a - b| / (1 + |a|)``; inf for a shape, type or non-finite mismatch."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return 0.0 if a == b else math.inf
+    if a.shape != b.shape:
+        return math.inf
+    a, b = a.detach().to(torch.float64), b.detach().to(torch.float64)
+    if not a.numel():
+        return 0.0
+    same = (a == b) | (a.isnan() & b.isnan())
+    if not torch.equal(a.isfinite(), b.isfinite()) or not bool(same[~a.isfinite()].all()):
+        return math.inf
+    finite = a.isfinite()
+    if not finite.any():
+        return 0.0
+    return float(((a - b).abs() / (1 + a.abs()))[finite].max())

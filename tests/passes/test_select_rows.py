@@ -1,0 +1,300 @@
+"""SelectRows on a small two-level, two-branch selection loss: float64 equality with native over
+drawn masks (empty, full, one branch empty, capacity reached and exceeded, NaN/inf in unselected
+rows), with and without PairRLE and CaptureLoss, the host reads per call, and every code."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings, strategies as st
+from torch import nn
+
+from fxpasses import optimize
+from fxpasses.passes import CaptureLoss, PairRLE, SelectRows
+from fxpasses.passes import select_rewrite
+from fxpasses.runtime.emulated import EmulatedRecorder
+
+B, A, K = 2, 6, 3  # images, anchors, points per anchor
+
+
+class Flow(nn.Module):
+    """Scores (N, 2) rows, each from itself alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.outer = nn.Linear(2, 8), nn.Linear(8, 1)
+
+    def log_prob(self, x: torch.Tensor) -> torch.Tensor:
+        return self.outer(torch.tanh(self.inner(x))).squeeze(-1) - 0.5 * (x * x).sum(-1)
+
+
+class TwoLevelLoss(nn.Module):
+    """Per branch: anchors by ``fg``, then their points by ``visible``; a BCE with
+    reduction="sum", a mean over the anchors, sums over the points scored by a shared flow."""
+
+    def __init__(self, alpha: float = 0.7):
+        super().__init__()
+        self.flow = Flow()
+        self.alpha = alpha
+
+    def branch(self, points, logits, weight, fg, visible):
+        vis = visible[fg]  # (F, K): a mask carrying the anchors' rows
+        kobj = F.binary_cross_entropy_with_logits(logits[fg], vis.to(logits.dtype), reduction="sum")
+        spread = weight[fg].pow(2).mean()
+        selected = points[fg][vis]  # (V, 2)
+        nll = -self.flow.log_prob(selected * 0.5)
+        return (kobj / fg.sum().clamp(min=1) + spread
+                + nll.sum() / vis.sum().clamp(min=1) + selected.abs().sum() / 10)
+
+    def forward(self, pa, la, wa, fa, va, pb, lb, wb, fb, vb):
+        return self.alpha * self.branch(pa, la, wa, fa, va) + \
+            (1 - self.alpha) * self.branch(pb, lb, wb, fb, vb)
+
+
+def _mask(shape: tuple[int, ...], mode: str, generator: torch.Generator) -> torch.Tensor:
+    n = math.prod(shape)
+    count = {"empty": 0, "full": n, "reached": 4, "exceeded": 5}.get(mode)
+    if count is None:
+        count = int(torch.randint(1, n + 1, (1,), generator=generator))
+    flat = torch.zeros(n, dtype=torch.bool)
+    flat[torch.randperm(n, generator=generator)[:count]] = True
+    return flat.view(shape)
+
+
+def branch_inputs(fg_mode: str, seed: int, poison: bool = True) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    fg = _mask((B, A), fg_mode, g)
+    visible = torch.rand(B, A, K, generator=g, dtype=torch.float64) < 0.6
+    visible[..., 0] = True  # every anchor has a point: the point count follows the anchors'
+    points = torch.randn(B, A, K, 2, generator=g, dtype=torch.float64)
+    logits = torch.randn(B, A, K, generator=g, dtype=torch.float64)
+    weight = torch.randn(B, A, generator=g, dtype=torch.float64)
+    if poison:  # what no selection reads must never matter, NaN and inf included
+        bad = torch.tensor([math.nan, math.inf, -math.inf], dtype=torch.float64)
+        hidden = ~(fg[..., None] & visible)
+        points[hidden] = bad[torch.arange(int(hidden.sum()) * 2) % 3].view(-1, 2)
+        logits[~fg] = math.nan
+        weight[~fg] = math.inf
+    return [points, logits, weight, fg, visible]
+
+
+def inputs(mode_a: str, mode_b: str, seed: int, poison: bool = True) -> list[torch.Tensor]:
+    return branch_inputs(mode_a, seed, poison) + branch_inputs(mode_b, seed + 1, poison)
+
+
+def _values_and_grads(fn, args: list[torch.Tensor], params: list[torch.Tensor]):
+    leaves = [a.detach().clone().requires_grad_(a.is_floating_point()) for a in args]
+    out = fn(*leaves)
+    wrt = [x for x in leaves if x.requires_grad] + params
+    return out.detach(), torch.autograd.grad(out, wrt, allow_unused=True)
+
+
+def assert_same(loss: nn.Module, fast, args: list[torch.Tensor]) -> None:
+    """Values and every gradient (inputs, parameters) equal in float64, finite where native is."""
+    params = list(loss.parameters())
+    expected, expected_grads = _values_and_grads(loss, args, params)
+    got, got_grads = _values_and_grads(fast, args, params)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12, equal_nan=True)
+    for want, have in zip(expected_grads, got_grads):
+        want = torch.zeros_like(have) if want is None else want
+        assert have is not None
+        assert torch.equal(want.isfinite(), have.isfinite())
+        torch.testing.assert_close(have, want, rtol=1e-10, atol=1e-12, equal_nan=True)
+
+
+PIPELINES = {
+    "select": lambda: [SelectRows(min_bucket=4)],
+    "pair-then-select": lambda: [PairRLE(), SelectRows(min_bucket=4)],
+    "select-then-pair": lambda: [SelectRows(min_bucket=4), PairRLE()],
+    "all": lambda: [PairRLE(), SelectRows(min_bucket=4),
+                    CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder(), min_region_ops=1,
+                                max_recordings=64)],
+}
+_OPTIMIZED: dict[str, tuple] = {}
+
+
+def optimized(name: str):
+    """One optimized loss per pipeline, shared by the drawn examples (shapes do not change)."""
+    if name not in _OPTIMIZED:
+        torch.manual_seed(0)
+        loss = TwoLevelLoss().double()
+        fast = optimize(loss, passes=PIPELINES[name]())
+        fast(*inputs("random", "random", 0))
+        _OPTIMIZED[name] = (loss, fast)
+    return _OPTIMIZED[name]
+
+
+MODES = st.sampled_from(["empty", "full", "random", "reached", "exceeded"])
+
+
+@pytest.mark.parametrize("name", list(PIPELINES))
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mode_a=MODES, mode_b=MODES, seed=st.integers(0, 10_000))
+def test_equal_to_native_in_float64(name, mode_a, mode_b, seed):
+    loss, fast = optimized(name)
+    before = fast.stats
+    assert_same(loss, fast, inputs(mode_a, mode_b, seed))
+    after = fast.stats
+    if "empty" in (mode_a, mode_b):  # no real row to pad with: that call ran natively, counted
+        assert after.native["selection-empty"] == before.native["selection-empty"] + 1
+    else:
+        assert after.optimized == before.optimized + 1
+
+
+def test_every_selection_rewritten_with_one_host_read_per_level():
+    _, fast = optimized("all")
+    certificates = [c for c in fast.certificates if c.pass_name == "SelectRows"]
+    assert len(certificates) == 4 and all(c.applied for c in certificates)
+    assert {c.effect["level"] for c in certificates} == {1, 2}
+    assert all(c.effect["host_reads"]["grouped"] for c in certificates)
+    assert all(c.witness is not None for c in certificates)
+    cases = certificates[0].witness.shapes["cases"]
+    assert set(cases) == {"full", "asymmetric", "capacity-reached", "capacity-exceeded", "one-empty"}
+    assert cases["one-empty"]["outcome"] == "abandoned (selection-empty)"
+    reads = {k: v for k, v in fast.stats.sites.items() if "read_counts" in k}
+    assert len(reads) == 2  # two levels: anchors, then points
+    calls = fast.stats.optimized
+    fast(*inputs("random", "random", 1))
+    assert sum(v["read"] for k, v in fast.stats.sites.items() if "read_counts" in k) == \
+        sum(v["read"] for v in reads.values()) + 2
+    assert fast.stats.optimized == calls + 1
+
+
+def test_empty_selections_run_natively_without_new_traces():
+    loss, fast = optimized("select")
+    traced = len(fast.specializations)
+    for seed in range(3):  # a new trace would abandon them again: none is made
+        assert_same(loss, fast, inputs("empty", "random", seed))
+    assert len(fast.specializations) == traced
+
+
+def test_everything_downstream_is_captured():
+    _, fast = optimized("all")
+    capture = [c for c in fast.certificates if c.pass_name == "CaptureLoss"]
+    assert sum(c.applied for c in capture) >= 1
+    eager = [ch for c in capture for ch in c.checks if not ch.ok]
+    # only the host reads' parts stay eager (the reads themselves are run-time ops)
+    assert eager and all(ch.code == "dynamic-shape" and "read_counts" in ch.evidence["statement"]
+                         for ch in eager)
+    graph = fast.graph_module.graph
+    assert not any(n.target is torch.nonzero for n in graph.nodes)
+
+
+def test_numeric_class_and_capacity_in_the_certificate():
+    _, fast = optimized("select")
+    (first, *_) = [c for c in fast.certificates if c.pass_name == "SelectRows"]
+    assert first.effect["numeric_class"].startswith("reduction order changes")
+    assert "power of two" in first.effect["capacity"]
+    assert first.guards[0].code == "selection-empty"
+
+
+# -- refusals ------------------------------------------------------------------------------
+
+class Mixing(nn.Module):
+    """The anchors' rows are mixed (a cumulative sum over them) before their reduction."""
+
+    def forward(self, points, fg, visible):
+        rows = points[fg]
+        mixed = rows.cumsum(0).sum()
+        return mixed + rows[visible[fg]].sum()
+
+
+def _select_certificates(module, *args):
+    fast = optimize(module, passes=[SelectRows(min_bucket=4)])
+    fast(*args)
+    return fast, {c.site.nodes[0]: c for c in fast.certificates if c.pass_name == "SelectRows"}
+
+
+def test_rows_mixed_names_the_op_and_line_and_the_child_is_refused():
+    points, _, _, fg, visible = branch_inputs("random", 3, poison=False)
+    module = Mixing()
+    fast, certs = _select_certificates(module, points, fg, visible)
+    parent, child = sorted(certs.values(), key=lambda c: c.effect["level"])
+    assert parent.codes == ("rows-mixed",)
+    (walk,) = [ch for ch in parent.checks if ch.id == "rows-independent"]
+    assert walk.evidence["op"].startswith("aten.cumsum") and "test_select_rows.py" in walk.evidence["source"]
+    assert child.codes == ("select-parent-refused",)
+    torch.testing.assert_close(fast(points, fg, visible), module(points, fg, visible))
+
+
+class Transposed(nn.Module):
+    """Rows read through a selection that does not index them (a boundary the rewrite refuses)."""
+
+    def forward(self, points, fg, keep):
+        rows = points[fg].sum(-1)  # (F, K)
+        return rows.t()[keep].sum()  # keep: (K,) indexes the points, not the rows
+
+
+def test_rows_leaving_through_an_unknown_boundary_are_refused():
+    points, _, _, fg, _ = branch_inputs("random", 4, poison=False)
+    keep = torch.tensor([True, False, True])
+    module = Transposed()
+    fast, certs = _select_certificates(module, points, fg, keep)
+    assert certs["fg"].codes == ("select-boundary",)
+    (check,) = [ch for ch in certs["fg"].checks if ch.code == "select-boundary"]
+    assert "does not index the dim of the rows" in check.evidence["reason"]
+    torch.testing.assert_close(fast(points, fg, keep), module(points, fg, keep))
+
+
+class FromNonzero(nn.Module):
+    """A mask whose size comes from nonzero, not from a selection."""
+
+    def forward(self, points, fg):
+        picked = points.flatten(0, 1)[torch.nonzero(fg.flatten()).squeeze(-1)]  # (F, K, 2)
+        keep = picked[:, 0, 0] > 0
+        return picked[keep].sum()
+
+
+def test_mask_shaped_by_other_data_is_refused():
+    points, _, _, fg, _ = branch_inputs("random", 5, poison=False)
+    module = FromNonzero()
+    fast, certs = _select_certificates(module, points, fg)
+    assert certs["gt"].codes == ("select-mask-shape",)
+    torch.testing.assert_close(fast(points, fg), module(points, fg))
+
+
+def test_the_witness_catches_an_unmasked_reduction(monkeypatch):
+    monkeypatch.setattr(select_rewrite, "_mask_reduction", lambda *args: None)  # padding summed
+    torch.manual_seed(0)
+    loss = TwoLevelLoss().double()
+    fast = optimize(loss, passes=[SelectRows(min_bucket=4)])
+    fast(*inputs("random", "random", 0))
+    certificates = [c for c in fast.certificates if c.pass_name == "SelectRows"]
+    assert {c.codes for c in certificates if c.effect["level"] == 1} == {("select-witness-mismatch",)}
+    assert {c.codes for c in certificates if c.effect["level"] == 2} == {("select-parent-refused",)}
+    assert not any(n.target is torch.nonzero_static for n in fast.graph_module.graph.nodes)
+
+
+class ReturnsRows(nn.Module):
+    """Selected rows handed to the caller: sliced back to the real rows, bit for bit."""
+
+    def forward(self, points, fg):
+        return (points[fg] * 2).tanh()
+
+
+def test_rows_returned_to_the_caller_are_the_real_rows_exactly():
+    points, _, _, fg, _ = branch_inputs("random", 6, poison=True)
+    module = ReturnsRows()
+    fast, certs = _select_certificates(module, points, fg)
+    (cert,) = certs.values()
+    assert cert.applied and cert.effect["numeric_class"] == "exact"
+    for mode in ("full", "reached", "exceeded", "random"):
+        points, _, _, fg, _ = branch_inputs(mode, 7, poison=True)
+        got, want = fast(points, fg), module(points, fg)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_selections_run_inside_cuda_graphs_and_match_native():
+    torch.manual_seed(0)
+    loss = TwoLevelLoss().double().cuda()
+    fast = optimize(loss, passes=[PairRLE(), SelectRows(min_bucket=4), CaptureLoss(max_recordings=64)])
+    for seed, modes in enumerate([("random", "random"), ("full", "reached"), ("exceeded", "random"),
+                                  ("random", "empty"), ("random", "random")]):
+        assert_same(loss, fast, [a.cuda() for a in inputs(*modes, seed)])
+    counters = [v for k, v in fast.stats.sites.items() if "capture_region" in k]
+    assert counters and all("capture-failed" not in v and v.get("replayed", 0) for v in counters)
+    assert fast.stats.native == {"selection-empty": 1}
