@@ -8,7 +8,8 @@ AdamW and its own :class:`DualBranchPoseLoss` on that copy's head flow:
 
 * ``native``: the loss as written;
 * ``pair``: ``optimize(loss, passes=[PairRLE()])``;
-* ``both``: ``optimize(loss, passes=[PairRLE(), CaptureLoss()])`` (CUDA graphs inside DDP's backward).
+* ``both``: ``optimize(loss, passes=[PairRLE(), CaptureLoss()])`` (CUDA graphs inside DDP's backward);
+* ``all``: ``optimize(loss, passes=[PairRLE(), SelectRows(), CaptureLoss()])``.
 
 Phase 1, agreement: ``--agree`` forward-backward passes at equal parameters (no optimizer step) on
 the same per-rank batches (the last rank's batch has no visible keypoints at pass 1 and no objects at
@@ -38,13 +39,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fxpasses import optimize
 from fxpasses.log import enable
-from fxpasses.passes import CaptureLoss, PairRLE
+from fxpasses.passes import CaptureLoss, PairRLE, SelectRows
 from fxpasses.timing import interleave
 from fxpasses.workloads.pose import (DualBranchPoseLoss, PoseNetwork, forward_backward,
                                      make_image_batch, train_step)
 
 ARMS = {"native": lambda: None, "pair": lambda: [PairRLE()],
-        "both": lambda: [PairRLE(), CaptureLoss()]}
+        "both": lambda: [PairRLE(), CaptureLoss()],
+        "all": lambda: [PairRLE(), SelectRows(), CaptureLoss()]}
 RTOL, ATOL = 1e-3, 1e-5
 
 
