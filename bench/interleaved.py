@@ -110,7 +110,8 @@ def fxpasses_counts(fn: Any) -> dict[str, Any]:
     recorded = sum(c.get("recorded", 0) for c in stats.sites.values())
     return {"optimized_calls": stats.optimized, "native_calls": dict(stats.native),
             "abandoned": dict(stats.abandoned), "recordings": recorded,
-            "specializations": len(fn.specializations)}
+            "specializations": len(fn.specializations),
+            "guard_ms_per_call": stats.guard_ms_per_call}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -176,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         result["arms"][name] = row
         extra = ", ".join(f"{k} {v}" for k, v in row.items() if k in ("native_calls", "recordings",
                                                                       "specializations", "abandoned") and v)
+        if "guard_ms_per_call" in row:
+            extra += f", optimized {row['optimized_calls']}, guards {row['guard_ms_per_call']:.3f} ms/call"
         print(f"| {name} | {row['median_ms']:.2f} | {row['ratio']:.2f} ({low:.2f}–{high:.2f}) | "
               f"{row['first_call_s']:.1f} | {row['launches']} | {row['syncs']} | "
               f"{row['gpu_busy_ms']:.2f} | {extra} |")

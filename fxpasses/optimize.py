@@ -26,6 +26,7 @@ import inspect
 import os
 import sys
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -134,12 +135,14 @@ class OptimizedLoss(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self._native(args, kwargs, "grad-mode-changed")
+        start = time.perf_counter()
         leaves, spec = flatten_call(args, kwargs)
         failed = first_failure(self._whole, LossRoots(self._loss, leaves, self._guarded_modules,
                                                       self._classes))
+        candidates = self._candidates(leaves, spec) if failed is None else []
+        self._stats.guard_seconds += time.perf_counter() - start
         if failed is not None:
             return self._native(args, kwargs, failed.code)
-        candidates = self._candidates(leaves, spec)
         if not candidates:
             special = self._specialize(args, kwargs)
             if special is None:

@@ -48,10 +48,16 @@ class RunStats:
     retraced: Counter = field(default_factory=Counter)  # "source (file:line)" of failed assumptions
     exceptions: list[RecordedException] = field(default_factory=list)
     sites: dict[str, dict[str, int]] = field(default_factory=dict)
+    guard_seconds: float = 0.0  # host time checking the whole-loss guards and assumptions
 
     @property
     def calls(self) -> int:
         return self.optimized + sum(self.native.values())
+
+    @property
+    def guard_ms_per_call(self) -> float:
+        """Mean host-side guard cost of a call (guard nodes inside the graph not included)."""
+        return 1e3 * self.guard_seconds / self.calls if self.calls else 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {"calls": self.calls, "optimized": self.optimized, "native": dict(self.native),
@@ -62,7 +68,8 @@ class RunStats:
     def render(self) -> str:
         native = ", ".join(f"{code}: {n}" for code, n in self.native.most_common()) or "none"
         lines = [f"calls: {self.calls}  optimized: {self.optimized}  native: "
-                 f"{sum(self.native.values())} ({native})"]
+                 f"{sum(self.native.values())} ({native})  guard checks: "
+                 f"{self.guard_ms_per_call:.3f} ms per call"]
         for where, n in self.abandoned.most_common():
             lines.append(f"  abandoned (ran natively): {where}: {n}")
         for what, n in self.retraced.most_common():

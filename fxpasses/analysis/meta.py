@@ -113,6 +113,8 @@ class _PartialFakeTensorProp(FakeTensorProp):
             pending = getattr(self._mode.shape_env, "pending_fresh_unbacked_symbols", None)
             if pending:  # symbols the failed node created must not fail the next node
                 pending.clear()
+        if complete and "val" not in n.meta and isinstance(result, (int, float, bool)):
+            n.meta["val"] = result  # a Python scalar: not every torch version's FakeTensorProp keeps it
         self._record_facts(n, complete)
         return result
 

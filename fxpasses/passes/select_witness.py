@@ -176,7 +176,7 @@ def _input(node: fx.Node, masks: dict, sources: dict, sizes: dict,
 
 def _run(module: fx.GraphModule, inputs: list[Any], seed: int) -> tuple[list[Any], list[Any]]:
     """Outputs, and gradients of every input that requires grad and every parameter."""
-    module = copy.deepcopy(module).to(torch.float64)
+    module = copy.deepcopy(module).to(torch.device("cpu"), torch.float64)  # where its inputs are
     inputs = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
               for x in inputs]
     outputs = pytree.tree_leaves(_Witnessed(module).run(*inputs))

@@ -10,6 +10,12 @@ Module state. A module passed as an argument (a paired call's flow) and the subm
 recorded function itself (an ``nn.Linear`` inside a fused region) contribute their parameters and
 buffers as extra inputs, read *in place* (their addresses are part of the signature, never
 copied) and differentiated like any input: every parameter read inside a region gets its gradient.
+While recording, the function reads each such parameter through an *alias* (``p.detach()``, the
+same memory, a fresh autograd leaf) put in its place on the module: the recorded backward then
+differentiates with respect to the alias, never through the parameter's own gradient accumulator,
+which DistributedDataParallel and ``make_graphed_callables`` keep alive from before on the default
+stream (differentiating through it inside a capture synchronises with that stream and invalidates
+the capture). Replays hand the gradients to the real parameters through autograd.
 
 Memory. Replays write into the recording's static buffers. A replay is admitted only when that
 memory is free, else the region runs eagerly for this call, counted by reason:
@@ -230,11 +236,14 @@ class GraphRecorder:
 
     def record(self, fn: Callable, args: Sequence[Any], pool: Any,
                identity: frozenset[int] = frozenset()) -> Recording:
-        with torch.no_grad():
-            # empty_like keeps dense strides; expanded (stride 0) inputs get their own memory
-            inputs = [a if i in identity or not isinstance(a, torch.Tensor) else torch.empty_like(a).copy_(a)
-                      for i, a in enumerate(args)]
         grad_mode = torch.is_grad_enabled()
+        with torch.no_grad():
+            # empty_like keeps dense strides; expanded (stride 0) inputs get their own memory;
+            # a live parameter that takes a gradient is read through an alias (module docstring)
+            inputs = [a if not isinstance(a, torch.Tensor) else
+                      (a.detach().requires_grad_(a.requires_grad and grad_mode) if i in identity
+                       else torch.empty_like(a).copy_(a))
+                      for i, a in enumerate(args)]
         for i, (static, arg) in enumerate(zip(inputs, args)):
             if isinstance(arg, torch.Tensor) and arg.requires_grad and grad_mode and i not in identity:
                 static.requires_grad_(True)
@@ -287,6 +296,32 @@ class CudaGraphRecorder(GraphRecorder):
         # thread_local: other threads' CUDA work does not invalidate this capture
         with _no_autocast_cache(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             return run()
+
+
+def _reading_state(fn: Callable, n_args: int, modules: Sequence[nn.Module],
+                   state: Sequence[torch.Tensor]) -> Callable:
+    """``call(*args, *state_in_use)``: ``fn(*args)`` with each tensor of ``state`` (parameters and
+    buffers of ``modules``) replaced on its module by the one given in its place, if another.
+
+    Written here with torch's ``_reparametrize_module`` (what ``torch.func.functional_call`` uses)
+    because the recorded function is not always a module's ``forward``.
+    """
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    position = {id(t): i for i, t in enumerate(state)}
+    names = [(m, {name: position[id(t)] for name, t in (*m.named_parameters(remove_duplicate=False),
+                                                       *m.named_buffers(remove_duplicate=False))
+                  if id(t) in position}) for m in modules]
+
+    def call(*full: Any) -> Any:
+        given = full[n_args:]
+        with contextlib.ExitStack() as stack:
+            for module, by_name in names:
+                swaps = {name: given[i] for name, i in by_name.items() if given[i] is not state[i]}
+                if swaps:
+                    stack.enter_context(_reparametrize_module(module, swaps))
+            return fn(*full[:n_args])
+    return call
 
 
 def _no_autocast_cache():
@@ -379,8 +414,8 @@ class CapturedRegion(RuntimeOp):
     def _record(self, flat: list[Any], n_args: int, identity: frozenset[int]) -> Recording:
         if self._pool is None:
             self._pool = self.recorder.new_pool()
-        fn = self.fn
-        call = lambda *full: fn(*full[:n_args])  # noqa: E731 (state is read in place by fn)
+        modules = [m for m in (self.fn, *flat[:n_args]) if isinstance(m, nn.Module)]
+        call = _reading_state(self.fn, n_args, modules, flat[n_args:])
         recording = self.recorder.record(call, flat, self._pool, identity)
         recording.track_memory()
         return recording

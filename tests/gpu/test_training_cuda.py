@@ -7,6 +7,14 @@ Measured, not assumed: the relative difference of the loss, the worst relative L
 the gradient of every network parameter (the flow's apart), per step, in fp32 and under bf16
 autocast; written to ``$FXPASSES_MEASURE_DIR/training_cuda_differences.json`` when that variable
 is set. Gradient tests compare at equal parameters; the training test runs five AdamW steps.
+
+Limits come from measurement on the H200 (torch 2.11): the network's convolutions run with cuDNN's
+TF32 by default, so its graph replay alone (``graphed``, no fxpasses code) differs from eager by up
+to 1.05e-3 in fp32 gradients. Training amplifies such differences step by step (AdamW's first steps
+move a parameter by about ``lr`` whatever its gradient's size), so the training test compares with a
+control: ``native-perturbed``, native with initial parameters times ``1 + eps * n``. The optimized
+arm may not drift from native by more than ``CONTROL_FACTOR`` times the control's drift (or the
+fixed limit, whichever is larger).
 """
 
 from __future__ import annotations
@@ -27,8 +35,9 @@ pytestmark = pytest.mark.cuda
 MEASURED: dict[str, dict] = {}
 BATCH, IMAGE = 4, 256
 PRECISIONS = {"fp32": None, "bf16-autocast": torch.bfloat16}
-GRAD_LIMIT = {"fp32": (1e-4, 1e-3), "bf16-autocast": (3e-2, 3e-2)}  # (loss rel, grad rel L2)
+GRAD_LIMIT = {"fp32": (1e-4, 3e-3), "bf16-autocast": (3e-2, 3e-2)}  # (loss rel, grad rel L2)
 TRAIN_LIMIT = {"fp32": (1e-3, 1e-3), "bf16-autocast": (5e-2, 5e-2)}  # (loss rel, param rel L2)
+CONTROL_FACTOR = 10
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -51,6 +60,12 @@ def _base() -> PoseNetwork:
 
 def _arm(base: PoseNetwork, arm: str, autocast):
     network = copy.deepcopy(base)
+    if arm == "native-perturbed":
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in network.parameters():
+                noise = torch.randn(p.shape, generator=g, dtype=torch.float64)
+                p.mul_((1 + torch.finfo(p.dtype).eps * noise).to(p.device, p.dtype))
     loss = DualBranchPoseLoss(flow=network.model[-1].flow_model).cuda()
     if arm in ("optimized", "both"):
         loss = optimize(loss, passes=[PairRLE(), CaptureLoss()])
@@ -125,28 +140,29 @@ def test_gradients_into_the_replayed_network_equal_native(arm, precision):
 def test_five_adamw_steps_replayed_and_captured_against_native(precision):
     autocast = PRECISIONS[precision]
     base = _base()
-    arms = {name: _arm(base, name, autocast) for name in ("native", "both")}
+    arms = {name: _arm(base, name, autocast) for name in ("native", "both", "native-perturbed")}
     optimizers = {name: torch.optim.AdamW(net.parameters(), lr=1e-3) for name, (net, _) in arms.items()}
-    rows = []
+    rows = {name: [] for name in ("both", "native-perturbed")}
     for step in range(5):
         batch = _batch(100 + step)
         totals = {name: train_step(net, loss, optimizers[name], batch, autocast=autocast)
                   for name, (net, loss) in arms.items()}
-        (native_net, _), (network, _) = arms["native"], arms["both"]
-        grad, flow_grad, missing = _grad_differences(native_net, network)
+        native_net = arms["native"][0]
         native_params = dict(native_net.named_parameters())
-        rows.append({
-            "loss_rel_diff": abs((totals["both"].double() - totals["native"].double())
-                                 / totals["native"].double()).item(),
-            "grad_rel_l2_diff": grad, "flow_grad_rel_l2_diff": flow_grad, "missing_grads": missing,
-            "param_rel_l2_diff": max(_rel_l2(p, native_params[n]) for n, p in network.named_parameters()),
-            "flow_param_rel_l2_diff": max(_rel_l2(p, native_params[n]) for n, p in network.named_parameters()
-                                          if ".flow_model." in n)})
+        for name, arm_rows in rows.items():
+            network = arms[name][0]
+            grad, flow_grad, missing = _grad_differences(native_net, network)
+            arm_rows.append({
+                "loss_rel_diff": abs((totals[name].double() - totals["native"].double())
+                                     / totals["native"].double()).item(),
+                "grad_rel_l2_diff": grad, "flow_grad_rel_l2_diff": flow_grad, "missing_grads": missing,
+                "param_rel_l2_diff": max(_rel_l2(p, native_params[n])
+                                         for n, p in network.named_parameters())})
     loss = arms["both"][1]
-    MEASURED[f"training both {precision}"] = {"per_step": rows, "stats": loss.stats.as_dict()}
+    MEASURED[f"training {precision}"] = {"per_step": rows, "stats": loss.stats.as_dict()}
     _assert_loss_ran_optimized(loss)
     loss_limit, param_limit = TRAIN_LIMIT[precision]
-    for row in rows:
-        assert not row["missing_grads"], row
-        assert row["loss_rel_diff"] < loss_limit, rows
-        assert row["param_rel_l2_diff"] < param_limit and row["flow_param_rel_l2_diff"] < param_limit, rows
+    for got, control in zip(rows["both"], rows["native-perturbed"]):
+        assert not got["missing_grads"], got
+        assert got["loss_rel_diff"] <= max(loss_limit, CONTROL_FACTOR * control["loss_rel_diff"]), rows
+        assert got["param_rel_l2_diff"] <= max(param_limit, CONTROL_FACTOR * control["param_rel_l2_diff"]), rows
