@@ -177,6 +177,7 @@ def _input(node: fx.Node, masks: dict, sources: dict, sizes: dict,
 def _run(module: fx.GraphModule, inputs: list[Any], seed: int) -> tuple[list[Any], list[Any]]:
     """Outputs, and gradients of every input that requires grad and every parameter."""
     module = copy.deepcopy(module).to(torch.device("cpu"), torch.float64)  # where its inputs are
+    _float64_dtype_arguments(module)
     inputs = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
               for x in inputs]
     outputs = pytree.tree_leaves(_Witnessed(module).run(*inputs))
@@ -190,6 +191,17 @@ def _run(module: fx.GraphModule, inputs: list[Any], seed: int) -> tuple[list[Any
         return outputs, []
     grads = torch.autograd.grad(objective, wrt, allow_unused=True)
     return outputs, [torch.zeros_like(w) if g is None else g for g, w in zip(grads, wrt)]
+
+
+def _float64_dtype_arguments(module: fx.GraphModule) -> None:
+    """A floating dtype written in the graph (``x.to(torch.float32)``) becomes float64, as the
+    inputs are: the witness computes every floating value in float64."""
+    def widened(arg: Any) -> Any:
+        return torch.float64 if isinstance(arg, torch.dtype) and arg.is_floating_point else arg
+    for node in module.graph.nodes:
+        node.args = fx.node.map_aggregate(node.args, widened)
+        node.kwargs = fx.node.map_aggregate(node.kwargs, widened)
+    module.recompile()
 
 
 def _compare(native: fx.GraphModule, rewritten: fx.GraphModule, inputs: list[Any],
