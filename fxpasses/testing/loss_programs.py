@@ -377,8 +377,9 @@ ALIASING_OPS: tuple[str, ...] = ("passthrough", "atleast_1d", "swapaxes", "trans
 # -- programs -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class InputSpec:
-    """One input tensor: ``rows`` (r, dim) floats, a ``mask`` (r,) bool, or ``poisoned`` rows
-    whose rows outside the mask input ``mask`` hold NaN, inf and -inf."""
+    """One input tensor: ``rows`` (r, dim) floats that require grad, ``target`` rows that do
+    not, a ``mask`` (r,) bool, or ``poisoned`` rows (requiring grad) whose rows outside the mask
+    input ``mask`` hold NaN, inf and -inf."""
 
     kind: str
     group: str
@@ -526,7 +527,7 @@ class CallInputs:
                 values = torch.tensor([_POISON[i % 3] for i in range(n * program.dim)],
                                       dtype=torch.float64).reshape(n, program.dim)
                 x = torch.where(outside[:, None], values, x)
-            made.append(x.requires_grad_())
+            made.append(x.requires_grad_(spec.kind != "target"))
         return tuple(made)
 
 

@@ -7,11 +7,13 @@ rows a mask excludes) and how the caller drives it (the *schedule* and whether i
 second-order gradients). :func:`~.loss_check.check_case` runs it against every pass combination.
 
 How a program is drawn (every step a hypothesis draw, so it shrinks): the inputs (rows and a mask
-per branch, then optional extra rows, masks and poisoned rows); a *prelude* of random instructions;
-zero to three calls of the shared flow (the calls PairRLE pairs), each on any (r, dim) register,
-typically two branches' different selections; an *epilogue*; the registers returned besides the
-loss, each possibly through an aliasing op (a view, ``atleast_1d``, an identity leaf function).
-Every register no instruction reads is summed into the loss, so every op reaches a gradient.
+per branch, then optional extra rows, targets without gradient, masks and poisoned rows); up to
+two boolean selections; a *prelude* of random instructions; zero to three calls of the shared flow
+(the calls PairRLE pairs), each on any (r, dim) register, often two branches' different
+selections; an *epilogue*; the registers returned besides the loss (often a flow's log-probs),
+each possibly through an aliasing op (a view, ``atleast_1d``, an identity leaf function).
+Every register that no instruction reads and that is not returned is summed into the loss (the
+checker differentiates every returned value), so every op reaches a gradient.
 A random instruction draws a kind, then an op of that kind, then its arguments, from those the
 typing rules admit: a prefix of a program is a program, so shrinking drops instructions freely.
 
@@ -132,12 +134,14 @@ def _tuples_using(new: int, arity: int) -> list[tuple[int, ...]]:
     return [args for args in itertools.product(range(new + 1), repeat=arity) if new in args]
 
 
-_EXTRA_INPUTS = tuple(InputSpec(kind, group) for kind in ("rows", "mask", "poisoned") for group in GROUPS)
+_EXTRA_INPUTS = tuple(InputSpec(kind, group) for kind in ("rows", "target", "mask", "poisoned")
+                      for group in GROUPS)
 
 
 @st.composite
 def input_specs(draw: st.DrawFn, max_extra: int = 3) -> tuple[InputSpec, ...]:
-    """Rows and a mask per branch, then extra rows, masks or poisoned rows (by their branch's mask)."""
+    """Rows and a mask per branch, then extra rows, targets (rows without gradient), masks or
+    poisoned rows (by their branch's mask)."""
     specs = [InputSpec("rows", g) for g in GROUPS] + [InputSpec("mask", g) for g in GROUPS]
     for extra in draw(st.lists(st.sampled_from(_EXTRA_INPUTS), max_size=max_extra)):
         mask = specs.index(InputSpec("mask", extra.group)) if extra.kind == "poisoned" else None
@@ -168,8 +172,12 @@ def loss_programs(draw: st.DrawFn, *, dims: Sequence[int] = (2, 3), max_selectio
         for _ in range(draw(st.integers(0, most)) if phase_ops else 0):
             _draw_instruction(draw, builder, phase_ops)
     body = [r for r in range(len(builder.inputs), len(builder.types)) if builder.types[r].poison is None]
+    flows = [len(builder.inputs) + i for i, ins in enumerate(builder.instructions) if ins.op == "log_prob"]
+    chosen = draw(st.lists(st.sampled_from(flows), max_size=1)) if flows else []  # log-probs, often
+    if body:
+        chosen += draw(st.lists(st.sampled_from(body), max_size=max_kept, unique=True))
     kept = []
-    for reg in draw(st.lists(st.sampled_from(body), max_size=max_kept, unique=True)) if body else ():
+    for reg in dict.fromkeys(chosen):
         wrappers = [w for w in ALIASING_OPS if (reg,) in builder.choices(w)]
         wrapper = draw(st.sampled_from([None, *wrappers]))
         kept.append(reg if wrapper is None else builder.add(wrapper, (reg,)))
