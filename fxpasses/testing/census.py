@@ -36,7 +36,8 @@ def failure_class(arm: str, where: str, kind: str, case: LossCase) -> str:
 class Census:
     cases: int = 0
     failing_cases: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # wall time of check_case, summed
+    cpu_seconds: float = 0.0  # this process's CPU time over the whole run (the load-free cost)
     failures: Counter = field(default_factory=Counter)  # class -> cases with it
     refusals: Counter = field(default_factory=Counter)  # "arm | step" -> loud refusals
     coverage: Counter = field(default_factory=Counter)
@@ -59,8 +60,9 @@ class Census:
                 self.examples[key] = report.case
 
     def summary(self) -> str:
-        per_case = self.seconds / max(self.cases, 1)
-        lines = [f"{self.cases} cases in {self.seconds:.0f} s ({per_case:.3f} s per case); "
+        cases = max(self.cases, 1)
+        lines = [f"{self.cases} cases in {self.seconds:.0f} s wall ({self.seconds / cases:.3f} s per "
+                 f"case), {self.cpu_seconds:.0f} s CPU ({self.cpu_seconds / cases:.3f} s per case); "
                  f"{self.failing_cases} with failures"]
         lines += ["failure classes (cases):"] + [f"  {n:6d}  {k}" for k, n in sorted(self.failures.items())]
         lines += ["loud refusals:"] + [f"  {n:6d}  {k}" for k, n in sorted(self.refusals.items())]
@@ -72,6 +74,7 @@ def run_census(cases: int, seed: int = 0, progress_every: float = 30.0) -> Censu
     """Check ``cases`` random losses (hypothesis, seeded); never stops at a failure."""
     census = Census()
     last = time.perf_counter()
+    cpu = time.process_time()
 
     @hypothesis_seed(seed)
     @settings(max_examples=cases, deadline=None, database=None, phases=[Phase.generate],
@@ -86,6 +89,7 @@ def run_census(cases: int, seed: int = 0, progress_every: float = 30.0) -> Censu
                   f"{census.seconds / census.cases:.3f} s per case", file=sys.stderr, flush=True)
 
     one()
+    census.cpu_seconds = time.process_time() - cpu
     return census
 
 
