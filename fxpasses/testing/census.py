@@ -2,16 +2,20 @@
 
     python -m fxpasses.testing.census --cases 10000 [--seed 0] [--examples out.txt]
 
+    examples = pickle.load(open("out.txt.pickle", "rb"))  # failure class -> its smallest case
+    print(check_case(examples[cls]))                     # run one again
+
 A property test stops at its first failure and shrinks it; a census keeps going, so one run tells
 how often each kind of difference occurs and what the passes did (coverage). A failure's *class*
 is its arm, its observation label with call numbers and registers elided, its kind and the case's
-protocol (``PairRLE+CaptureLoss | call # grad param flow.* | missing | sequential``). The smallest case of each class
-(fewest instructions) is kept as an example. Progress goes to stderr every 30 s.
+protocol (``PairRLE+CaptureLoss | call # grad param flow.* | missing | sequential``). The smallest
+case of each class (fewest instructions) is kept as an example. Progress goes to stderr every 30 s.
 """
 
 from __future__ import annotations
 
 import argparse
+import pickle
 import re
 import sys
 import time
@@ -66,7 +70,8 @@ class Census:
                  f"{self.failing_cases} with failures"]
         lines += ["failure classes (cases):"] + [f"  {n:6d}  {k}" for k, n in sorted(self.failures.items())]
         lines += ["loud refusals:"] + [f"  {n:6d}  {k}" for k, n in sorted(self.refusals.items())]
-        lines += ["coverage (summed over cases):"] + [f"  {n:6d}  {k}" for k, n in sorted(self.coverage.items())]
+        lines += ["coverage (summed over cases):"]
+        lines += [f"  {n:6d}  {k}" for k, n in sorted(self.coverage.items())]
         return "\n".join(lines)
 
 
@@ -97,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--examples", help="write the smallest case of each failure class here")
+    parser.add_argument("--examples", help="write the smallest case of each failure class here "
+                        "(text), and to EXAMPLES.pickle (a dict: class -> LossCase)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     census = run_census(args.cases, args.seed)
@@ -107,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.examples, "w") as out:
             for key, case in sorted(census.examples.items()):
                 out.write(f"== {key}\n{case}\n\n")
+        with open(f"{args.examples}.pickle", "wb") as out:
+            pickle.dump(census.examples, out)
     return 1 if census.failing_cases else 0
 
 

@@ -85,10 +85,6 @@ def _mask_column(mask: Tensor, rank: int) -> Tensor:
     return mask.reshape(mask.shape + (1,) * (rank - 1)) if rank > 1 else mask
 
 
-def _select_symbol(row: Dim, mask_reg: int) -> str:
-    return f"{row}[{mask_reg}]"
-
-
 # -- typing rules ---------------------------------------------------------------------------
 Rule = Callable[..., Ty | None]
 
@@ -206,7 +202,7 @@ def _row_mask(x: Arg, m: Arg) -> bool:
 def _selected(x: Arg, m: Arg) -> Ty | None:
     if not _row_mask(x, m):
         return None
-    return Ty((_select_symbol(x.ty.shape[0], m.reg), *x.ty.shape[1:]))
+    return Ty((f"{x.ty.shape[0]}[{m.reg}]", *x.ty.shape[1:]))  # the rows m selects: a new symbol
 
 
 def _masked(x: Arg, m: Arg) -> Ty | None:
@@ -290,82 +286,78 @@ class Op:
     def arity(self) -> int:
         return self.apply.__code__.co_argcount - 2
 
-    def result(self, dim: int, args: Sequence[Arg]) -> Ty | None:
-        rule = self.rule(dim) if self.needs_dim else self.rule
-        return rule(*args)
-
-
-def _op(name: str, kind: str, rule: Any, apply: Callable[..., Tensor], needs_dim: bool = False) -> Op:
-    return Op(name, kind, rule, apply, needs_dim)
+    def rule_for(self, dim: int) -> Rule:
+        """The typing rule for programs whose feature size is ``dim``."""
+        return self.rule(dim) if self.needs_dim else self.rule
 
 
 OP_TABLE: tuple[Op, ...] = (
     # pointwise: x -> x (same shape), (x, y) -> broadcast
-    _op("neg", "pointwise", _same, lambda m, t, x: -x),
-    _op("tanh", "pointwise", _same, lambda m, t, x: torch.tanh(x)),
-    _op("sigmoid", "pointwise", _same, lambda m, t, x: torch.sigmoid(x)),
-    _op("sin", "pointwise", _same, lambda m, t, x: torch.sin(x)),
-    _op("softplus", "pointwise", _same, lambda m, t, x: F.softplus(x)),
-    _op("square", "pointwise", _same, lambda m, t, x: x * x),
-    _op("affine", "pointwise", _same, lambda m, t, x: x * 0.5 + 0.25),
-    _op("log1p_square", "pointwise", _same, lambda m, t, x: torch.log1p(x * x)),
-    _op("leaky", "pointwise", _same, lambda m, t, x: torch.where(x > 0, x, 0.1 * x)),
-    _op("clamp", "pointwise", _same, lambda m, t, x: x.clamp(-1.0, 1.0)),
-    _op("add", "pointwise", _pair, lambda m, t, x, y: x + y),
-    _op("sub", "pointwise", _pair, lambda m, t, x, y: x - y),
-    _op("mul", "pointwise", _pair, lambda m, t, x, y: x * y),
-    _op("ratio", "pointwise", _pair, lambda m, t, x, y: x / (1.0 + y * y)),
+    Op("neg", "pointwise", _same, lambda m, t, x: -x),
+    Op("tanh", "pointwise", _same, lambda m, t, x: torch.tanh(x)),
+    Op("sigmoid", "pointwise", _same, lambda m, t, x: torch.sigmoid(x)),
+    Op("sin", "pointwise", _same, lambda m, t, x: torch.sin(x)),
+    Op("softplus", "pointwise", _same, lambda m, t, x: F.softplus(x)),
+    Op("square", "pointwise", _same, lambda m, t, x: x * x),
+    Op("affine", "pointwise", _same, lambda m, t, x: x * 0.5 + 0.25),
+    Op("log1p_square", "pointwise", _same, lambda m, t, x: torch.log1p(x * x)),
+    Op("leaky", "pointwise", _same, lambda m, t, x: torch.where(x > 0, x, 0.1 * x)),
+    Op("clamp", "pointwise", _same, lambda m, t, x: x.clamp(-1.0, 1.0)),
+    Op("add", "pointwise", _pair, lambda m, t, x, y: x + y),
+    Op("sub", "pointwise", _pair, lambda m, t, x, y: x - y),
+    Op("mul", "pointwise", _pair, lambda m, t, x, y: x * y),
+    Op("ratio", "pointwise", _pair, lambda m, t, x, y: x / (1.0 + y * y)),
     # reductions
-    _op("sum_rows", "reduction", _drop_first, lambda m, t, x: x.sum(0)),
-    _op("mean_rows", "reduction", _drop_first, lambda m, t, x: x.mean(0)),  # NaN on no rows
-    _op("sum_last", "reduction", _drop_last, lambda m, t, x: x.sum(-1)),
-    _op("mean_last", "reduction", _drop_static_last, lambda m, t, x: x.mean(-1)),
-    _op("logsumexp_last", "reduction", _drop_static_last, lambda m, t, x: torch.logsumexp(x, -1)),
-    _op("amax_last", "reduction", _drop_static_last, lambda m, t, x: x.amax(-1)),
-    _op("sum_all", "reduction", _scalar, lambda m, t, x: x.sum()),
-    _op("mean_all", "reduction", _scalar, lambda m, t, x: x.mean()),
+    Op("sum_rows", "reduction", _drop_first, lambda m, t, x: x.sum(0)),
+    Op("mean_rows", "reduction", _drop_first, lambda m, t, x: x.mean(0)),  # NaN on no rows
+    Op("sum_last", "reduction", _drop_last, lambda m, t, x: x.sum(-1)),
+    Op("mean_last", "reduction", _drop_static_last, lambda m, t, x: x.mean(-1)),
+    Op("logsumexp_last", "reduction", _drop_static_last, lambda m, t, x: torch.logsumexp(x, -1)),
+    Op("amax_last", "reduction", _drop_static_last, lambda m, t, x: x.amax(-1)),
+    Op("sum_all", "reduction", _scalar, lambda m, t, x: x.sum()),
+    Op("mean_all", "reduction", _scalar, lambda m, t, x: x.mean()),
     # matmuls
-    _op("matmul_param", "matmul", _features, lambda m, t, x: x @ m.mat, needs_dim=True),
-    _op("linear", "matmul", _features, lambda m, t, x: m.lin(x), needs_dim=True),
-    _op("gram", "matmul", _gram, lambda m, t, x, y: x.t() @ y),
-    _op("matvec", "matmul", _matvec, lambda m, t, x, y: x @ y),
+    Op("matmul_param", "matmul", _features, lambda m, t, x: x @ m.mat, needs_dim=True),
+    Op("linear", "matmul", _features, lambda m, t, x: m.lin(x), needs_dim=True),
+    Op("gram", "matmul", _gram, lambda m, t, x, y: x.t() @ y),
+    Op("matvec", "matmul", _matvec, lambda m, t, x, y: x @ y),
     # views and other aliasing ops
-    _op("transpose", "view", _transposed, lambda m, t, x: x.t()),
-    _op("swapaxes", "view", _transposed, lambda m, t, x: torch.swapaxes(x, 0, 1)),
-    _op("unsqueeze_first", "view", _unsqueeze_first, lambda m, t, x: x.unsqueeze(0)),
-    _op("unsqueeze_last", "view", _unsqueeze_last, lambda m, t, x: x.unsqueeze(-1)),
-    _op("flatten", "view", _flattened, lambda m, t, x: x.reshape(-1)),
-    _op("first_feature", "view", _first_feature, lambda m, t, x: x[..., :1]),
-    _op("tail_rows", "view", _tail_rows, lambda m, t, x: x[1:]),
-    _op("atleast_1d", "view", _at_least_1d, lambda m, t, x: torch.atleast_1d(x)),
-    _op("detach", "view", _same, lambda m, t, x: x.detach()),
+    Op("transpose", "view", _transposed, lambda m, t, x: x.t()),
+    Op("swapaxes", "view", _transposed, lambda m, t, x: torch.swapaxes(x, 0, 1)),
+    Op("unsqueeze_first", "view", _unsqueeze_first, lambda m, t, x: x.unsqueeze(0)),
+    Op("unsqueeze_last", "view", _unsqueeze_last, lambda m, t, x: x.unsqueeze(-1)),
+    Op("flatten", "view", _flattened, lambda m, t, x: x.reshape(-1)),
+    Op("first_feature", "view", _first_feature, lambda m, t, x: x[..., :1]),
+    Op("tail_rows", "view", _tail_rows, lambda m, t, x: x[1:]),
+    Op("atleast_1d", "view", _at_least_1d, lambda m, t, x: torch.atleast_1d(x)),
+    Op("detach", "view", _same, lambda m, t, x: x.detach()),
     # in-place ops on a fresh copy (so autograd accepts them for every input)
-    _op("add_", "inplace", _into, lambda m, t, x, y: _add_into(x, y)),
-    _op("mul_", "inplace", _into, lambda m, t, x, y: _mul_into(x, y)),
-    _op("masked_fill_", "inplace", _masked_clean, lambda m, t, x, k: _fill_out(x, k, t[0].rank)),
-    _op("index_put_", "inplace", _masked_clean, lambda m, t, x, k: _zero_rows(x, k)),
+    Op("add_", "inplace", _into, lambda m, t, x, y: _add_into(x, y)),
+    Op("mul_", "inplace", _into, lambda m, t, x, y: _mul_into(x, y)),
+    Op("masked_fill_", "inplace", _masked_clean, lambda m, t, x, k: _fill_out(x, k, t[0].rank)),
+    Op("index_put_", "inplace", _masked_clean, lambda m, t, x, k: _zero_rows(x, k)),
     # boolean masks and selections
-    _op("select", "select", _selected, lambda m, t, x, k: x[k]),
-    _op("where", "select", _masked, lambda m, t, x, k: torch.where(_mask_column(k, t[0].rank), x, 0.0)),
-    _op("masked_fill", "select", _masked,
+    Op("select", "select", _selected, lambda m, t, x, k: x[k]),
+    Op("where", "select", _masked, lambda m, t, x, k: torch.where(_mask_column(k, t[0].rank), x, 0.0)),
+    Op("masked_fill", "select", _masked,
         lambda m, t, x, k: x.masked_fill(~_mask_column(k, t[0].rank), 0.0)),
-    _op("masked_mean", "select", _masked_mean,
+    Op("masked_mean", "select", _masked_mean,
         lambda m, t, x, k: (x * _mask_column(k, t[0].rank)).sum(0) / k.sum().clamp(min=1)),
-    _op("positive", "select", _mask_from_column, lambda m, t, x: x > 0),
-    _op("first_positive", "select", _mask_from_rows, lambda m, t, x: x[:, 0] > 0),
-    _op("mask_and", "select", _mask_pair, lambda m, t, a, b: a & b),
-    _op("mask_not", "select", _mask_not, lambda m, t, a: ~a),
+    Op("positive", "select", _mask_from_column, lambda m, t, x: x > 0),
+    Op("first_positive", "select", _mask_from_rows, lambda m, t, x: x[:, 0] > 0),
+    Op("mask_and", "select", _mask_pair, lambda m, t, a, b: a & b),
+    Op("mask_not", "select", _mask_not, lambda m, t, a: ~a),
     # the shared row-wise flow (PairRLE pairs its calls)
-    _op("log_prob", "flow", _row_flow, lambda m, t, x: m.flow.log_prob(x), needs_dim=True),
+    Op("log_prob", "flow", _row_flow, lambda m, t, x: m.flow.log_prob(x), needs_dim=True),
     # parameters and buffers of the loss
-    _op("scale_by_weight", "param", _features, lambda m, t, x: x * m.weight, needs_dim=True),
-    _op("shift_by_bias", "param", _features, lambda m, t, x: x + m.bias, needs_dim=True),
-    _op("scale_by_scalar", "param", _same, lambda m, t, x: x * m.scalar),
-    _op("loss_weight", "param", _loss_scalar, lambda m, t, x: m.loss_weight * x),
-    _op("buffer_offset", "param", _features, lambda m, t, x: x - m.offset, needs_dim=True),
-    _op("buffer_gain", "param", _same, lambda m, t, x: x * m.gain),
+    Op("scale_by_weight", "param", _features, lambda m, t, x: x * m.weight, needs_dim=True),
+    Op("shift_by_bias", "param", _features, lambda m, t, x: x + m.bias, needs_dim=True),
+    Op("scale_by_scalar", "param", _same, lambda m, t, x: x * m.scalar),
+    Op("loss_weight", "param", _loss_scalar, lambda m, t, x: m.loss_weight * x),
+    Op("buffer_offset", "param", _features, lambda m, t, x: x - m.offset, needs_dim=True),
+    Op("buffer_gain", "param", _same, lambda m, t, x: x * m.gain),
     # a leaf function: one opaque node that aliases its input
-    _op("passthrough", "leaf", _same, lambda m, t, x: passthrough(x)),
+    Op("passthrough", "leaf", _same, lambda m, t, x: passthrough(x)),
 )
 OPS: dict[str, Op] = {op.name: op for op in OP_TABLE}
 KINDS: tuple[str, ...] = tuple(dict.fromkeys(op.kind for op in OP_TABLE))

@@ -71,7 +71,7 @@ class ProgramBuilder:
         self.types: list[Ty] = [s.ty(dim) for s in inputs]
         self.instructions: list[Instruction] = []
         self.read: set[int] = set()
-        self._rules = {op.name: op.rule(dim) if op.needs_dim else op.rule for op in OP_TABLE}
+        self._rules = {op.name: op.rule_for(dim) for op in OP_TABLE}
         self._args = [Arg(r, t) for r, t in enumerate(self.types)]
         self._choices: dict[str, list[tuple[int, ...]]] = {op.name: [] for op in OP_TABLE}
         self._seen = {op.name: 0 for op in OP_TABLE}  # registers already looked at, per op

@@ -6,10 +6,12 @@ gradients of every input and parameter (None only where native has None), unchan
 after later calls, and second-order / stale-backward gradients equal to native's or a loud error.
 
 * CI: ``CI_CASES`` cases, derandomized (the same cases on every run), no shrinking (a failure
-  prints its whole case; tests/passes/test_capture_regressions.py keeps minimal ones).
-* ``slow``: 10,000 cases, with shrinking. The census (``python -m fxpasses.testing.census``)
-  runs the same cases without stopping at the first failure; results in bench/RESULTS.md
-  ("Random losses").
+  prints its whole case; tests/passes/test_capture_regressions.py keeps minimal ones). About
+  0.45 CPU-seconds per case on this project's 2-core CPU machine: 100 cases, ~45 s.
+* ``slow``, opt-in (``FXPASSES_SWEEP=1``; the default ``pytest`` run includes slow tests):
+  10,000 cases, with shrinking. The census (``python -m fxpasses.testing.census``) checks
+  random losses without stopping at the first failure and counts failures by class; its
+  10,000-case run is in bench/RESULTS.md ("Random losses").
 
 Generator and checker: every op kind and every op of the table is drawn; programs type-check
 against what they compute for every drawn call (zero rows included); poison never reaches a
@@ -20,22 +22,23 @@ and tells a loud refusal from a silent difference.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.fx as fx
-from hypothesis import HealthCheck, Phase, find, given, settings, strategies as st
+from hypothesis import HealthCheck, Phase, find, given, settings
 
 from fxpasses import LeafPolicy, trace
 from fxpasses.pipeline import PassResult
 from fxpasses.runtime import is_propagating
-from fxpasses.testing.loss_check import check_case
-from fxpasses.testing.loss_check import run_protocol
-from fxpasses.testing.loss_programs import (KINDS, OP_TABLE, OPS, CallInputs, InputSpec,
-                                            ProgramLoss, concrete_sizes, passthrough)
-from fxpasses.testing.random_losses import (LossCase, ProgramBuilder, loss_programs,
+from fxpasses.testing.loss_check import check_case, run_protocol
+from fxpasses.testing.loss_programs import (ALIASING_OPS, KINDS, OP_TABLE, OPS, CallInputs,
+                                            InputSpec, ProgramLoss, concrete_sizes, passthrough)
+from fxpasses.testing.random_losses import (SCHEDULES, LossCase, ProgramBuilder, loss_programs,
                                             random_losses)
 
-CI_CASES = 60
+CI_CASES = 100
 _NO_HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
 CI = settings(max_examples=CI_CASES, derandomize=True, database=None, deadline=None,
               suppress_health_check=_NO_HEALTH,
@@ -55,6 +58,8 @@ def test_random_losses_match_native_under_every_pass_combination(case):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("FXPASSES_SWEEP") != "1",
+                    reason="10,000 random losses, about 75 CPU-minutes: set FXPASSES_SWEEP=1")
 @SLOW
 @given(random_losses())
 def test_ten_thousand_random_losses(case):
@@ -104,10 +109,36 @@ def test_each_op_computes_the_shape_its_rule_gives(name):
         module(*inputs)["loss"].backward()
 
 
-def test_the_strategy_draws_every_op_kind():
-    for kind in KINDS:
-        find(loss_programs(), lambda p: any(OPS[op].kind == kind for op in p.ops),
-             settings=settings(database=None, max_examples=500))
+def test_the_strategy_draws_every_op_kind_and_every_input_situation():
+    seen: set[str] = set()
+
+    @settings(max_examples=150, derandomize=True, database=None, deadline=None,
+              suppress_health_check=_NO_HEALTH, phases=[Phase.generate])
+    @given(random_losses())
+    def collect(case):
+        program = case.program
+        seen.update(OPS[op].kind for op in program.ops)
+        seen.update(f"input {s.kind}" for s in program.inputs)
+        seen.update(f"mask {p}" for call in case.calls for p in call.patterns)
+        seen.add(f"schedule {case.schedule}" + (" second order" if case.second_order else ""))
+        if any(n == 0 for call in case.calls for _, n in call.rows):
+            seen.add("zero rows")
+        if any(a != b for call in case.calls for (_, a), (_, b) in [call.rows]):
+            seen.add("unequal rows")
+        on_selections = {i.args[0] for i in program.instructions
+                         if i.op == "log_prob" and "[" in str(i.types[0].shape[0])}
+        if len(on_selections) >= 2:
+            seen.add("flow on two selections")
+        if any(program.instructions[r - len(program.inputs)].op in ALIASING_OPS
+               for r in program.kept):
+            seen.add("kept through an aliasing op")
+
+    collect()
+    wanted = {*KINDS, "input rows", "input target", "input mask", "input poisoned", "mask empty",
+              "mask full", "mask random", "zero rows", "unequal rows", "flow on two selections",
+              "kept through an aliasing op",
+              *(f"schedule {s}{o}" for s in SCHEDULES for o in ("", " second order"))}
+    assert wanted - seen == set()
 
 
 _ASSEMBLY = {"sum_all", "add", "loss_weight"}  # what finish() adds to make the loss
@@ -172,24 +203,16 @@ def _case_for(program) -> LossCase:
 
 
 def test_shrinking_reaches_a_minimal_program():
-    """Two flow calls on two different selections: the minimal program is exactly that."""
+    """Flow calls on two different selections: the minimal program is exactly that."""
     def two_selected_flow_calls(p) -> bool:
-        selected = {ins.args[0] for ins in p.instructions if ins.op == "log_prob"
-                    and isinstance(ins.types[0].shape[0], str) and "[" in ins.types[0].shape[0]}
-        return len(selected) >= 2
+        selections = {str(ins.types[0].shape[0]) for ins in p.instructions if ins.op == "log_prob"}
+        return len({rows for rows in selections if "[" in rows}) >= 2
 
-    program = find(loss_programs(), two_selected_flow_calls,
+    program = find(loss_programs(max_prelude=1, max_epilogue=1), two_selected_flow_calls,
                    settings=settings(database=None, max_examples=5000))
     assert [op for op in program.ops if op not in ("sum_all", "add")] == \
         ["select", "select", "log_prob", "log_prob"]
     assert program.kept == () and len(program.inputs) <= len(BASE) + 1
-
-
-def test_zero_rows_and_all_mask_patterns_are_drawn():
-    found = find(random_losses(), lambda c: any(n == 0 for call in c.calls for _, n in call.rows)
-                 and {"empty", "full"} <= {p for call in c.calls for p in call.patterns},
-                 settings=settings(database=None, max_examples=2000))
-    assert any(n == 0 for call in found.calls for _, n in call.rows)
 
 
 def test_a_program_that_does_not_type_check_is_refused():
