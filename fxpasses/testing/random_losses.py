@@ -79,14 +79,23 @@ class ProgramBuilder:
     def _result(self, name: str, args: tuple[int, ...]) -> Ty | None:
         return self._rules[name](*(self._args[a] for a in args))
 
+    def _scan(self, name: str, *, until_found: bool) -> list[tuple[int, ...]]:
+        """Extend op ``name``'s admissible tuples register by register (all, or until one)."""
+        found, arity = self._choices[name], OPS[name].arity
+        while self._seen[name] < len(self.types) and not (until_found and found):
+            new = self._seen[name]
+            found.extend(args for args in _tuples_using(new, arity)
+                         if self._result(name, args) is not None)
+            self._seen[name] = new + 1
+        return found
+
     def choices(self, name: str) -> list[tuple[int, ...]]:
         """Every admissible argument tuple of op ``name``, earlier registers first."""
-        arity = OPS[name].arity
-        for new in range(self._seen[name], len(self.types)):
-            self._choices[name].extend(args for args in _tuples_using(new, arity)
-                                       if self._result(name, args) is not None)
-        self._seen[name] = len(self.types)
-        return self._choices[name]
+        return self._scan(name, until_found=False)
+
+    def admits(self, name: str) -> bool:
+        """Whether op ``name`` has an admissible argument tuple (looks no further than needed)."""
+        return bool(self._scan(name, until_found=True))
 
     def add(self, name: str, args: tuple[int, ...]) -> int:
         """Append ``name(*args)``; returns the new register."""
@@ -98,16 +107,6 @@ class ProgramBuilder:
         self._args.append(Arg(len(self.types) - 1, result))
         self.read.update(args)
         return len(self.types) - 1
-
-    def admits(self, name: str) -> bool:
-        """Whether op ``name`` has an admissible argument tuple (looks no further than needed)."""
-        arity = OPS[name].arity
-        while not self._choices[name] and self._seen[name] < len(self.types):
-            new = self._seen[name]
-            self._choices[name].extend(args for args in _tuples_using(new, arity)
-                                       if self._result(name, args) is not None)
-            self._seen[name] = new + 1
-        return bool(self._choices[name])
 
     def sinks(self) -> list[int]:
         """Computed registers no instruction reads, that arithmetic may read."""
