@@ -368,3 +368,25 @@ def test_checker_compares_nan_positions_and_zero_rows():
     assert run_protocol(native, native, case).values["call 0 output ['r5']"].isnan().all()
     report = check_case(case, arms={"none": lambda: []})
     assert report.ok, str(report)
+
+
+class _RaisingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.tanh(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("planted")
+
+
+def raising_tanh(x):
+    return _RaisingBackward.apply(x)
+
+
+def test_checker_fails_an_arm_whose_first_order_backward_raises():
+    case = _case([("tanh", (0,)), ("square", (4,))], second_order=True, calls=((3, 2), (4, 1)))
+    report = check_case(case, arms={"raises": lambda: [_ReplaceTanh(raising_tanh)]})
+    (failure,) = report.arms["raises"].failures
+    assert failure.where == "call 0 backward" and failure.kind == "raised"
+    assert "planted" in failure.candidate and report.arms["raises"].refusal is None
