@@ -47,6 +47,14 @@ class Census:
     coverage: Counter = field(default_factory=Counter)
     examples: dict[str, LossCase] = field(default_factory=dict)
 
+    def add_error(self, case: LossCase, exc: Exception) -> None:
+        """The checker itself raised (an invalid case: the native loss raised): a class too."""
+        key = f"checker | {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+        self.cases += 1
+        self.failing_cases += 1
+        self.failures[key] += 1
+        self.examples.setdefault(key, case)
+
     def add(self, report: CaseReport) -> None:
         self.cases += 1
         self.seconds += report.seconds
@@ -87,7 +95,10 @@ def run_census(cases: int, seed: int = 0, progress_every: float = 30.0) -> Censu
     @given(random_losses())
     def one(case: LossCase) -> None:
         nonlocal last
-        census.add(check_case(case))
+        try:
+            census.add(check_case(case))
+        except Exception as exc:  # a census never stops: count it, keep the case
+            census.add_error(case, exc)
         if time.perf_counter() - last > progress_every:
             last = time.perf_counter()
             print(f"census: {census.cases}/{cases} cases, {census.failing_cases} failing, "
