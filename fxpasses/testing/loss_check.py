@@ -26,13 +26,16 @@ The differentiated objective is :func:`~.oracle.weighted_objective` of the outpu
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
+import torch.fx
 from torch import Tensor, nn
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
 from ..optimize import OptimizedLoss, optimize
@@ -130,15 +133,49 @@ def check_case(case: LossCase, *, arms: dict[str, Callable[[], list]] | None = N
         raise InvalidCase(f"native raised at {reference.step}: {type(reference.raised).__name__}: "
                           f"{reference.raised}\n{case}") from reference.raised
     results = {}
-    for name, passes in (arms or ARMS).items():
-        arm_start = time.perf_counter()
-        module = case.module()
-        fast = optimize(module, passes=passes(), leaf_functions=[passthrough])
-        observed = run_protocol(fast, module, case)
-        results[name] = ArmResult(name, _compare(reference, observed, rtol, atol),
-                                  _refusal(observed) if observed.loud else None, coverage(fast),
-                                  time.perf_counter() - arm_start)
+    with _wrap_registry_restored(), _shape_caches_cleared():
+        for name, passes in (arms or ARMS).items():
+            arm_start = time.perf_counter()
+            module = case.module()
+            fast = optimize(module, passes=passes(), leaf_functions=[passthrough])
+            observed = run_protocol(fast, module, case)
+            results[name] = ArmResult(name, _compare(reference, observed, rtol, atol),
+                                      _refusal(observed) if observed.loud else None,
+                                      coverage(fast), time.perf_counter() - arm_start)
     return CaseReport(case, results, time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def _shape_caches_cleared() -> Iterator[None]:
+    """Clear torch's shape caches afterwards: ``ShapeEnv`` memoizes some methods in unbounded
+    class-level ``lru_cache`` s, which keep every ShapeEnv (one per shape propagation) and its
+    fake-tensor cache alive; over thousands of cases that slows every case down."""
+    try:
+        yield
+    finally:
+        for attribute in vars(ShapeEnv).values():
+            if callable(getattr(attribute, "cache_clear", None)):
+                attribute.cache_clear()
+
+
+@contextlib.contextmanager
+def _wrap_registry_restored() -> Iterator[None]:
+    """Leave torch.fx's registry of wrapped (leaf) functions as it was.
+
+    The code torch.fx generates for a graph that calls a leaf function registers its globals
+    there (``torch.fx.wrap`` at its top), for good: they hold the graph's run-time sites, so no
+    optimized loss that used a leaf function is ever freed (a leak of captured regions and their
+    recordings; see tests/passes/test_capture_regressions.py). Thousands of cases would slow
+    down with it; the checker removes the entries its arms added.
+    """
+    registry = getattr(torch.fx._symbolic_trace, "_wrapped_fns_to_patch", None)
+    before = set(registry) if isinstance(registry, dict) else None
+    try:
+        yield
+    finally:
+        if before is not None:
+            for key in set(registry) - before:
+                del registry[key]
 
 
 def _refusal(observed: Observed) -> str:

@@ -10,7 +10,10 @@ native loss. Each test fails while its defect is present (issue 9) and passes on
   or ``swapaxes``);
 * a gradient penalty (``create_graph=True``) through a region is silently wrong;
 * ``backward(retain_graph=True)``, then a later call, then that backward again: silently wrong;
-* PairRLE (alone): rows whose log-probabilities are only detached get a zero gradient, not None.
+* PairRLE (alone): rows whose log-probabilities are only detached get a zero gradient, not None;
+* an optimized loss that calls a leaf function is never freed, nor its captured regions (their
+  recordings, static buffers and, on a GPU, CUDA graphs and memory pools): the code torch.fx
+  generates registers its globals in torch.fx's global registry of wrapped functions.
 
 Where a loud error is an acceptable answer (second order, stale backward), the test accepts a
 RuntimeError and rejects only a silent difference.
@@ -18,12 +21,16 @@ RuntimeError and rejects only a silent difference.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
 
 from fxpasses import optimize
 from fxpasses.passes import CaptureLoss, PairRLE
+from fxpasses.runtime import runtime_sites
 from fxpasses.runtime.emulated import EmulatedRecorder
 from fxpasses.testing import assert_equivalent
 
@@ -251,3 +258,19 @@ def test_stale_retained_backward_is_right_or_loud():
         return  # a loud refusal is acceptable
     for g, e in zip(got, expected):
         assert torch.allclose(g, e, rtol=RTOL, atol=ATOL), (g, e)
+
+
+# -- 6. memory: an optimized loss that calls a leaf function ----------------------------------
+class LeafThenRegion(nn.Module):
+    def forward(self, x):
+        return (torch.tanh(identity(x)) * 2 + 1).sum()
+
+
+def test_a_dropped_optimized_loss_that_calls_a_leaf_function_frees_its_captured_regions():
+    fast = optimize(LeafThenRegion(), passes=[_capture()], leaf_functions=[identity])
+    fast(_rows(4, 0)).backward()
+    regions = [weakref.ref(site) for site in runtime_sites(fast.graph_module)]
+    assert regions
+    del fast
+    gc.collect()
+    assert [r() for r in regions if r() is not None] == []  # kept alive by torch.fx's wrap registry
