@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from fxpasses import optimize
-from fxpasses.benchmark import ArmResult, measure_arm, summarize
+from measure import ArmResult, measure_arm, summarize  # bench/measure.py, beside this script
 from fxpasses.log import enable, logger
 from fxpasses.passes import CaptureLoss, PairRLE
 from fxpasses.workloads.pose import DualBranchPoseLoss, make_batch

@@ -1,11 +1,21 @@
-"""Eager against optimized arms, step by step in alternation, for ratios a noisy host cannot skew.
+"""Eager, fxpasses and torch.compile arms, step by step in alternation, on a fresh batch each step.
 
-    python bench/interleaved.py --batch 16 --rounds 200 --out out/interleaved
+    python bench/interleaved.py --loss reference --batch 16 --rounds 100 --out out/ref16
+    python bench/interleaved.py --loss wild --batch 16 --arms pair,both,compile --out out/wild16
+    python bench/interleaved.py --device cpu --batch 2 --image-size 128 --rounds 3 \\
+        --arms pair,both --out out/smoke                                    # a smoke run
 
-Each round times one forward+backward step of every arm, in an order that rotates every round,
-on the same batch (batches rotate between rounds). The result per arm is the median step time and
-the median of the per-round ratios eager/arm: drift of the host's speed affects both sides of
-every ratio alike.
+``--loss reference`` is :class:`DualBranchPoseLoss`; ``--loss wild`` is the public-style
+:class:`WildPoseLoss` (``fxpasses.workloads.pose.wild``), unmodified, on the same batches in its
+own format. Every arm first makes one step on its own batch (its *first call*: tracing, passes,
+recordings, or torch.compile's compilation); then each round times one forward+backward step of
+every arm, in an order that rotates every round, on that round's batch
+(:func:`fxpasses.timing.interleave`). Batches are fresh every round (``--rotate 0``, the default:
+object counts and so the data-dependent shapes change every step, as in training) or cycle over
+``--rotate`` seeded ones. Per arm: the median step time, the median per-round ratio eager/arm with
+p10 and p90, the first call, and for one profiled step the host's kernel launches, host
+synchronisations and GPU-busy milliseconds; for fxpasses arms, the calls that ran natively and the
+CUDA-graph recordings. Results go to ``--out``/interleaved.json and are printed as a Markdown table.
 """
 
 from __future__ import annotations
@@ -13,68 +23,161 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
 from fxpasses import optimize
-from fxpasses.benchmark import step
 from fxpasses.passes import CaptureLoss, PairRLE
-from fxpasses.workloads.pose import DualBranchPoseLoss, make_batch
+from fxpasses.steps import step
+from fxpasses.timing import device_sync, interleave
+from fxpasses.workloads.pose import (DualBranchPoseLoss, RealNVP, StandInModel, WildPoseLoss,
+                                     make_batch, public_format)
+from measure import LAUNCH_EVENTS, SYNC_EVENTS  # bench/measure.py, beside this script
 
-ARMS = {"pair": lambda: [PairRLE()], "capture": lambda: [CaptureLoss()],
-        "both": lambda: [PairRLE(), CaptureLoss()]}
+PASSES = {"pair": lambda: [PairRLE()], "capture": lambda: [CaptureLoss()],
+          "both": lambda: [PairRLE(), CaptureLoss()]}
+COMPILE = {"compile": "default", "compile-ro": "reduce-overhead"}
+
+
+@dataclass
+class Workload:
+    """A loss, its batches and its training step (the objective differentiated)."""
+
+    loss: Any
+    batch: Callable[[int], Any]
+    step: Callable[[Callable, Any], Any]
+
+
+def reference_workload(args: argparse.Namespace) -> Workload:
+    loss = DualBranchPoseLoss().to(args.device)
+
+    def batch(seed: int) -> Any:
+        return make_batch(args.batch, seed=seed, image_size=args.image_size, device=args.device)
+
+    return Workload(loss, batch, lambda fn, b: step(fn, b, lambda out: out.total))
+
+
+def wild_workload(args: argparse.Namespace) -> Workload:
+    model = StandInModel(RealNVP(), num_keypoints=17, num_classes=1, o2m=0.8).to(args.device)
+    loss = WildPoseLoss(model, tal_topk=10, tal_topk2=1)
+
+    def batch(seed: int) -> Any:
+        preds, targets = public_format(make_batch(args.batch, seed=seed, image_size=args.image_size,
+                                                  device=args.device))
+        preds = {name: ([f.detach().requires_grad_() for f in feats], kpts.detach().requires_grad_())
+                 for name, (feats, kpts) in preds.items()}  # leaves, as a network's outputs
+        return preds, targets
+
+    return Workload(loss, batch, lambda fn, b: step(lambda x: fn(*x), b, lambda out: out[0]))
+
+
+def make_arm(name: str, loss: Any) -> Callable:
+    if name == "eager":
+        return loss
+    if name in COMPILE:
+        return torch.compile(loss, mode=COMPILE[name])
+    return optimize(loss, passes=PASSES[name]())
+
+
+def profile_step(work: Workload, fn: Callable, batch: Any, device: str) -> dict[str, float]:
+    """Launches and synchronisations issued by the host, and summed kernel time, of one step."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    sync = device_sync(device)
+    sync()
+    with profile(activities=activities) as prof:
+        work.step(fn, batch)
+        sync()
+    events = prof.events()
+    busy_us = sum(getattr(e, "device_time", 0.0) for e in events
+                  if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+    return {"launches": sum(e.name in LAUNCH_EVENTS for e in events),
+            "syncs": sum(e.name in SYNC_EVENTS for e in events), "gpu_busy_ms": busy_us / 1e3}
+
+
+def fxpasses_counts(fn: Any) -> dict[str, Any]:
+    stats = getattr(fn, "stats", None)
+    if stats is None:
+        return {}
+    recorded = sum(c.get("recorded", 0) for c in stats.sites.values())
+    return {"optimized_calls": stats.optimized, "native_calls": dict(stats.native),
+            "abandoned": dict(stats.abandoned), "recordings": recorded,
+            "specializations": len(fn.specializations)}
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--loss", choices=("reference", "wild"), default="reference")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--image-size", type=int, default=640)
+    parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--rotate", type=int, default=0,
+                        help="distinct seeded batches cycled through (0, the default: a fresh one per round)")
+    arms = sorted([*PASSES, *COMPILE])
+    parser.add_argument("--arms", default="pair,both,compile,compile-ro",
+                        help=f"comma-separated, from {arms} (eager always runs)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default="out/interleaved")
+    args = parser.parse_args(argv)
+    unknown = set(args.arms.split(",")) - set(arms)
+    if unknown:
+        parser.error(f"unknown arms {sorted(unknown)}; choose from {arms}")
+    if min(args.batch, args.rounds) < 1 or args.rotate < 0:
+        parser.error("--batch and --rounds must be at least 1, --rotate at least 0")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this torch sees no CUDA device")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=200)
-    parser.add_argument("--arms", default="pair,both")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--out", default="out/interleaved")
-    args = parser.parse_args(argv)
+    args = parse(argv)
     torch.manual_seed(0)
-    loss = DualBranchPoseLoss().to(args.device)
-    batches = [make_batch(args.batch, seed=s, device=args.device) for s in range(4)]
-    arms = {"eager": loss, **{name: optimize(loss, passes=ARMS[name]()) for name in args.arms.split(",")}}
-    for fn in arms.values():
-        for b in batches:
-            step(fn, b)
-    names = list(arms)
+    work = (reference_workload if args.loss == "reference" else wild_workload)(args)
+    sync = device_sync(args.device)
+    rotation = [work.batch(seed) for seed in range(args.rotate)]
 
-    def sync() -> None:
-        if args.device.startswith("cuda"):
-            torch.cuda.synchronize()
+    def batch(r: int) -> Any:
+        return rotation[r % len(rotation)] if rotation else work.batch(10_000 + r)
 
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(args.rounds):
-        batch = batches[r % len(batches)]
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            sync()
-            start = time.perf_counter()
-            step(arms[name], batch)
-            sync()
-            times[name].append((time.perf_counter() - start) * 1e3)
-    result = {"command": "python bench/interleaved.py " + " ".join(argv or sys.argv[1:]),
-              "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu", "torch": torch.__version__, "batch": args.batch,
-              "rounds": args.rounds, "arms": {}}
-    for name in names:
-        ratios = [e / t for e, t in zip(times["eager"], times[name])]
-        result["arms"][name] = {"median_ms": statistics.median(times[name]),
-                                "median_ratio_vs_eager": statistics.median(ratios),
-                                "p10_ratio": statistics.quantiles(ratios, n=10)[0],
-                                "p90_ratio": statistics.quantiles(ratios, n=10)[-1],
-                                "native_calls": dict(getattr(arms[name], "stats", None).native)
-                                if name != "eager" else {}}
-        r = result["arms"][name]
-        print(f"{name:8} median {r['median_ms']:7.2f} ms  eager/arm per round: median {r['median_ratio_vs_eager']:.2f}"
-              f" (p10 {r['p10_ratio']:.2f}, p90 {r['p90_ratio']:.2f})")
+    names = ["eager", *args.arms.split(",")]
+    fns, first = {}, {}
+    for index, name in enumerate(names):  # first calls, each on a batch of its own
+        b = work.batch(5_000 + index)
+        sync()
+        start = time.perf_counter()
+        fns[name] = make_arm(name, work.loss)
+        work.step(fns[name], b)
+        sync()
+        first[name] = time.perf_counter() - start
+        print(f"{name}: first call {first[name]:.2f} s", flush=True)
+    arms = {name: (lambda b, fn=fn: work.step(fn, b)) for name, fn in fns.items()}
+    timings = interleave(arms, batch, args.rounds, baseline="eager", sync=sync, warmup=2,
+                         label="rounds")
+    result = {"command": "python bench/interleaved.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+              "torch": torch.__version__, "loss": args.loss, "batch": args.batch,
+              "image_size": args.image_size, "rounds": args.rounds, "rotate": args.rotate, "arms": {}}
+    print(f"\n| arm | median ms | × eager (p10–p90) | first call s | launches | syncs | GPU busy ms | fxpasses |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for name, timing in timings.items():
+        low, high = timing.ratio_spread()
+        row = {"median_ms": timing.median_ms, "ratio": timing.ratio, "p10_ratio": low,
+               "p90_ratio": high, "first_call_s": first[name],
+               **profile_step(work, fns[name], batch(args.rounds), args.device),
+               **fxpasses_counts(fns[name])}
+        result["arms"][name] = row
+        extra = ", ".join(f"{k} {v}" for k, v in row.items() if k in ("native_calls", "recordings",
+                                                                      "specializations", "abandoned") and v)
+        print(f"| {name} | {row['median_ms']:.2f} | {row['ratio']:.2f} ({low:.2f}–{high:.2f}) | "
+              f"{row['first_call_s']:.1f} | {row['launches']} | {row['syncs']} | "
+              f"{row['gpu_busy_ms']:.2f} | {extra} |")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "interleaved.json"), "w") as f:
-        json.dump(result, f, indent=1)
+        json.dump(result, f, indent=1, default=str)
     return 0
 
 

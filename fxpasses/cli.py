@@ -1,11 +1,14 @@
-"""The ``fxpasses`` command line: ``fxpasses explain`` (see ``fxpasses explain --help``).
+"""The ``fxpasses`` command line (also ``python -m fxpasses``): ``fxpasses demo``, ``fxpasses
+explain`` (see ``fxpasses explain --help``), ``fxpasses --version``.
 
 Subcommands register themselves in :data:`SUBCOMMANDS`: a function that adds its parser to the
 subparsers and sets ``run`` (``args -> exit code``) as its default. ``main(argv)`` parses, runs,
 and turns a :class:`CliError` into a one-line message and its exit code.
 
 A loss or input factory is named ``module:attr`` (``fxpasses.workloads.pose:DualBranchPoseLoss``)
-or ``path/to/file.py:attr`` (the file is imported by path; its directory is not put on sys.path).
+or ``path/to/file.py:attr`` (the file is imported by path). As ``python file.py`` and
+``python -m module`` would, the file's directory and the working directory are put on sys.path
+first, so the loss can import its siblings.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ import importlib
 import importlib.util
 import inspect
 import logging
+import platform
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Iterator
@@ -25,7 +30,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils import _pytree as pytree
 
-from .certificates.io import dumps, load, save
+from . import __version__
+from .certificates.io import certificates_of, dumps, load, save
 from .draw import RendererMissing, dot_text, find_dot, render
 from .log import enable, progress
 from .optimize import optimize
@@ -35,10 +41,11 @@ from .report import build_report, render_report
 EXIT_OK, EXIT_NOT_APPLIED, EXIT_USAGE, EXIT_LOAD = 0, 1, 2, 3
 EXIT_CODES = f"""exit codes:
   {EXIT_OK}  ok
-  {EXIT_NOT_APPLIED}  a --require-applied pass applied at no site (refused everywhere, or absent)
+  {EXIT_NOT_APPLIED}  no certificate of a --require-applied pass says applied (refused, or absent)
   {EXIT_USAGE}  usage error: bad option, unknown pass name, missing --inputs
-  {EXIT_LOAD}  the loss, its inputs or the report could not be loaded or run, or the renderer
-     for --svg/--png (Graphviz's dot) is missing"""
+  {EXIT_LOAD}  the loss, its inputs or the report could not be loaded or run (a report that
+     fails its schema or integrity checks included), or the renderer for --svg/--png
+     (Graphviz's dot) is missing"""
 
 
 class CliError(Exception):
@@ -77,14 +84,24 @@ def import_file(path: str | Path) -> ModuleType:
     return sys.modules[name]
 
 
+def _importable_from(*folders: str | Path) -> None:
+    """Put ``folders`` first on sys.path (in this order), once each."""
+    for folder in reversed([str(Path(f).resolve()) for f in folders]):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+
+
 def load_object(spec: str) -> Any:
-    """The object named ``module:attr`` or ``file.py:attr`` (``attr`` may be dotted)."""
+    """The object named ``module:attr`` or ``file.py:attr`` (``attr`` may be dotted); the
+    file's directory (for a file) and the working directory are put on sys.path first."""
     where, sep, attr = spec.rpartition(":")
     if not sep or not where or not attr:
         raise CliError(f"{spec!r} is not module:attr or file.py:attr", EXIT_USAGE)
     if where.endswith(".py"):
+        _importable_from(Path(where).parent, Path.cwd())
         module = import_file(where)
     else:
+        _importable_from(Path.cwd())
         module = importlib.import_module(where)
     obj: Any = module
     for part in attr.split("."):
@@ -186,7 +203,7 @@ def add_explain(subparsers: Any) -> None:
     p.add_argument("--specialization", type=int, default=0, metavar="I",
                    help="which specialization to draw (default 0)")
     p.add_argument("--require-applied", action="append", default=[], metavar="PASS",
-                   help="exit 1 unless PASS applied at some site (repeatable, or A,B)")
+                   help="exit 1 unless a certificate of PASS says applied (repeatable, or A,B)")
     p.set_defaults(run=run_explain)
 
 
@@ -247,22 +264,21 @@ def _normal(name: str) -> str:
 
 
 def not_applied(report: dict[str, Any], names: list[str]) -> dict[str, str]:
-    """For each pass name (class or pass name, any case) that applied nowhere: why, in words."""
+    """For each pass name (class or pass name, any case) that no certificate records as applied:
+    why, in words (the codes of its certificates, counted)."""
     applied: set[str] = set()
-    codes: dict[str, dict[str, int]] = {}
-    for special in report["specializations"]:
-        for name, counters in special["counters"].items():
-            if counters["applied"]:
-                applied.add(_normal(name))
-            seen = codes.setdefault(_normal(name), {})
-            for code, n in [*counters["refused"].items(), *counters["failed"].items()]:
-                seen[code] = seen.get(code, 0) + n
+    codes: dict[str, Counter] = {}
+    for cert in certificates_of(report):
+        key = _normal(cert.pass_name)
+        if cert.applied:
+            applied.add(key)
+        codes.setdefault(key, Counter()).update(cert.codes)
     pipeline = {_normal(p) for p in report["pipeline"]}
     out = {}
     for name in (n.strip() for arg in names for n in arg.split(",") if n.strip()):
         key = _normal(name)
         if key not in applied:
-            why = ", ".join(f"{code}: {n}" for code, n in codes.get(key, {}).items())
+            why = ", ".join(f"{code}: {n}" for code, n in codes.get(key, Counter()).items())
             out[name] = why or ("not in the pipeline" if key not in pipeline else "no site seen")
     return out
 
@@ -308,6 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="log progress (-v: INFO, -vv: DEBUG); or set FXPASSES_LOG")
+    parser.add_argument("--version", action="version",
+                        version=f"fxpasses {__version__} (torch {torch.__version__}, python "
+                                f"{platform.python_version()})")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in SUBCOMMANDS:
         add(subparsers)

@@ -1,28 +1,40 @@
-"""Whole-loss guards: cheap checks, on every call, that the loss is still the one optimized.
+"""Guards: every assumption a trace or a rewrite makes, from one table, checked before each call.
 
-:class:`LossState` is a snapshot of everything a rewrite relied on that a user can change between
-calls without touching the graph: hooks (per module and global), methods (replaced on an instance
-or on a class), train/eval mode. :func:`ambient_state` is the grad/autocast state of the call.
-Comparing a fresh snapshot with the recorded one is a tuple comparison; only when they differ is
-the difference classified into a reason code.
+An :class:`Assumption` is one thing that must still hold for an optimized graph to compute what
+the loss computes: a value the trace read (``loss.assign_o2m.topk`` is 10, ``loss.flow`` is that
+module, ``loss.hyp`` holds the same gains, ``loss.o2m`` is a float), or a fact about the whole
+loss (no hook registered since, no method replaced, no submodule swapped, train/eval modes, grad
+mode, autocast). Each has a *kind*, a row of :data:`GUARD_KINDS`: its reason code, its description,
+how its current value is read and compared. The same record is written into certificates
+(:meth:`Assumption.as_guard`) and checked at run time (:meth:`Assumption.holds`), as Dynamo's
+guards are (``torch/_dynamo/guards.py``): one table, a source per assumption, a cheap check.
+
+Values that steer control flow or shapes are guarded; a float read only as arithmetic is not a
+guard but an input, read on every call (kind ``float`` only checks it is still a float).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable
+import enum
+import types
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 from torch.nn.modules import module as module_mod
 
 from .certificates import Guard
+from .tracing.sources import Roots, Source
 
 _GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_pre_hooks",
                       "_global_backward_hooks", "_global_backward_pre_hooks")
 _MODULE_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
                       "_backward_pre_hooks")
+MISSING = object()  # what a source reads as when its attribute or key does not exist
 
+
+# -- facts about modules -------------------------------------------------------------------------
 
 def global_hook_keys() -> tuple:
     return tuple(tuple(getattr(module_mod, name, {})) for name in _GLOBAL_HOOK_DICTS)
@@ -66,58 +78,6 @@ def user_classes(objects: Iterable[object]) -> list[type]:
     return list(seen)
 
 
-@dataclass(frozen=True)
-class LossState:
-    """Hook keys, methods and modes of a loss's modules at one moment (see module docstring)."""
-
-    global_hooks: tuple
-    module_hooks: tuple
-    instance_methods: tuple
-    class_methods: tuple
-    modes: tuple
-    children: tuple
-
-    @classmethod
-    def of(cls, owner: object, modules: list[nn.Module], classes: list[type]) -> "LossState":
-        """The state now; ``classes`` is ``user_classes([owner, *modules])``, computed once."""
-        return cls(
-            global_hooks=global_hook_keys(),
-            module_hooks=tuple(module_hook_keys(m) for m in modules),
-            instance_methods=(_instance_methods(owner), *(_instance_methods(m) for m in modules)),
-            class_methods=tuple(_class_methods(c) for c in classes),
-            modes=tuple(m.training for m in modules),
-            children=tuple(tuple(map(id, m._modules.values())) for m in modules),
-        )
-
-    def difference(self, other: "LossState") -> str | None:
-        """The reason code for the first kind of change from ``self`` to ``other``, or None."""
-        if self == other:
-            return None
-        if self.global_hooks != other.global_hooks or self.module_hooks != other.module_hooks:
-            return "hook-added"
-        if self.instance_methods != other.instance_methods or self.class_methods != other.class_methods:
-            return "method-replaced"
-        if self.children != other.children:
-            return "module-replaced"
-        if self.modes != other.modes:
-            return "mode-changed"
-        return None
-
-    @staticmethod
-    def guards(n_modules: int) -> tuple[Guard, ...]:
-        """The certificate form of these guards."""
-        return (
-            Guard("no-new-hooks", "no module or global hook registered since optimization",
-                  "hook-added", {"modules": n_modules}),
-            Guard("methods-unchanged", "no method replaced on an instance or class since "
-                  "optimization", "method-replaced", {"modules": n_modules}),
-            Guard("modules-unchanged", "no submodule replaced by another object since "
-                  "optimization", "module-replaced", {"modules": n_modules}),
-            Guard("modes-unchanged", "train/eval mode of every module as at optimization",
-                  "mode-changed", {"modules": n_modules}),
-        )
-
-
 def _autocast(device_type: str) -> tuple[bool, str]:
     try:
         return (torch.is_autocast_enabled(device_type), str(torch.get_autocast_dtype(device_type)))
@@ -132,13 +92,166 @@ def ambient_state() -> tuple:
     return (torch.is_grad_enabled(), _autocast("cuda"), _autocast("cpu"))
 
 
-def ambient_difference(recorded: tuple, current: tuple) -> str | None:
-    if recorded == current:
-        return None
-    return "grad-mode-changed" if recorded[0] != current[0] else "autocast-changed"
+@dataclass
+class LossRoots(Roots):
+    """Roots of one call, plus the loss's modules and user classes (for whole-loss kinds)."""
+
+    modules: Sequence[nn.Module] = ()
+    classes: Sequence[type] = ()
+    _cache: dict = field(default_factory=dict)
+
+    def component(self, name: str) -> Any:
+        if name not in self._cache:
+            self._cache[name] = _COMPONENTS[name](self)
+        return self._cache[name]
 
 
-AMBIENT_GUARDS = (
-    Guard("grad-mode", "grad mode as at tracing", "grad-mode-changed"),
-    Guard("autocast", "autocast enabled/dtype (cuda and cpu) as at tracing", "autocast-changed"),
-)
+_COMPONENTS: dict[str, Callable[[LossRoots], Any]] = {
+    "hooks": lambda r: (global_hook_keys(), tuple(module_hook_keys(m) for m in r.modules)),
+    "methods": lambda r: ((_instance_methods(r.loss), *(_instance_methods(m) for m in r.modules)),
+                          tuple(_class_methods(c) for c in r.classes)),
+    "modules": lambda r: tuple(tuple(map(id, m._modules.values())) for m in r.modules),
+    "modes": lambda r: tuple(m.training for m in r.modules),
+    "grad-mode": lambda r: torch.is_grad_enabled(),
+    "autocast": lambda r: ambient_state()[1:],
+}
+
+
+# -- snapshots of containers -------------------------------------------------------------------
+
+_PLAIN = (bool, int, float, str, bytes, type(None), enum.Enum, torch.dtype, torch.device)
+
+
+def snapshot(value: Any, depth: int = 4) -> Any:
+    """A comparable copy of a container's contents: plain values by value, anything else
+    (tensors, modules, objects) by identity; dicts, lists, tuples, sets, namespaces and
+    dataclass instances recursively."""
+    if isinstance(value, _PLAIN):
+        return (type(value), value)
+    if depth <= 0:
+        return ("id", id(value))
+    if isinstance(value, dict):
+        return ("dict", tuple((k, snapshot(v, depth - 1)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(snapshot(v, depth - 1) for v in value))
+    if isinstance(value, (set, frozenset)):
+        return (type(value), frozenset(snapshot(v, depth - 1) for v in value))
+    if isinstance(value, types.SimpleNamespace):
+        return ("namespace", snapshot(vars(value), depth - 1))
+    if is_dataclass(value) and not isinstance(value, type):
+        return (type(value), tuple((f.name, snapshot(getattr(value, f.name), depth - 1))
+                                   for f in fields(value)))
+    return ("id", id(value))
+
+
+def is_container(value: Any) -> bool:
+    return isinstance(value, (dict, list, tuple, set, frozenset, types.SimpleNamespace)) or (
+        is_dataclass(value) and not isinstance(value, type))
+
+
+# -- the table -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GuardKind:
+    """One row: the code counted when it fails, its description, how it compares."""
+
+    name: str
+    code: str
+    description: str  # "{source}" and "{value}" are filled in
+    same: Callable[[Any, Any], bool]  # (value now, value recorded) -> still holds
+
+
+def _same_constant(now: Any, expected: Any) -> bool:
+    return type(now) is type(expected) and bool(now == expected)
+
+
+def _same_tensor(now: Any, expected: Any) -> bool:
+    return isinstance(now, torch.Tensor) and (now.dtype, now.device.type, now.dim()) == expected
+
+
+GUARD_KINDS: dict[str, GuardKind] = {k.name: k for k in (
+    GuardKind("constant", "assumption-changed", "{source} is {value}", _same_constant),
+    GuardKind("identity", "assumption-changed", "{source} is the same object ({value})",
+              lambda now, expected: now is expected),
+    GuardKind("contents", "assumption-changed", "{source} holds the same contents ({value})",
+              lambda now, expected: snapshot(now) == expected),
+    GuardKind("tensor", "assumption-changed",
+              "{source} is a tensor of {value}, read on every call", _same_tensor),
+    GuardKind("float", "assumption-changed",
+              "{source} is a float, read on every call (an input, not a constant)",
+              lambda now, expected: type(now) is float),
+    GuardKind("absent", "assumption-changed", "{source} does not exist",
+              lambda now, expected: now is MISSING),
+    GuardKind("hooks", "hook-added", "no module or global hook registered since optimization",
+              lambda now, expected: now == expected),
+    GuardKind("methods", "method-replaced",
+              "no method replaced on an instance or class since optimization",
+              lambda now, expected: now == expected),
+    GuardKind("modules", "module-replaced",
+              "no submodule replaced by another object since optimization",
+              lambda now, expected: now == expected),
+    GuardKind("modes", "mode-changed", "train/eval mode of every module as at optimization",
+              lambda now, expected: now == expected),
+    GuardKind("grad-mode", "grad-mode-changed", "grad mode as at tracing",
+              lambda now, expected: now == expected),
+    GuardKind("autocast", "autocast-changed", "autocast enabled/dtype (cuda and cpu) as at tracing",
+              lambda now, expected: now == expected),
+)}
+
+
+@dataclass(frozen=True)
+class Assumption:
+    """One assumption: its kind, what it reads (a source, or a whole-loss component), the value
+    recorded, where the trace made it, and that value as text for certificates."""
+
+    kind: str
+    source: Source | None
+    expected: Any = field(compare=False)
+    location: str = ""
+    shown: str = ""
+
+    def now(self, roots: LossRoots) -> Any:
+        if self.source is None:
+            return roots.component(self.kind)
+        try:
+            return self.source.read(roots)
+        except (AttributeError, KeyError, IndexError, TypeError, ValueError):
+            return MISSING
+
+    def holds(self, roots: LossRoots) -> bool:
+        return GUARD_KINDS[self.kind].same(self.now(roots), self.expected)
+
+    @property
+    def code(self) -> str:
+        return GUARD_KINDS[self.kind].code
+
+    def describe(self) -> str:
+        return GUARD_KINDS[self.kind].description.format(source=self.source, value=self.shown)
+
+    def as_guard(self) -> Guard:
+        where = str(self.source) if self.source is not None else "the whole loss"
+        evidence = {"kind": self.kind, "reads": where}
+        if self.location:
+            evidence["location"] = self.location
+        if self.shown:
+            evidence["value"] = self.shown
+        return Guard(f"{self.kind}:{where}", self.describe(), self.code, evidence)
+
+
+def whole_loss_assumptions(roots: LossRoots) -> tuple[Assumption, ...]:
+    """The whole-loss kinds, recorded now (at optimization)."""
+    return tuple(Assumption(kind, None, roots.component(kind), shown=_summary(kind, roots))
+                 for kind in _COMPONENTS)
+
+
+def _summary(kind: str, roots: LossRoots) -> str:
+    if kind == "grad-mode":
+        return str(roots.component(kind))
+    if kind == "autocast":
+        return repr(roots.component(kind))
+    return f"{len(roots.modules)} modules"
+
+
+def first_failure(assumptions: Iterable[Assumption], roots: LossRoots) -> Assumption | None:
+    """The first assumption that no longer holds, or None."""
+    return next((a for a in assumptions if not a.holds(roots)), None)

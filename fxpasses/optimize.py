@@ -2,73 +2,82 @@
 
 Each call of an OptimizedLoss:
 
-1. checks the whole-loss guards (:mod:`fxpasses.guards`: hooks, methods, modules, modes) and grad
-   mode; a failure sends the call to the native loss;
-2. finds the *specialization* for the call's input structure and the loss's scalar attributes
-   (``alpha``, gains...): a traced, annotated and rewritten graph with its certificates. A new
-   structure is traced on the spot (bounded by ``max_specializations``); a trace failure is a
-   refusal certificate and the call runs natively;
-3. checks the ambient state recorded by that specialization (autocast);
-4. runs the rewritten graph. Any exception inside it is recorded (type, message, node), the
-   specialization is disabled, and the call is recomputed natively.
+1. checks grad mode and the whole-loss assumptions recorded at optimization (:mod:`fxpasses.guards`:
+   hooks, methods, submodules, modes); a failure sends the call to the native loss;
+2. finds a *specialization* whose input signature matches the call and whose assumptions hold
+   (every value its trace read from the loss's state: ``loss.assign_o2m.topk``, the dict of
+   gains, the flow's identity...). None holds: the loss is traced again on this call, within
+   ``max_specializations`` (the assumption that failed is counted as the reason); a trace that
+   fails is a refusal certificate and calls of that structure run natively;
+3. runs the rewritten graph. A guard node that fails (a data-dependent decision went the other
+   way) abandons the call: it runs natively, counted by the guard's line; the second call since
+   the last trace that every specialization abandons is traced instead (its decisions get a
+   specialization of their own, within ``max_specializations``). Any other exception is recorded (type, message,
+   node), the specialization is disabled, and the call is recomputed natively.
 
 "Native" is always the same thing: calling the original ``loss_fn`` with the original arguments.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
+import inspect
 import os
-import time
-from dataclasses import dataclass, field
+import sys
+import threading
+from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode
 
-from .analysis.meta import annotate
-from .certificates import Certificate, Check, Site
+from .certificates import Certificate
+from .certificates.codes import note
 from .certificates.io import save
-from .guards import AMBIENT_GUARDS, LossState, ambient_difference, ambient_state, user_classes
+from .guards import Assumption, LossRoots, first_failure, user_classes, whole_loss_assumptions
+from .isolation import isolated
 from .log import logger
-from .pipeline import Pass, PipelineRun, run_pipeline
+from .pipeline import Pass
 from .report import build_report, render_report
-from .runtime import runtime_sites
-from .signature import CallSignature, flatten_call
-from .stats import RecordedException, RunStats, failing_node
-from .trace import LeafPolicy, TraceFailure, node_location, trace
+from .runtime import runtime_ops
+from .runtime.abandon import Abandon
+from .signature import flatten_call
+from .specialize import Specialization, build
+from .stats import RecordedException, RunStats
+from .trace import LeafPolicy
 
-_SCALARS = (bool, int, float, str, type(None))
-
-
-def scalar_attributes(obj: object) -> tuple:
-    """Public scalar attributes of the loss object (baked into a trace, so part of its key)."""
-    return tuple(sorted((k, v) for k, v in vars(obj).items()
-                        if isinstance(v, _SCALARS) and not k.startswith("_") and k != "training"))
+_RETRACE_AFTER = 2  # the 2nd call since the last trace that every trace abandons is traced
+_ABANDONED = object()
+_WHOLE_LOSS_KINDS = ("hooks", "methods", "modules", "modes")
 
 
-@dataclass
-class Specialization:
-    """One trace of the loss for one input structure, with its rewritten graph."""
-
-    index: int
-    signature: CallSignature | None
-    attributes: tuple
-    ambient: tuple
-    graph_module: fx.GraphModule | None = None
-    run: PipelineRun | None = None
-    certificates: list[Certificate] = field(default_factory=list)
-    disabled: str | None = None  # a reason code once this specialization must not run
-    seconds: dict[str, float] = field(default_factory=dict)
-    failed_key: Any = None  # (spec, attributes) of a call whose trace failed
-
-    def matches(self, leaves: list[Any], spec: Any, attributes: tuple) -> bool:
-        if self.signature is None:
-            return self.failed_key == (spec, attributes)
-        return attributes == self.attributes and self.signature.matches(leaves, spec)
+def _modules_of(loss_fn: Any) -> list[nn.Module]:
+    """The modules a loss holds: its own, or those of the objects, globals and closure it holds."""
+    if isinstance(loss_fn, nn.Module):
+        return list(loss_fn.modules())
+    holders: list[Any] = []
+    if inspect.ismethod(loss_fn):
+        holders.append(loss_fn.__self__)
+        loss_fn = loss_fn.__func__
+    if inspect.isfunction(loss_fn):
+        code = loss_fn.__code__
+        holders += [loss_fn.__globals__[n] for n in code.co_names if n in loss_fn.__globals__]
+        for cell in loss_fn.__closure__ or ():
+            try:
+                holders.append(cell.cell_contents)
+            except ValueError:
+                continue
+    else:
+        holders.append(loss_fn)
+    found: dict[int, nn.Module] = {}
+    for holder in holders:
+        values = [holder] if isinstance(holder, nn.Module) else list(getattr(holder, "__dict__", {}).values())
+        for value in values:
+            if isinstance(value, nn.Module):
+                found.update({id(m): m for m in value.modules()})
+    return list(found.values())
 
 
 class OptimizedLoss(nn.Module):
@@ -82,114 +91,153 @@ class OptimizedLoss(nn.Module):
                  max_specializations: int):
         super().__init__()
         object.__setattr__(self, "_loss", loss_fn)
+        modules = _modules_of(loss_fn)
         if isinstance(loss_fn, nn.Module):
             self._parameters = loss_fn._parameters
             self._buffers = loss_fn._buffers
             self._modules = loss_fn._modules
-            modules = list(loss_fn.modules())
             self.training = loss_fn.training
         else:
-            for name, value in vars(loss_fn).items():
+            for name, value in getattr(loss_fn, "__dict__", {}).items():
                 if isinstance(value, nn.Module):
                     self._modules[name] = value
-            modules = [m for child in self._modules.values() for m in child.modules()]
         self._passes = tuple(passes)
         self._policy = policy
         self._max_specializations = max_specializations
         self._guarded_modules = modules
         self._classes = user_classes([loss_fn, *modules])
-        self._state = LossState.of(loss_fn, modules, self._classes)
+        self._whole = self._whole_loss()
         self._specializations: list[Specialization] = []
         self._stats = RunStats()
         self._current: Specialization | None = None
+        self._tracing = threading.Lock()
+        self._refusal = "specialization-budget"  # why the last specialization was not made
+        self._abandoned_since_trace = 0  # calls that every matching trace abandoned
+        self._abandon_code = "guard-failed"
+
+    def _whole_loss(self) -> tuple[Assumption, ...]:
+        roots = LossRoots(self._loss, (), self._guarded_modules, self._classes)
+        return tuple(a for a in whole_loss_assumptions(roots) if a.kind in _WHOLE_LOSS_KINDS)
+
+    # -- pickling: the loss and the options travel; optimization happens again after loading ---
+    def __getstate__(self) -> dict[str, Any]:
+        return {"loss": self._loss, "passes": self._passes, "policy": self._policy,
+                "max_specializations": self._max_specializations}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        OptimizedLoss.__init__(self, state["loss"], state["passes"], state["policy"],
+                               state["max_specializations"])
 
     # -- the call ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        reason = self._state.difference(LossState.of(self._loss, self._guarded_modules, self._classes))
-        if reason is None and not torch.is_grad_enabled():
-            reason = "grad-mode-changed"
-        if reason is not None:
-            return self._native(args, kwargs, reason)
+        if not torch.is_grad_enabled():
+            return self._native(args, kwargs, "grad-mode-changed")
         leaves, spec = flatten_call(args, kwargs)
-        attributes = scalar_attributes(self._loss)
-        special = self._find(leaves, spec, attributes)
-        if special is None:
+        failed = first_failure(self._whole, LossRoots(self._loss, leaves, self._guarded_modules,
+                                                      self._classes))
+        if failed is not None:
+            return self._native(args, kwargs, failed.code)
+        candidates = self._candidates(leaves, spec)
+        if not candidates:
+            special = self._specialize(args, kwargs)
+            if special is None:
+                return self._native(args, kwargs, self._refusal)
+            candidates = [special]
+        result = self._first_result(candidates, args, kwargs, leaves)
+        if result is not _ABANDONED:
+            return result
+        self._abandoned_since_trace += 1  # every trace's decisions failed on this call
+        if self._abandoned_since_trace >= _RETRACE_AFTER:  # this call's path gets its own trace
+            special = self._specialize(args, kwargs)
+            if special is not None:
+                result = self._first_result([special], args, kwargs, leaves)
+                if result is not _ABANDONED:
+                    return result
+        return self._native(args, kwargs, self._abandon_code)
+
+    def _first_result(self, candidates: list[Specialization], args: tuple, kwargs: dict,
+                      leaves: list[Any]) -> Any:
+        """The result of the first candidate (most recently useful first) that does not
+        abandon the call; a disabled one answers natively with its reason."""
+        for special in candidates:
+            self._current = special
+            if special.disabled is not None:
+                return self._native(args, kwargs, special.disabled)
+            result = self._run(special, args, kwargs, leaves)
+            if result is not _ABANDONED:
+                return result
+        return _ABANDONED
+
+    def _candidates(self, leaves: list[Any], spec: Any) -> list[Specialization]:
+        """The specializations that cover the call and whose assumptions hold, most recently
+        useful first; when none does, the first failed assumption is counted."""
+        found, failed = [], None
+        for special in self._specializations:
+            if not special.covers(leaves, spec):
+                continue
+            bad = special.failing(self._loss, leaves) if special.disabled is None else None
+            if bad is None:
+                found.append(special)
+            else:
+                failed = failed or bad
+        if not found and failed is not None:
+            self._stats.retraced[f"{failed.source} ({failed.location})"] += 1
+            note(failed.code)
+        return found
+
+    def _specialize(self, args: tuple, kwargs: dict) -> Specialization | None:
+        if not self._tracing.acquire(blocking=False):  # another thread is optimizing
+            self._refusal = "concurrent-call"
+            return None
+        if sys.getprofile() is not None:  # the trace's profile hook would displace it
+            self._tracing.release()
+            self._refusal = "profiler-active"
+            return None
+        try:
             if len(self._specializations) >= self._max_specializations:
-                return self._native(args, kwargs, "specialization-budget")
-            special = self._specialize(args, kwargs, spec, attributes)
-        self._current = special
-        if special.disabled is not None:
-            return self._native(args, kwargs, special.disabled)
-        reason = ambient_difference(special.ambient, ambient_state())
-        if reason is not None:
-            return self._native(args, kwargs, reason)
+                self._refusal = "specialization-budget"
+                return None
+            with isolated():
+                special = build(self._loss, args, kwargs, len(self._specializations),
+                                self._passes, self._policy)
+            self._specializations.insert(0, special)
+            self._abandoned_since_trace = 0
+            return special
+        finally:
+            self._tracing.release()
+
+    def _run(self, special: Specialization, args: tuple, kwargs: dict, leaves: list[Any]) -> Any:
         gm = special.graph_module
         try:
-            flat = gm(*special.signature.tensors(leaves))
+            with torch.set_grad_enabled(True):  # restored on every exit, KeyboardInterrupt included
+                flat = gm.forward(*special.signature.inputs(leaves))  # keeps the traceback
+        except Abandon as stop:  # a decision of this trace goes the other way in this call
+            special.abandoned[stop.where] += 1
+            self._stats.abandoned[f"{stop.code} at {stop.where}"] += 1
+            self._abandon_code = stop.code
+            return _ABANDONED
         except Exception as exc:  # never lose the training step
-            torch._C._set_grad_enabled(True)  # the graph may have raised inside a no_grad block
-            self._stats.exceptions.append(RecordedException(
-                type(exc).__name__, str(exc)[:500], failing_node(gm, exc), special.index))
+            self._stats.exceptions.append(RecordedException.of(exc, gm, special.index))
             special.disabled = "optimized-path-raised"
             return self._native(args, kwargs, "optimized-path-raised")
         self._stats.optimized += 1
-        return special.signature.unflatten_output(flat)
+        if self._specializations[0] is not special:  # most recently useful first
+            self._specializations.remove(special)
+            self._specializations.insert(0, special)
+        return special.info.unflatten_output(flat)
 
     def _native(self, args: tuple, kwargs: dict, reason: str) -> Any:
         self._stats.native[reason] += 1
+        note(reason)
         if self._stats.native[reason] == 1:
             logger.warning("native call: %s (counted in .stats; later ones are not logged)", reason)
         return self._loss(*args, **kwargs)
 
-    def _find(self, leaves: list[Any], spec: Any, attributes: tuple) -> Specialization | None:
-        for special in self._specializations:
-            if special.matches(leaves, spec, attributes):
-                return special
-        return None
-
-    def _specialize(self, args: tuple, kwargs: dict, spec: Any, attributes: tuple) -> Specialization:
-        special = Specialization(len(self._specializations), None, attributes, ambient_state())
-        self._specializations.append(special)
-        with _dispatch_modes_restored(), _autocast_cache_off():
-            self._build(special, args, kwargs, spec, attributes)
-        return special
-
-    def _build(self, special: Specialization, args: tuple, kwargs: dict, spec: Any,
-               attributes: tuple) -> None:
-        """Trace, annotate and run the pipeline into ``special`` (a failure is recorded on it)."""
-        start = time.perf_counter()
-        try:
-            gm = trace(self._loss, args, kwargs, policy=self._policy)
-        except TraceFailure as failure:
-            special.failed_key = (spec, attributes)
-            special.certificates.append(failure.certificate)
-            special.disabled = failure.certificate.codes[0]
-            logger.warning("%s", failure.certificate.message)
-            return
-        special.seconds["trace"] = time.perf_counter() - start
-        info = gm.meta["fxpasses"]
-        special.signature = info.signature
-        start = time.perf_counter()
-        leaves, _ = flatten_call(args, kwargs)
-        tensors = info.signature.tensors(leaves)
-        failures = annotate(gm, tensors)
-        if failures:  # passes refuse, or keep eager, what has no metadata
-            special.certificates.append(_metadata_failure(*failures[0], len(failures)))
-        special.seconds["annotate"] = time.perf_counter() - start
-        start = time.perf_counter()
-        special.run = run_pipeline(gm, self._passes, tensors)
-        special.seconds["pipeline"] = time.perf_counter() - start
-        special.graph_module = special.run.graph_module
-        special.certificates.extend(special.run.certificates)
-        logger.info("specialization %d of %s: %d certificate(s), %s", special.index,
-                    type(self._loss).__name__, len(special.certificates),
-                    ", ".join(f"{k} {v:.2f} s" for k, v in special.seconds.items()))
-
     # -- what happened ----------------------------------------------------------------------
     @property
     def certificates(self) -> list[Certificate]:
-        """Every certificate of every specialization, in order."""
-        return [c for s in self._specializations for c in s.certificates]
+        """Every certificate of every specialization, in the order they were made."""
+        return [c for s in self.specializations for c in s.certificates]
 
     @property
     def graph_module(self) -> fx.GraphModule | None:
@@ -198,28 +246,32 @@ class OptimizedLoss(nn.Module):
 
     @property
     def specializations(self) -> list[Specialization]:
-        return list(self._specializations)
+        """Every specialization, in the order they were made."""
+        return sorted(self._specializations, key=lambda s: s.index)
 
     @property
     def stats(self) -> RunStats:
-        """Calls by path and reason, with the per-site counters of every specialization."""
-        for special in self._specializations:
-            if special.graph_module is None:
-                continue
-            for site in runtime_sites(special.graph_module):
-                self._stats.sites[f"{special.index}:{site.site_id}"] = dict(site.counters)
-        return self._stats
+        """A snapshot: calls by path and reason, with the run-time ops' counters of every
+        specialization (keyed ``index:op``; ops that counted nothing are left out)."""
+        sites = {f"{special.index}:{op.op_id}": dict(op.counters)
+                 for special in self.specializations if special.graph_module is not None
+                 for op in runtime_ops(special.graph_module) if op.counters}
+        return dataclasses.replace(self._stats, native=Counter(self._stats.native),
+                                   abandoned=Counter(self._stats.abandoned),
+                                   retraced=Counter(self._stats.retraced),
+                                   exceptions=list(self._stats.exceptions), sites=sites)
 
     @property
     def passes(self) -> tuple[Pass, ...]:
         return self._passes
 
     def guards(self) -> tuple:
-        return LossState.guards(len(self._guarded_modules)) + AMBIENT_GUARDS
+        """The whole-loss guards (each specialization's own are in its trace certificate)."""
+        return tuple(a.as_guard() for a in self._whole)
 
     def reoptimize(self) -> None:
         """Accept the loss's current hooks, methods and modes; drop every specialization."""
-        self._state = LossState.of(self._loss, self._guarded_modules, self._classes)
+        self._whole = self._whole_loss()
         self._specializations.clear()
         self._current = None
 
@@ -238,45 +290,10 @@ class OptimizedLoss(nn.Module):
         return save(build_report(self), path)
 
 
-@contextlib.contextmanager
-def _dispatch_modes_restored() -> Iterator[None]:
-    """Tracing tools (fake tensors, make_fx) push dispatch modes; none may outlive optimization."""
-    depth = len(_get_current_dispatch_mode_stack())
-    try:
-        yield
-    finally:
-        leaked = len(_get_current_dispatch_mode_stack()) - depth
-        for _ in range(max(leaked, 0)):
-            _pop_mode()
-        if leaked > 0:
-            logger.warning("popped %d dispatch mode(s) left active by tracing", leaked)
-
-
-def _autocast_cache_off() -> contextlib.ExitStack:
-    """Keep autocast as it is but stop its weight-cast cache while tracing and analysing.
-
-    Under autocast, a parameter cast during fake-tensor propagation would be cached as a fake
-    tensor and then served to the real forward that follows in the same autocast region.
-    """
-    stack = contextlib.ExitStack()
-    for device_type in ("cuda", "cpu"):
-        if torch.is_autocast_enabled(device_type):
-            stack.enter_context(torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type),
-                                               cache_enabled=False))
-    return stack
-
-
-def _metadata_failure(node: fx.Node, exc: Exception, count: int) -> Certificate:
-    check = Check("fake-tensor-propagation", False, {
-        "node": node.name, "location": node_location(node), "exception": type(exc).__name__,
-        "message": str(exc)[:500], "failed_nodes": count, "tool": "FakeTensorProp"}, "metadata-failed")
-    return Certificate("annotate", Site((node.name,), (node_location(node),), "shape propagation"),
-                       "failed", (check,), ("metadata-failed",),
-                       message=f"no shapes from node {node.name} on: {type(exc).__name__}: "
-                               f"{str(exc).splitlines()[0][:200]}")
-
-
 def _validate(loss_fn: Any, passes: Sequence[Any]) -> tuple[Pass, ...]:
+    if isinstance(loss_fn, type):
+        raise TypeError(f"optimize() needs a loss instance, got the class {loss_fn.__name__}: "
+                        f"optimize({loss_fn.__name__}(...))")
     if not callable(loss_fn):
         raise TypeError(f"optimize() needs a callable loss, got {type(loss_fn).__name__}: {loss_fn!r}")
     if isinstance(passes, (str, bytes)) or not hasattr(passes, "__iter__"):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import hashlib
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -27,8 +26,10 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 import torch.fx as fx
 
-from .analysis.meta import annotate
+from .analysis.meta import annotate, annotate_new
 from .certificates import Certificate, Check, Site, pass_counters
+from .certificates.digest import code_fingerprint
+from .locations import node_location
 from .log import logger
 
 
@@ -80,7 +81,7 @@ class PipelineRun:
 
 
 def fingerprint(gm: fx.GraphModule) -> str:
-    return hashlib.sha256(gm.graph.python_code("self").src.encode()).hexdigest()[:16]
+    return code_fingerprint(gm.graph.python_code("self").src)
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -95,7 +96,8 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _snapshot(step: str, gm: fx.GraphModule, modified: bool, seconds: float = 0.0) -> Snapshot:
-    return Snapshot(step, fingerprint(gm), gm.code, modified, seconds)
+    code = gm.graph.python_code("self").src  # what the fingerprint hashes, so one checks the other
+    return Snapshot(step, code_fingerprint(code), code, modified, seconds)
 
 
 def _failure(pass_name: str, code: str, exc: BaseException | None, detail: dict,
@@ -111,6 +113,25 @@ def _failure(pass_name: str, code: str, exc: BaseException | None, detail: dict,
                        graph_fingerprint=fingerprint)
 
 
+def _metadata_failure(failures: list[tuple[fx.Node, Exception]], fingerprint: str) -> Certificate:
+    node, exc = failures[0]
+    check = Check("fake-tensor-propagation", False, {
+        "node": node.name, "statement": node.format_node(), "location": node_location(node),
+        "exception": type(exc).__name__, "message": str(exc)[:500], "failed_nodes": len(failures),
+        "tool": "FakeTensorProp"}, "metadata-failed")
+    return Certificate("annotate", Site((node.name,), (node_location(node),), "shape propagation"),
+                       "failed", (check,), ("metadata-failed",),
+                       message=f"no shapes from node {node.name} on: {type(exc).__name__}: "
+                               f"{str(exc).splitlines()[0][:200] if str(exc) else ''}",
+                       graph_fingerprint=fingerprint)
+
+
+def _no_site(pass_name: str) -> Certificate:
+    """What a pass that left the graph alone and reported no site is certified with."""
+    return Certificate.from_checks(pass_name, Site((), (), "the whole graph"), [
+        Check("sites-found", False, {"sites": 0}, "no-site")])
+
+
 def _unannotated(gm: fx.GraphModule) -> set[str]:
     return {n.name for n in gm.graph.nodes if "val" not in n.meta and n.op != "output"}
 
@@ -119,13 +140,19 @@ def run_pipeline(gm: fx.GraphModule, passes: Sequence[Pass],
                  example_tensors: Sequence[torch.Tensor] | None = None) -> PipelineRun:
     """Run ``passes`` in order over ``gm`` (see the module docstring).
 
-    With ``example_tensors``, node metadata is propagated again after each modifying pass, so the
-    next pass sees shapes for the nodes the previous one created; a graph that cannot be
-    propagated fails like one that fails lint.
+    With ``example_tensors``, the pipeline owns node metadata: it annotates the traced graph first
+    (nodes it cannot propagate get an ``annotate`` certificate, ``metadata-failed``; passes treat
+    them conservatively) and again after each modifying pass, so the next pass sees shapes for the
+    nodes the previous one created; a pass after which propagation fails at new nodes fails with
+    ``metadata-failed`` and its graph is discarded.
     """
     snapshots = [_snapshot("traced", gm, False)]
     certificates: list[Certificate] = []
     current = gm
+    if example_tensors is not None:
+        failures = annotate(gm, example_tensors)
+        if failures:
+            certificates.append(_metadata_failure(failures, snapshots[0].fingerprint))
     for p in passes:
         before = snapshots[-1].fingerprint
         start = time.perf_counter()
@@ -137,14 +164,18 @@ def run_pipeline(gm: fx.GraphModule, passes: Sequence[Pass],
         try:
             result.graph_module.graph.lint()
             result.graph_module.recompile()
-            if example_tensors is not None and result.modified:
-                failures = annotate(result.graph_module, example_tensors)
-                new_failures = {n.name for n, _ in failures} - _unannotated(current)
-                if new_failures:
-                    raise RuntimeError(f"shape propagation fails after the pass at {sorted(new_failures)}")
         except Exception as exc:
             certificates.append(_failure(p.name, "lint-failed", exc, {}, before))
             continue
+        if example_tensors is not None and result.modified:
+            failures = annotate_new(result.graph_module)
+            new = [(n, e) for n, e in failures if n.name not in _unannotated(current)]
+            if new:
+                node, exc = new[0]
+                certificates.append(_failure(p.name, "metadata-failed", exc, {
+                    "node": node.name, "statement": node.format_node(), "failed_nodes": len(new),
+                    "location": node_location(node)}, before))
+                continue
         after = fingerprint(result.graph_module)
         if (after != before) != bool(result.modified):
             certificates.append(_failure(p.name, "fingerprint-mismatch", None, {
@@ -153,8 +184,8 @@ def run_pipeline(gm: fx.GraphModule, passes: Sequence[Pass],
                 "message": f"pass said modified={result.modified}, fingerprint "
                            f"{'changed' if after != before else 'unchanged'}"}, before))
             continue
-        certificates.extend(dataclasses.replace(c, graph_fingerprint=before)
-                            for c in result.certificates)
+        found = list(result.certificates) or ([] if result.modified else [_no_site(p.name)])
+        certificates.extend(dataclasses.replace(c, graph_fingerprint=before) for c in found)
         logger.debug("pass %s: modified=%s, %d certificate(s), %.3f s", p.name, result.modified,
                      len(result.certificates), time.perf_counter() - start)
         current = result.graph_module

@@ -3,7 +3,8 @@
 ``build_report(opt)`` gathers what a user asks after ``optimize()``: the pipeline, the versions,
 every specialization (its certificates, per-pass counters, graph snapshots with fingerprint and
 code, the before/after diff) and the run-time counters (optimized vs native calls by reason code,
-per-site counters such as paired calls, replays and recordings). It is exactly what
+per-site counters such as paired calls, replays and recordings), sealed by a digest of its content
+(:mod:`fxpasses.certificates.digest`). It is exactly what
 ``OptimizedLoss.save_certificates`` writes (:mod:`fxpasses.certificates.io`). ``render_report``
 turns that data into the text that ``explain()`` and ``fxpasses explain`` print, so a saved report
 and a live loss explain themselves identically.
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .certificates import Certificate, SCHEMA_VERSION, pass_counters, render_certificate
+from .certificates.digest import content_digest
 from .certificates.io import REPORT_SCHEMA
 from .certificates.model import _as_evidence, _to_json_data
 
@@ -45,7 +47,7 @@ def build_report(opt: "OptimizedLoss") -> dict[str, Any]:
     """The JSON data of ``opt``'s report (schema ``REPORT_SCHEMA``); see the module docstring."""
     from . import __version__  # here, not at the top: fxpasses/__init__ imports this module
 
-    return {
+    report = {
         "report_schema": REPORT_SCHEMA,
         "certificate_schema": SCHEMA_VERSION,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -57,6 +59,8 @@ def build_report(opt: "OptimizedLoss") -> dict[str, Any]:
         "specializations": [_specialization(s) for s in opt.specializations],
         "stats": opt.stats.as_dict(),
     }
+    report["digest"] = content_digest(report)
+    return report
 
 
 def _render_runtime(report: dict[str, Any]) -> list[str]:
@@ -64,11 +68,17 @@ def _render_runtime(report: dict[str, Any]) -> list[str]:
     native = ", ".join(f"{k}: {v}" for k, v in stats["native"].items()) or "none"
     lines = [f"calls: {stats['calls']}  optimized: {stats['optimized']}  "
              f"native: {sum(stats['native'].values())} ({native})"]
+    for where, n in stats.get("abandoned", {}).items():
+        lines.append(f"  abandoned (ran natively): {where}: {n}")
+    for what, n in stats.get("retraced", {}).items():
+        lines.append(f"  traced again, an assumption changed: {what}: {n}")
     for site, counters in stats["sites"].items():
         counts = ", ".join(f"{k}: {v}" for k, v in sorted(counters.items()))
         lines.append(f"  site {site}: {counts}")
     for exc in stats["exceptions"]:
         lines.append(f"  exception at node {exc['node']}: {exc['type']}: {exc['message']}")
+        if exc.get("statement"):
+            lines.append(f"    while executing {exc['statement']} ({exc.get('location') or 'no source line'})")
     lines.append("whole-loss guards (else native): " + ", ".join(
         f"{g['id']} [{g['code']}]" for g in report["guards"]))
     return lines

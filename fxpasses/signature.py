@@ -1,20 +1,24 @@
-"""How one call's structured inputs map onto a traced graph's flat tensor placeholders.
+"""How one call's structured inputs map onto a traced graph's inputs.
 
-A loss takes arbitrary pytrees (dataclasses, NamedTuples, dicts, floats, None). The traced graph
-takes only the tensor leaves, in ``torch.utils._pytree`` flattening order; the other leaves are
-constants baked in at tracing. A :class:`CallSignature` records that split, and the output tree,
-so that a call can be matched to its trace, flattened into graph inputs, and its graph outputs
-rebuilt into the loss's own output structure.
+A loss takes arbitrary pytrees (dataclasses, NamedTuples, dicts, floats, None, config objects).
+The traced graph takes, in ``torch.utils._pytree`` flattening order, the leaves that vary from call
+to call as *inputs*: tensors, floats (read as arithmetic: an input, not a constant) and objects
+(their attributes are read through them on each call). The other leaves — ints, bools, strings,
+None, dtypes — are constants of the trace, matched by equality. A :class:`CallSignature` records
+that split, so a call can be matched to its trace and flattened into graph inputs.
 """
 
 from __future__ import annotations
 
+import enum
 import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
+
+_CONSTANTS = (bool, int, str, bytes, type(None), enum.Enum, torch.dtype, torch.device)
 
 
 def flatten_call(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
@@ -44,61 +48,71 @@ def _leaf_names(args: tuple, kwargs: dict, arg_names: tuple[str, ...]) -> list[s
     return names
 
 
-@dataclass
+def leaf_kind(leaf: Any) -> Any:
+    """What a call must match at an input position: a tensor's dtype, device type and rank;
+    ``float``; an object's type. Constants return None (they match by equality)."""
+    if isinstance(leaf, torch.Tensor):
+        return ("tensor", leaf.dtype, leaf.device.type, leaf.dim())
+    if type(leaf) is float:
+        return ("float",)
+    if isinstance(leaf, _CONSTANTS):
+        return None
+    return ("object", type(leaf))
+
+
+@dataclass(frozen=True)
 class CallSignature:
-    """The input split (tensor placeholders vs baked constants) and output tree of one trace."""
+    """The input split (graph inputs vs constants) of one trace; see the module docstring."""
 
     in_spec: Any
-    tensor_slots: tuple[int, ...]
+    input_slots: tuple[int, ...]
+    input_kinds: tuple[Any, ...]
     constants: tuple[tuple[int, Any], ...]
     placeholder_names: tuple[str, ...]
-    tensor_kinds: tuple[tuple[torch.dtype, str], ...] = ()  # dtype and device type per tensor
-    out_spec: Any = None
 
     @classmethod
     def of_call(cls, args: tuple, kwargs: dict, arg_names: tuple[str, ...] = ()) -> "CallSignature":
         leaves, spec = flatten_call(args, kwargs)
         names = _leaf_names(args, kwargs, arg_names)
-        slots = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
-        consts = tuple((i, leaf) for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor))
+        kinds = [leaf_kind(leaf) for leaf in leaves]
+        slots = tuple(i for i, k in enumerate(kinds) if k is not None)
+        consts = tuple((i, leaf) for i, leaf in enumerate(leaves) if kinds[i] is None)
         unique: list[str] = []
         for i in slots:
             name = names[i]
             while name in unique:
                 name += "_"
             unique.append(name)
-        kinds = tuple((leaves[i].dtype, leaves[i].device.type) for i in slots)
-        return cls(spec, slots, consts, tuple(unique), kinds)
+        return cls(spec, slots, tuple(kinds[i] for i in slots), consts, tuple(unique))
 
     def matches(self, leaves: list[Any], spec: Any) -> bool:
-        """Whether a flattened call has this structure, these constants, tensor dtypes and devices.
+        """Whether a flattened call has this structure, these constants and input kinds.
 
-        Analyses (shapes, row independence, capturability) hold for the dtypes and devices they
-        saw, so a call with others gets its own trace.
+        Analyses (shapes, row independence, capturability) hold for the dtypes, devices and
+        ranks they saw, so a call with others gets its own trace.
         """
         if spec != self.in_spec:
             return False
-        for i, (dtype, device) in zip(self.tensor_slots, self.tensor_kinds):
-            leaf = leaves[i]
-            if not isinstance(leaf, torch.Tensor) or leaf.dtype != dtype or leaf.device.type != device:
-                return False
+        if any(leaf_kind(leaves[i]) != kind for i, kind in zip(self.input_slots, self.input_kinds)):
+            return False
         return all(_same_constant(leaves[i], value) for i, value in self.constants)
 
-    def tensors(self, leaves: list[Any]) -> list[torch.Tensor]:
-        return [leaves[i] for i in self.tensor_slots]
+    def inputs(self, leaves: list[Any]) -> list[Any]:
+        """The graph's inputs of a call (tensors, floats, objects), in placeholder order."""
+        return [leaves[i] for i in self.input_slots]
 
-    def rebuild_inputs(self, tensors: list[Any]) -> tuple[tuple, dict]:
-        """``(args, kwargs)`` with ``tensors`` at the tensor slots and the constants elsewhere."""
-        leaves: list[Any] = [None] * (len(self.tensor_slots) + len(self.constants))
-        for i, value in zip(self.tensor_slots, tensors):
+    def tensor_slots(self) -> tuple[int, ...]:
+        return tuple(i for i, k in zip(self.input_slots, self.input_kinds) if k[0] == "tensor")
+
+    def rebuild_inputs(self, inputs: list[Any]) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` with ``inputs`` at the input slots and the constants elsewhere."""
+        leaves: list[Any] = [None] * (len(self.input_slots) + len(self.constants))
+        for i, value in zip(self.input_slots, inputs):
             leaves[i] = value
         for i, value in self.constants:
             leaves[i] = value
         args, kwargs = pytree.tree_unflatten(leaves, self.in_spec)
         return args, kwargs
-
-    def unflatten_output(self, flat: Any) -> Any:
-        return pytree.tree_unflatten(list(flat), self.out_spec)
 
 
 def _same_constant(a: Any, b: Any) -> bool:

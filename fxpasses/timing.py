@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+import torch
+
 from .log import progress
 
 
@@ -57,6 +59,12 @@ def _deciles(values: tuple[float, ...]) -> tuple[float, float]:
         return (values[0], values[0]) if values else (float("nan"), float("nan"))
     deciles = statistics.quantiles(values, n=10)
     return deciles[0], deciles[-1]
+
+
+def device_sync(device: str | torch.device) -> Callable[[], None]:
+    """The ``sync`` for arms running on ``device``: ``torch.cuda.synchronize`` on CUDA (a step's
+    time is then its queued work's, not its launch's), else nothing."""
+    return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
 
 
 def interleave(arms: Mapping[str, Callable[[Any], Any]], make_input: Callable[[int], Any],

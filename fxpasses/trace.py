@@ -1,50 +1,50 @@
-"""Tracing a loss to one ``torch.fx`` graph, with a leaf policy.
+"""Tracing a loss to one ``torch.fx`` graph, concretely, with a leaf policy and guards.
 
-``trace(loss_fn, example_args, example_kwargs)`` symbolically traces ``loss_fn`` (an ``nn.Module``,
-a plain function, or a callable object holding modules) into a ``GraphModule`` whose placeholders
-are the tensor leaves of the inputs (see :mod:`fxpasses.signature`) and whose output is the flat
-tuple of output leaves. The leaf policy keeps three kinds of call as ONE node:
+``trace(loss_fn, example_args, example_kwargs)`` runs ``loss_fn`` (an ``nn.Module``, a plain
+function, a bound method, or a callable object holding modules) once on copies of the example
+inputs and records what it did (:mod:`fxpasses.tracing`): one node per torch call; a guard node
+wherever Python took a value (``if mask.any():``, a size used as an int); an *assumption* for every
+value read from the loss's state (:mod:`fxpasses.guards`), floats read as arithmetic becoming
+inputs read on every call. The trace changes nothing: inputs are copies, attributes the loss
+writes and buffers it updates are restored, random state is kept.
+
+The graph's placeholders are the call's inputs (:mod:`fxpasses.signature`: tensors, floats,
+objects); its output is the flat tuple of output leaves. The leaf policy keeps three kinds of
+call as ONE node:
 
 * a *density method* (default ``log_prob``) called on a submodule: a ``call_method`` node on a
   ``get_attr`` of the module, which passes can see, match and rewrite;
 * a call of a module declared a leaf (``leaf_modules``, by class or instance), a ``call_module``;
-* a call of a function declared a leaf (``leaf_functions``; torch.fx's ``autowrap_functions``),
-  for code with data-dependent Python control flow.
+* a call of a function declared a leaf (``leaf_functions``).
 
-Parameters and buffers are shared with the original (the GraphModule holds the same submodule
-objects), so an optimizer step on the original is seen by the traced graph.
-
-A trace failure raises :class:`TraceFailure`, which carries a refused certificate naming the source
-line, the reason and a hint.
+Parameters and buffers are shared with the original (``get_attr`` nodes read them live), so an
+optimizer step on the original is seen by the traced graph. A trace failure raises
+:class:`TraceFailure`, which carries a refused certificate naming the source line and the reason.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-import linecache
-import os
-import traceback
-from dataclasses import dataclass, field
+import types
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from .certificates import Certificate, Check, Site
-from .signature import CallSignature
+from .guards import Assumption
+from .locations import exception_location
+from .signature import CallSignature, flatten_call
+from .tracing.objects import ObjectTracker
+from .tracing.patches import ModulePatcher, _Patches, patched
+from .tracing.recorder import Recorder, Unsupported
+from .tracing.sources import Source
+from .tracing.values import TracedScalar, _active
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_OWN_DIR = os.path.dirname(__file__)
-_WORKLOADS_DIR = os.path.join(_OWN_DIR, "workloads")
-
-
-def _is_user_file(path: str) -> bool:
-    """Frames outside torch and fxpasses' machinery (the bundled workloads are user code)."""
-    if path.startswith(_WORKLOADS_DIR):
-        return True
-    return not path.startswith((_TORCH_DIR, _OWN_DIR, "<"))
 META_KEY = "fxpasses"
 
 
@@ -63,15 +63,26 @@ class LeafPolicy:
         return False
 
 
-@dataclass
+@dataclass(frozen=True)
 class TraceInfo:
-    """What tracing recorded besides the graph (kept in ``gm.meta['fxpasses']``)."""
+    """What tracing recorded besides the graph (``gm.meta['fxpasses']``).
+
+    ``assumptions``: the values read from the loss's state, checked before every call;
+    ``guards``: (kind, location) of the guard nodes in the graph, in order;
+    ``writes_before_guards``: locations where the loss writes to an input, a parameter or a
+    buffer before a guard node (such a call could not be abandoned without a visible effect).
+    """
 
     signature: CallSignature
-    policy: LeafPolicy
-    root_kind: str  # "module", "callable" or "function"
-    modules: dict[str, nn.Module] = field(default_factory=dict)  # every module the loss holds
-    density_calls: list[str] = field(default_factory=list)
+    out_spec: Any
+    assumptions: tuple[Assumption, ...]
+    guards: tuple[tuple[str, str], ...]
+    writes_before_guards: tuple[str, ...]
+    modules: tuple[nn.Module, ...]  # every module the trace reached (their hooks and modes matter)
+    nodes: int
+
+    def unflatten_output(self, flat: Any) -> Any:
+        return pytree.tree_unflatten(list(flat), self.out_spec)
 
 
 class TraceFailure(Exception):
@@ -83,194 +94,56 @@ class TraceFailure(Exception):
         self.original = original
 
 
-class LossTracer(fx.Tracer):
-    """``fx.Tracer`` with the leaf policy and flat pytree placeholders (see module docstring)."""
+class _LossRoot(nn.Module):
+    """The module a traced graph hangs from: the loss module's children, and modules the trace
+    finds elsewhere (globals, plain objects). Never the loss itself, which must not gain
+    submodules; its own parameters and buffers are read live (ReadState)."""
 
-    def __init__(self, policy: LeafPolicy, call: Callable, signature: CallSignature):
-        super().__init__(autowrap_functions=tuple(policy.leaf_functions))
-        self.policy = policy
-        self.record_stack_traces = True
-        self._call = call
-        self._signature = signature
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return self.policy.is_leaf_instance(m) or super().is_leaf_module(m, module_qualified_name)
-
-    def create_args_for_root(self, root_fn, is_module, concrete_args=None):
-        """Placeholders for the tensor leaves; the root call rebuilds the input pytree."""
-        sig = self._signature
-        placeholders = [self.create_proxy("placeholder", name, (), {})
-                        for name in sig.placeholder_names]
-
-        def flat_call(*args: Any) -> tuple:
-            proxies = args[1:] if is_module else args
-            call_args, call_kwargs = sig.rebuild_inputs(list(proxies))
-            out_leaves, out_spec = torch.utils._pytree.tree_flatten(self._call(*call_args, **call_kwargs))
-            sig.out_spec = out_spec
-            return tuple(out_leaves)
-
-        return flat_call, ([self.root] if is_module else []) + placeholders
+    @classmethod
+    def of(cls, module: nn.Module) -> "_LossRoot":
+        root = cls()
+        for name, child in module.named_children():
+            root.add_module(name, child)
+        return root
 
 
-def _loss_root(loss_fn: Any) -> tuple[nn.Module, Callable, str]:
-    """A Module to trace against (its submodules are the loss's), the call to make, the kind."""
+def _loss_root(loss_fn: Any) -> tuple[nn.Module, Any, Any]:
+    """(a Module whose submodules are the loss's, the loss object for ``loss.`` sources or None,
+    the Python function whose globals and closure the loss reads or None)."""
+    if isinstance(loss_fn, type):
+        raise TypeError(f"pass a loss instance, not the class {loss_fn.__name__}: "
+                        f"optimize({loss_fn.__name__}(...))")
     if isinstance(loss_fn, nn.Module):
-        return loss_fn, (lambda *a, **k: loss_fn.forward(*a, **k)), "module"
-    if inspect.isfunction(loss_fn) or inspect.ismethod(loss_fn):
-        modules = _modules_referenced_by(loss_fn)
-        root = _make_root(getattr(loss_fn, "__name__", "loss"), loss_fn, modules)
-        return root, loss_fn, "function"
+        return _LossRoot.of(loss_fn), loss_fn, None
+    if inspect.ismethod(loss_fn):
+        owner = loss_fn.__self__
+        root = _LossRoot.of(owner) if isinstance(owner, nn.Module) else _LossRoot()
+        return root, owner, loss_fn.__func__
+    if inspect.isfunction(loss_fn):
+        return _LossRoot(), None, loss_fn
     if callable(loss_fn):
-        modules = {k: v for k, v in vars(loss_fn).items() if isinstance(v, nn.Module)}
-        root = _make_root(type(loss_fn).__name__, type(loss_fn).__call__, modules)
-        return root, loss_fn, "callable"
+        call = getattr(type(loss_fn), "__call__", None)
+        return _LossRoot(), loss_fn, call if inspect.isfunction(call) else None
     raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
 
 
-def _make_root(name: str, forward: Callable, modules: dict[str, nn.Module]) -> nn.Module:
-    # The class's forward is the user's function, so torch.fx's autowrap sees the user's globals.
-    cls = type(f"{name}Root", (nn.Module,), {"forward": forward})
-    root = cls()
-    for key, module in modules.items():
-        root.add_module(key, module)
-    return root
-
-
-def _modules_referenced_by(fn: Callable) -> dict[str, nn.Module]:
-    """Modules a plain function reaches through its globals, closure or bound ``self``."""
-    found: dict[str, nn.Module] = {}
-    owner = getattr(fn, "__self__", None)
-    if owner is not None:
-        found.update({k: v for k, v in vars(owner).items() if isinstance(v, nn.Module)})
-        fn = fn.__func__
-    code = fn.__code__
-    for name in code.co_names:
-        value = fn.__globals__.get(name)
-        if isinstance(value, nn.Module):
-            found[name] = value
-    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
-        with contextlib.suppress(ValueError):
-            if isinstance(cell.cell_contents, nn.Module):
-                found[name] = cell.cell_contents
-    return found
-
-
-@contextlib.contextmanager
-def _density_calls_as_nodes(tracer: LossTracer, root: nn.Module, methods: tuple[str, ...],
-                            recorded: list[str]) -> Iterator[None]:
-    """Patch each submodule's density methods so a call on proxies becomes one node."""
-    patched: list[tuple[nn.Module, str, Any]] = []
-    try:
-        for path, module in root.named_modules():
-            if not path:
-                continue
-            for name in methods:
-                bound = getattr(module, name, None)
-                if not callable(bound) or getattr(nn.Module, name, None) is not None:
-                    continue
-                previous = module.__dict__.get(name, _MISSING)
-                module.__dict__[name] = _node_making(tracer, path, name, bound, recorded)
-                patched.append((module, name, previous))
-        yield
-    finally:
-        for module, name, previous in reversed(patched):
-            if previous is _MISSING:
-                module.__dict__.pop(name, None)
-            else:
-                module.__dict__[name] = previous
-
-
-_MISSING = object()
-
-
-@contextlib.contextmanager
-def _grad_mode_changes_as_nodes(tracer: LossTracer) -> Iterator[None]:
-    """Record ``torch.no_grad()`` / ``enable_grad()`` / ``set_grad_enabled`` as graph nodes.
-
-    Plain symbolic tracing drops them, which would let gradients flow through code the loss
-    runs without grad (an assigner, say): a silent change of gradients. Every grad-mode switch
-    made while tracing becomes a ``torch._C._set_grad_enabled(mode)`` node, in place.
-    """
-    original = torch._C._set_grad_enabled
-
-    def recording(mode: bool) -> None:
-        tracer.create_node("call_function", original, (bool(mode),), {})
-        original(mode)
-
-    torch._C._set_grad_enabled = recording
-    try:
-        yield
-    finally:
-        torch._C._set_grad_enabled = original
-
-
-def _node_making(tracer: LossTracer, path: str, name: str, bound: Callable, recorded: list[str]):
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if not any(isinstance(a, fx.Proxy) for a in (*args, *kwargs.values())):
-            return bound(*args, **kwargs)
-        module_proxy = tracer.create_proxy("get_attr", path, (), {})
-        proxy = tracer.create_proxy("call_method", name, (module_proxy, *args), kwargs)
-        recorded.append(proxy.node.name)
-        return proxy
-    return call
-
-
-def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
-    """The innermost traceback frame outside torch and fxpasses: the user's line."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if _is_user_file(f.filename)]
-    return frames[-1] if frames else None
-
-
 def _failure_certificate(loss_fn: Any, exc: BaseException) -> Certificate:
-    frame = _user_frame(exc)
-    location = f"{frame.filename}:{frame.lineno}" if frame else "unknown"
-    line = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip() if frame else ""
+    frame = exception_location(exc)
+    location = str(frame) if frame else "unknown"
+    line = frame.text if frame else ""
     text = str(exc)
-    control_flow = isinstance(exc, fx.proxy.TraceError) and (
-        "control flow" in text or "iterated" in text or "bool" in text)
-    code = "trace-control-flow" if control_flow else "trace-failed"
-    function = frame.name if frame else "?"
-    check = Check("symbolic-trace", False, {
+    code = "trace-unsupported" if isinstance(exc, Unsupported) else "trace-failed"
+    function = frame.function if frame else "?"
+    check = Check("concrete-trace", False, {
         "exception": type(exc).__name__, "message": text[:500], "location": location,
-        "line": line, "function": function, "tracer": "torch.fx.Tracer"}, code)
+        "line": line, "function": function, "tracer": "fxpasses concrete tracer"}, code)
     message = (f"tracing failed at {location} in {function}(): {line!r}: {type(exc).__name__}: "
                f"{text.splitlines()[0] if text else ''}")
     site = Site((), (location,), f"loss {type(loss_fn).__name__}")
     return Certificate.from_checks("trace", site, [check], message=message)
 
 
-def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = None, *,
-          policy: LeafPolicy | None = None) -> fx.GraphModule:
-    """Trace ``loss_fn`` called on ``(example_args, example_kwargs)`` into one GraphModule.
-
-    Only the *structure* and the non-tensor leaves of the examples matter (tensors become
-    placeholders). With no examples, each parameter of the signature is one tensor placeholder.
-    Call the result with the tensor leaves in pytree order; ``gm.meta['fxpasses']`` (a
-    :class:`TraceInfo`) rebuilds structured inputs and outputs. Raises :class:`TraceFailure`.
-    """
-    policy = policy or LeafPolicy()
-    root, call, kind = _loss_root(loss_fn)
-    example_kwargs = dict(example_kwargs or {})
-    arg_names = _positional_names(loss_fn)
-    if not example_args and not example_kwargs:
-        example_args = tuple(torch.empty(0) for _ in arg_names)
-    signature = CallSignature.of_call(tuple(example_args), example_kwargs, arg_names)
-    tracer = LossTracer(policy, call, signature)
-    density_nodes: list[str] = []
-    try:
-        with _density_calls_as_nodes(tracer, root, policy.density_methods, density_nodes), \
-                _grad_mode_changes_as_nodes(tracer):
-            graph = tracer.trace(root)
-    except Exception as exc:  # any trace error becomes a refusal certificate
-        raise TraceFailure(_failure_certificate(loss_fn, exc), exc) from exc
-    gm = fx.GraphModule(root, graph, class_name=f"Traced{type(root).__name__}")
-    modules = dict(root.named_modules())
-    gm.meta[META_KEY] = TraceInfo(signature, policy, kind, modules, density_nodes)
-    return gm
-
-
-def _positional_names(loss_fn: Any) -> tuple[str, ...]:
+def positional_names(loss_fn: Any) -> tuple[str, ...]:
     target = loss_fn.forward if isinstance(loss_fn, nn.Module) else loss_fn
     try:
         params = inspect.signature(target).parameters.values()
@@ -280,18 +153,92 @@ def _positional_names(loss_fn: Any) -> tuple[str, ...]:
                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty)
 
 
-def trace_info(gm: fx.GraphModule) -> TraceInfo:
-    return gm.meta[META_KEY]
+def _inputs(rec: Recorder, tracker: ObjectTracker, signature: CallSignature,
+            leaves: list[Any]) -> list[Any]:
+    """Placeholders for the call's inputs, and the values the traced call receives."""
+    values = list(leaves)
+    for slot, name in zip(signature.input_slots, signature.placeholder_names):
+        node = rec.graph.placeholder(name)
+        leaf = leaves[slot]
+        if isinstance(leaf, torch.Tensor):  # a copy: the trace never writes the caller's tensors
+            with torch.no_grad():
+                copy = leaf.detach().clone()
+            copy.requires_grad_(leaf.requires_grad)
+            rec.note_outside(copy)
+            values[slot] = rec.wrap(copy, node)
+        elif type(leaf) is float:
+            values[slot] = TracedScalar(leaf, node, rec)
+        else:
+            tracker.track(leaf, Source(("arg", slot)), placeholder=node)
+    return values
 
 
-def node_location(node: fx.Node) -> str:
-    """``file:line`` of the innermost frame of the node's recorded stack trace, or ''."""
-    stack = node.meta.get("stack_trace") or ""
-    last = ""
-    for line in stack.splitlines():
-        line = line.strip()
-        if line.startswith('File "'):
-            path, _, rest = line[6:].partition('", line ')
-            if _is_user_file(path):
-                last = f"{path}:{rest.split(',')[0]}"
-    return last
+@contextlib.contextmanager
+def _recording(rec: Recorder) -> Iterator[None]:
+    _active.append(rec)
+    try:
+        yield
+    finally:
+        _active.pop()
+
+
+def _function_state(tracker: ObjectTracker, function: types.FunctionType | None) -> None:
+    if function is None:
+        return
+    tracker.globals_of(function.__code__, function.__globals__)
+    for name, cell in zip(function.__code__.co_freevars, function.__closure__ or ()):
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        tracker.adopt_cell(cell, name, value)
+
+
+def _output(rec: Recorder, out: Any) -> Any:
+    leaves, spec = pytree.tree_flatten(out)
+    rec.graph.output(tuple(rec.arg(leaf) for leaf in leaves))
+    return spec
+
+
+def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = None, *,
+          policy: LeafPolicy | None = None) -> fx.GraphModule:
+    """Trace ``loss_fn`` called on ``(example_args, example_kwargs)`` into one GraphModule.
+
+    Call the result with ``signature.inputs(leaves)`` of a call's pytree leaves;
+    ``gm.meta['fxpasses']`` (a :class:`TraceInfo`) rebuilds structured outputs and lists what
+    the trace assumed. Raises :class:`TraceFailure`.
+    """
+    policy = policy or LeafPolicy()
+    root, owner, function = _loss_root(loss_fn)
+    example_kwargs = dict(example_kwargs or {})
+    signature = CallSignature.of_call(tuple(example_args), example_kwargs, positional_names(loss_fn))
+    rec = Recorder(root)
+    patcher = ModulePatcher(rec, _Patches(), tuple(policy.density_methods), policy.is_leaf_instance)
+    tracker = ObjectTracker(rec, on_module=patcher)
+    rec.tracker = tracker
+    leaves, _ = flatten_call(tuple(example_args), example_kwargs)
+    try:
+        values = _inputs(rec, tracker, signature, leaves)
+        args, kwargs = pytree.tree_unflatten(values, signature.in_spec)
+        if isinstance(owner, nn.Module):
+            rec.index_state(owner, "")  # the loss module's own parameters and buffers
+        if owner is not None:
+            tracker.track(owner, Source(("loss",)))
+        patcher(root)
+        _function_state(tracker, function)
+        with _recording(rec), patched(rec, tracker, patcher, tuple(policy.leaf_functions)), \
+                patcher.buffers_kept():
+            out = loss_fn(*args, **kwargs)
+            spec = _output(rec, out)
+            rec.paused = True  # what the contexts do on exit is not the loss's
+    except Exception as exc:  # any failure becomes a refusal certificate naming the line
+        raise TraceFailure(_failure_certificate(loss_fn, exc), exc) from exc
+    finally:
+        tracker.restore()
+    gm = fx.GraphModule(root, rec.graph, class_name=f"Traced{type(loss_fn).__name__}")
+    modules = dict.fromkeys([*root.modules(), *tracker.modules()])
+    gm.meta[META_KEY] = TraceInfo(signature, spec, tuple(tracker.assumptions.values()),
+                                  tuple(rec.guards), rec.writes_before_guards(), tuple(modules),
+                                  len(rec.graph.nodes))
+    return gm
+

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -55,3 +57,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+# -- every registered code is exercised -------------------------------------------------------------
+# The codes that certificates, checks and run-time counters actually carry are collected during the
+# session (fxpasses.certificates.codes.observe); a complete run that leaves a code unexercised fails.
+
+def pytest_configure(config):
+    from fxpasses.certificates.codes import observe
+    config._fxpasses_codes = observe()
+
+
+def _complete_run(config) -> bool:
+    selected = not config.option.keyword and config.option.markexpr in ("", "not slow")
+    return selected and not config.option.deselect and \
+        all(Path(a).resolve() == Path(__file__).parent for a in config.args or [str(Path(__file__).parent)])
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from fxpasses.certificates.codes import REGISTRY
+    config = session.config
+    if exitstatus != 0 or not _complete_run(config) or session.testscollected == 0:
+        return
+    missing = sorted(set(REGISTRY) - config._fxpasses_codes)
+    if missing:
+        print(f"\nfxpasses: registered codes no test made occur: {missing}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -1,12 +1,11 @@
 """Which nodes can be captured in a CUDA graph, and the regions they form.
 
-:func:`classify` gives each node a :class:`Verdict` from the tables in
-:mod:`fxpasses.analysis.capture_rules` and the node's metadata (shapes with data-dependent sizes are
-dynamic; tensors off the capture devices are not capturable). :func:`plan_regions` groups
-capturable nodes with torch.fx's ``CapabilityBasedPartitioner`` (which keeps the graph acyclic when
-each group becomes one call) and then splits every group at *barriers* — grad-mode switches,
-in-place ops and unknown ops — because fusing a group moves its nodes to one place in the graph,
-which is only safe across pure nodes.
+Every node gets a :class:`~.capture_rules.Verdict` from the rows of
+:mod:`fxpasses.analysis.capture_rules` (read from the node's facts and metadata). :func:`plan_regions`
+groups capturable nodes into convex regions (fusing a region into one call must keep the graph
+acyclic) that never span a *barrier* — a grad-mode switch, an op that writes its inputs, user code
+whose effects are unknown — because fusing a region moves its nodes to one place in the graph,
+which is only safe across pure nodes. The grouping is written by hand (see :func:`_grow_regions`).
 """
 
 from __future__ import annotations
@@ -14,87 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import torch
 import torch.fx as fx
 
-from ..runtime import RuntimeSite
-from . import capture_rules as rules
-from .meta import is_dynamic, tensors_in, value
+from .capture_rules import Verdict, launches_kernels, verdict
 
 
-@dataclass(frozen=True)
-class Verdict:
-    capturable: bool
-    code: str | None  # why not, from the registry
-    op: str
-    barrier: bool = False  # may not be reordered across (side effects or unknown)
-    detail: str = ""
-
-
-_STRUCTURAL = ("placeholder", "get_attr", "output")
-
-
-def _device_ok(node: fx.Node, devices: Sequence[str]) -> bool:
-    vals = [value(node)] + [value(a) for a in node.all_input_nodes]
-    tensors = [t for v in vals for t in tensors_in(v)]
-    return all(t.device.type in devices for t in tensors)
-
-
-def _dynamic(node: fx.Node) -> bool:
-    if "val" not in node.meta:
-        return True
-    return is_dynamic(value(node)) or any(is_dynamic(value(a)) for a in node.all_input_nodes)
-
-
-def _known(node: fx.Node) -> bool:
-    if node.op == "call_function":
-        return node.target in rules.CAPTURABLE_FUNCTIONS
-    if node.op == "call_method":
-        return node.target in rules.CAPTURABLE_METHODS
-    return False
-
-
-def _host_sync(node: fx.Node) -> bool:
-    if node.op == "call_function" and node.target in rules.HOST_SYNC_FUNCTIONS:
-        return True
-    if node.op == "call_method" and node.target in rules.HOST_SYNC_METHODS:
-        return True
-    rule = rules.ARGUMENT_RULES.get(node.target)
-    return rule is not None and rule(node) == "host-sync"
-
-
-def classify(node: fx.Node, gm: fx.GraphModule, devices: Sequence[str] = ("cuda",)) -> Verdict:
+def classify(node: fx.Node, devices: Sequence[str] = ("cuda",)) -> Verdict:
     """Whether ``node`` can be captured, and if not, the reason code (see module docstring)."""
-    op = rules.op_name(node)
-    if node.op in _STRUCTURAL:
-        return Verdict(False, None, op)
-    if node.target is torch._C._set_grad_enabled:
-        return Verdict(False, "op-not-capturable", op, barrier=True, detail="grad-mode switch")
-    if rules.is_mutation(node):
-        return Verdict(False, "op-not-capturable", op, barrier=True, detail="in-place op")
-    site = node.target if node.op == "call_function" and isinstance(node.target, RuntimeSite) else None
-    if site is not None and not site.capturable:
-        return Verdict(False, "op-not-capturable", op, barrier=not site.pure, detail=type(site).__name__)
-    if _host_sync(node):
-        return Verdict(False, "host-sync", op)
-    known = site is not None or _known(node) or (
-        node.op == "call_module" and isinstance(gm.get_submodule(node.target), rules.CAPTURABLE_MODULES))
-    if not known:
-        return Verdict(False, "op-not-capturable", op, barrier=True, detail="not in the capturable table")
-    if _dynamic(node):
-        return Verdict(False, "dynamic-shape", op)
-    if not _device_ok(node, devices):
-        return Verdict(False, "no-cuda", op, detail=f"a tensor is not on {'/'.join(devices)}")
-    return Verdict(True, None, op)
-
-
-def _launches(node: fx.Node) -> bool:
-    """Whether a capturable node launches device work (getitem of tuples and sizes do not)."""
-    if node.op == "call_method" and node.target in ("size", "dim", "numel"):
-        return False
-    if node.op == "call_function" and node.target is rules.operator.getitem:
-        return isinstance(value(node.args[0]), torch.Tensor)
-    return not (node.op == "call_function" and node.target is getattr)
+    return verdict(node, devices)[0]
 
 
 @dataclass
@@ -105,13 +31,13 @@ class CapturePlan:
 
     @staticmethod
     def kernel_ops(region: list[fx.Node]) -> int:
-        return sum(_launches(n) for n in region)
+        return sum(launches_kernels(n) for n in region)
 
 
 def plan_regions(gm: fx.GraphModule, devices: Sequence[str] = ("cuda",),
                  min_region_ops: int = 4) -> CapturePlan:
     """Classify every node and group the capturable ones into regions (see module docstring)."""
-    verdicts = {n: classify(n, gm, devices) for n in gm.graph.nodes}
+    verdicts = {n: classify(n, devices) for n in gm.graph.nodes}
     plan = CapturePlan(verdicts)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for nodes in _grow_regions(gm.graph, verdicts):

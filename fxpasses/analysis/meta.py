@@ -1,10 +1,12 @@
-"""Shape, dtype and device metadata for every node, without running the loss.
+"""Shape, dtype and device metadata for every node, and the facts of the ops it runs.
 
 ``annotate(gm, example_tensors)`` runs torch.fx's ``FakeTensorProp`` with a ``ShapeEnv``: input and
 parameter shapes are static, and every data-dependent size (boolean-mask indexing, ``nonzero``)
 becomes an *unbacked* symbol. Each node's ``meta['val']`` is then a FakeTensor (or a structure of
-them); :func:`is_dynamic` says whether a value's shape depends on data. Nothing real is computed,
-no state is mutated and no device memory is used, so CUDA graphs can be planned on a CPU machine.
+them); :func:`is_dynamic` says whether a value's shape depends on data. While each node runs, a
+dispatch mode records the aten ops it runs into ``meta[NODE_FACTS]`` (:class:`~.ops.NodeFacts`:
+writes to its inputs, host reads, random draws). Nothing real is computed, no state is mutated and
+no device memory is used, so CUDA graphs can be planned on a CPU machine.
 """
 
 from __future__ import annotations
@@ -13,20 +15,48 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
+from torch.fx.experimental.symbolic_shapes import (GuardOnDataDependentSymNode,
+                                                   PendingUnbackedSymbolNotFound, ShapeEnv,
+                                                   free_unbacked_symbols)
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..runtime import propagating
+from ..runtime import propagating_call
+from .ops import NODE_FACTS, NodeFacts, aten_facts, is_torch_code, written_storages, storage_id
 
 
 def fake_mode() -> FakeTensorMode:
     return FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True, static_shapes=True)
 
 
+class _OpRecorder(TorchDispatchMode):
+    """Records the aten ops one node runs, and whether they write to ``watched`` storages."""
+
+    def __init__(self, watched: set[int]):
+        super().__init__()
+        self.watched = watched
+        self.ops: dict[str, None] = {}
+        self.writes: set[int] = set()
+        self.host = self.random = self.computes = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        facts = aten_facts(func)
+        self.ops[facts.name] = None
+        self.writes |= written_storages(func, args, kwargs) & self.watched
+        self.random |= facts.random
+        self.computes |= facts.computes
+        self.host |= facts.value_on_host
+        out = func(*args, **kwargs)
+        if facts.data_dependent and not facts.value_on_host:  # a shape known only from data?
+            self.host |= is_dynamic(out)
+        return out
+
+
 class _PartialFakeTensorProp(FakeTensorProp):
-    """FakeTensorProp that keeps going past a node it cannot propagate.
+    """FakeTensorProp that keeps going past a node it cannot propagate, and records node facts.
 
     A node that raises (typically a data-dependent guard such as BatchNorm's batch-size check on
     an unbacked row count) and every node downstream of it get no ``meta['val']``; the others
@@ -36,37 +66,146 @@ class _PartialFakeTensorProp(FakeTensorProp):
     def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode):
         super().__init__(gm, mode)
         self.failures: list[tuple[fx.Node, Exception]] = []
+        self._recorder: _OpRecorder | None = None
+
+    def _recorded(self, run, target: Any, args: tuple, kwargs: dict, state: Sequence[torch.Tensor] = ()):
+        tensors = [t for t in [*pytree.tree_leaves((args, kwargs)), *state] if isinstance(t, torch.Tensor)]
+        # a real tensor (a parameter, a buffer) reaches the ops as its memoized fake copy
+        tensors += [self._mode.from_tensor(t) for t in tensors if not isinstance(t, FakeTensor)]
+        watched = {storage_id(t) for t in tensors}
+        self._recorder = _OpRecorder(watched)
+        with self._recorder:
+            return run(target, args, kwargs)
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        return self._recorded(lambda t, a, k: propagating_call(t, a, k), target, args, kwargs)
+
+    def call_method(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        return self._recorded(super().call_method, target, args, kwargs)
+
+    def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        module = self.fetch_attr(target)
+        state = [*module.parameters(), *module.buffers()]
+        return self._recorded(super().call_module, target, args, kwargs, state)
 
     def run_node(self, n: fx.Node) -> Any:
         if any(self.env.get(a) is _FAILED for a in n.all_input_nodes):
             return _FAILED
+        self._recorder = None
         try:
-            return super().run_node(n)
+            result = self._run_tolerating_consumed_scalars(n)
+            complete = True
         except Exception as exc:
+            if isinstance(exc, GuardOnDataDependentSymNode) and _host_scalar(n):
+                self._record_facts(n, True)  # ``bool(n == 0)`` feeding a guard: no tensor
+                n.meta["val"] = None          # metadata depends on its value
+                return None
             self.failures.append((n, exc))
             n.meta.pop("val", None)
-            return _FAILED
+            result, complete = _FAILED, False
+            pending = getattr(self._mode.shape_env, "pending_fresh_unbacked_symbols", None)
+            if pending:  # symbols the failed node created must not fail the next node
+                pending.clear()
+        self._record_facts(n, complete)
+        return result
+
+    def _run_tolerating_consumed_scalars(self, n: fx.Node) -> Any:
+        """Run ``n``; an op that reads a tensor's value and uses it inside (``torch.full(size,
+        fill_tensor)``) leaves a data-dependent symbol no output holds, which FakeTensorProp
+        reports as an error: such a node is run again with those symbols allowed to vanish (the
+        host read itself is in the node's facts)."""
+        shape_env = self._mode.shape_env
+        try:
+            result = super().run_node(n)
+        except PendingUnbackedSymbolNotFound:
+            shape_env.pending_fresh_unbacked_symbols.clear()
+            with shape_env.ignore_fresh_unbacked_symbols():
+                result = super().run_node(n)
+        for symbol in n.meta.get("unbacked_bindings", {}):
+            if symbol.is_integer:  # a size read from data: decide as sizes >= 2, as torch's
+                shape_env._constrain_range_for_size(symbol, min=2)  # size-oblivious tests do
+        return result
+
+    def _record_facts(self, n: fx.Node, complete: bool) -> None:
+        rec = self._recorder
+        if rec is None:  # placeholders, get_attr, output
+            return
+        module = self.fetch_attr(n.target) if n.op == "call_module" else None
+        host = rec.host or bool(n.meta.get("unbacked_bindings"))
+        n.meta[NODE_FACTS] = NodeFacts(tuple(rec.ops), bool(rec.writes), frozenset(rec.writes),
+                                       host, rec.random, rec.computes,
+                                       complete, is_torch_code(n, module))
 
 
 _FAILED = object()
 
 
+def _host_scalar(n: fx.Node) -> bool:
+    """A Python-level computation on sizes (``bool``, ``==``...), not a tensor op."""
+    target = n.target
+    return n.op == "call_function" and (target in (bool, int, float) or
+                                        getattr(target, "__module__", None) in ("_operator", "operator"))
+
+
 def annotate(gm: fx.GraphModule, example_tensors: Sequence[torch.Tensor]) -> list[tuple[fx.Node, Exception]]:
-    """Set ``meta['val']`` on the nodes of ``gm`` from fake copies of ``example_tensors``.
+    """Set ``meta['val']`` and ``meta[NODE_FACTS]`` on the nodes of ``gm`` from fake copies of
+    ``example_tensors``.
 
     Returns the nodes that could not be propagated, with their exceptions (their descendants
     have no metadata either); an empty list means every node has metadata.
     """
     for node in gm.graph.nodes:  # a fresh ShapeEnv: old symbols must not be rebound to new ones
-        node.meta.pop("val", None)
-        node.meta.pop("unbacked_bindings", None)
+        for key in ("val", "unbacked_bindings", NODE_FACTS):
+            node.meta.pop(key, None)
     mode = fake_mode()
     fakes = [mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t
              for t in example_tensors]
     prop = _PartialFakeTensorProp(gm, mode)
-    with propagating():
+    with _quiet_shape_env():
         prop.propagate_dont_convert_inputs(*fakes)
+    for node in gm.graph.nodes:
+        node.meta[_ANNOTATED] = True
+    gm.meta[_FAKE_MODE] = mode
     return prop.failures
+
+
+def annotate_new(gm: fx.GraphModule) -> list[tuple[fx.Node, Exception]]:
+    """Metadata for the nodes a pass added to an annotated graph, in the same fake mode (the
+    others keep theirs): cheap where :func:`annotate` propagates the whole graph again."""
+    mode = gm.meta[_FAKE_MODE]
+    prop = _PartialFakeTensorProp(gm, mode)
+    with mode, _quiet_shape_env():
+        for node in gm.graph.nodes:
+            if node.meta.get(_ANNOTATED):
+                prop.env[node] = _FAILED if "val" not in node.meta and node.op.startswith("call") \
+                    and NODE_FACTS not in node.meta else node.meta.get("val")
+                continue
+            if node.op == "output":
+                continue
+            prop.env[node] = prop.run_node(node)
+            node.meta[_ANNOTATED] = True
+    return prop.failures
+
+
+_ANNOTATED = "fxpasses.annotated"
+_FAKE_MODE = "fxpasses.fake_mode"
+
+
+def _quiet_shape_env():
+    """Shape propagation with real values logs each decision it takes from them: keep it quiet."""
+    import contextlib
+    import logging
+    logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+
+    @contextlib.contextmanager
+    def quiet():
+        previous = logger.level
+        logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            logger.setLevel(previous)
+    return quiet()
 
 
 def value(node: fx.Node) -> Any:

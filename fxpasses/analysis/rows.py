@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import linecache
-import os
-import re
 import sys
 import traceback
 from collections import Counter
@@ -38,11 +35,11 @@ from torch.fx.node import map_arg
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from ..locations import exception_location, node_source
 from .row_rules import (OpCall, RowRefusal, RowValue, data_dependent, functional_counterpart,
                         rule_for)
 
 TRACER = "make_fx(pre_dispatch=True)"
-_TORCH_DIR = os.path.dirname(torch.__file__)
 _CANDIDATE_ROW_COUNTS = (7, 11, 13, 19, 23, 29, 31, 37, 41, 43)
 _PRIORITY = ("rows-mixed", "rows-data-dependent", "rows-op-unknown", "rows-state-mutated",
              "rows-shape-dependent", "rows-analysis-failed")
@@ -193,7 +190,8 @@ class _Finding:
     reason: str
 
     def as_evidence(self, code: bool = False) -> dict:
-        location, text = _source(self.node)
+        source = node_source(self.node)
+        location, text = (str(source), source.text or None) if source else (None, None)
         op = _op_name(self.node.target) if self.node.op == "call_function" else self.node.op
         out = {"code": self.code} if code else {}
         out.update(op=op, position=self.position, node=self.node.name, source=location,
@@ -444,28 +442,9 @@ def _qualname(module: nn.Module, method: str) -> str:
     return getattr(function, "__qualname__", f"{type(module).__qualname__}.{method}")
 
 
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)')
-
-
-def _source(node: fx.Node) -> tuple[str | None, str | None]:
-    """The node's line: the innermost frame of its stack trace outside torch, as ``file:line``
-    and its text. When the op comes from torch's own modules only (a method such as
-    ``nn.Sequential.forward``), the innermost torch ``forward`` frame: the module's line."""
-    frames = [m for m in _FRAME.finditer(node.meta.get("stack_trace") or "")
-              if m["file"] != __file__]
-    frames = ([m for m in frames if not m["file"].startswith(_TORCH_DIR)]
-              or [m for m in frames if m["name"] == "forward"])
-    if not frames:
-        return None, None
-    file, line = frames[-1]["file"], int(frames[-1]["line"])
-    return f"{file}:{line}", linecache.getline(file, line).strip() or None
-
-
 def _failure_evidence(exc: BaseException, count: int) -> dict:
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not f.filename.startswith(_TORCH_DIR) and f.filename != __file__]
-    frame = frames[-1] if frames else None
+    frame = exception_location(exc)
     return {"failed_at_rows": count, "exception": f"{type(exc).__name__}: {exc}"[:500],
-            "source": f"{frame.filename}:{frame.lineno}" if frame else None,
-            "source_text": frame.line if frame else None,
+            "source": str(frame) if frame else None,
+            "source_text": frame.text if frame else None,
             "reason": "tracing the method on concrete rows raised"}

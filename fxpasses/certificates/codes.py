@@ -28,12 +28,27 @@ class Code:
 
 _CODES = (
     # -- tracing and the pipeline -----------------------------------------------------------
-    Code("trace-control-flow", "refusal",
-         "Python control flow (if/while/bool/int) depends on a traced tensor value.",
-         "Declare the function that branches a leaf: optimize(..., leaf_functions=[fn])."),
+    Code("trace-unsupported", "refusal",
+         "The loss does something a concrete trace cannot record (its values leave torch: "
+         ".numpy(), backward() inside the loss, an in-place write to a tensor the trace does not "
+         "follow, autocast switched inside the loss).",
+         "Declare the function that does it a leaf: optimize(..., leaf_functions=[fn])."),
     Code("trace-failed", "refusal",
-         "Symbolic tracing of the loss raised an exception.",
+         "Tracing the loss raised an exception.",
          "Declare the failing function or module a leaf, or simplify the code at the named line."),
+    Code("trace-write-before-guard", "refusal",
+         "The loss writes to an input, a parameter or a buffer before a data-dependent decision "
+         "the trace guards: a call that decides otherwise could not be abandoned without a "
+         "visible effect.", "Move the in-place update after the decision, or out of the loss."),
+    Code("assumption-changed", "guard",
+         "A value the trace read from the loss's state (an attribute, a dict of gains, a global, "
+         "an argument's field, a module's identity) changed; the loss was traced again for it "
+         "(or ran natively once the specializations were spent).",
+         "Expected when settings change; floats read as arithmetic are inputs and never cause it."),
+    Code("guard-failed", "guard",
+         "A decision the trace took on a value (a size, if mask.any(), an .item()) went the "
+         "other way in this call; the optimized call was abandoned and ran natively.",
+         "Expected on unusual batches; a decision that keeps failing gets its own trace."),
     Code("pass-raised", "failure",
          "A pass raised an exception; the graph from before the pass was kept.",
          "Report it with the certificate JSON; the loss keeps its previous graph."),
@@ -41,8 +56,10 @@ _CODES = (
          "The graph failed graph.lint() after a pass; the graph from before the pass was kept.",
          "Report it with the certificate JSON; the loss keeps its previous graph."),
     Code("metadata-failed", "failure",
-         "Propagating shapes through the graph with fake tensors failed; passes that need shapes "
-         "refuse.", "Report it with the exception; the loss still runs, with fewer rewrites."),
+         "Propagating shapes through the graph with fake tensors failed at a node: in the traced "
+         "graph (passes then treat that node and what follows conservatively), or after a pass "
+         "(that pass's graph was discarded).",
+         "Report it with the exception; the loss still runs, with fewer rewrites."),
     Code("fingerprint-mismatch", "failure",
          "A pass said it changed the graph and did not, or changed it and said it did not.",
          "A bug in that pass: report it. Its result was discarded."),
@@ -74,6 +91,11 @@ _CODES = (
          "specialization was disabled.",
          "Read the recorded exception and node in explain(); report it if it is fxpasses' fault."),
     # -- call pairing (PairCalls / PairRLE) -----------------------------------------------
+    Code("no-site", "refusal",
+         "The pass found nothing in the graph to rewrite (no call of the methods it pairs, no "
+         "node it handles): it changed nothing.",
+         "A module the trace went through has no call of its own in the graph: declare it a leaf "
+         "(optimize(..., leaf_modules=[...])) or name its method in density_methods=."),
     Code("pair-single-call", "refusal",
          "Only one call of this module method is in the graph: nothing to pair it with.",
          "Nothing to do; pairing needs two calls of the same module and method."),
@@ -149,12 +171,35 @@ _CODES = (
          "At run time a branch's rows were a tensor subclass; this call ran two native calls.",
          "Pass plain torch.Tensor rows."),
     # -- loss capture (CaptureLoss) -------------------------------------------------------
-    Code("no-cuda", "refusal",
-         "The loss's tensors are not on a CUDA device (or CUDA is unavailable): nothing to capture.",
+    Code("not-on-capture-device", "refusal",
+         "The loss's tensors are on devices CaptureLoss does not capture (CPU tensors with the "
+         "default capture devices, cuda): nothing to capture.",
          "Run the loss on a CUDA device to capture it."),
-    Code("op-not-capturable", "refusal",
-         "An op is not in the capturable table; it runs eagerly between regions.",
-         "If the op is safe under CUDA graph capture, add it to fxpasses.analysis.capture_rules."),
+    Code("cuda-unavailable", "refusal",
+         "CaptureLoss captures CUDA tensors and CUDA is not available in this process.",
+         "Nothing to do on a machine without a GPU; the loss runs without capture."),
+    Code("device-not-captured", "refusal",
+         "A tensor of this node lies on a device that is not captured (a CPU tensor in a CUDA "
+         "loss, a host transfer); the node runs eagerly between regions.",
+         "Move the tensor to the loss's device once, outside the loss."),
+    Code("op-unknown", "refusal",
+         "The node runs user code (a leaf function, a user module, a method fxpasses does not "
+         "know) whose effects are not visible as ops; it runs eagerly, and no region is moved "
+         "across it.", "Inline the code into the loss or declare nothing a leaf that need not be."),
+    Code("op-in-place", "refusal",
+         "The node writes to one of its inputs or to module state (an in-place op, batch-norm "
+         "statistics); it runs eagerly, and no region is moved across it.",
+         "Use the out-of-place op (x = x + y) where the value is not shared."),
+    Code("op-grad-mode", "refusal",
+         "A grad-mode switch (no_grad / enable_grad): regions never span one; it runs eagerly.",
+         "Nothing to do: regions form on each side of the switch."),
+    Code("op-random", "refusal",
+         "The node draws random numbers; a replay would draw them differently from eager, so "
+         "it runs eagerly.", "Draw random numbers outside the loss if the loss must be captured."),
+    Code("op-no-metadata", "refusal",
+         "Shape propagation did not reach the node (an earlier node failed it); it runs eagerly "
+         "and no region is moved across it.",
+         "Read the metadata-failed certificate for the node that failed."),
     Code("host-sync", "refusal",
          "An op reads device data on the host (.item(), nonzero, boolean-mask indexing); it runs "
          "eagerly between regions.",
@@ -176,6 +221,27 @@ _CODES = (
     Code("capture-failed", "failure",
          "Recording the region into a CUDA graph raised; the region runs natively from now on.",
          "Read the recorded exception; report it if the op table let an unsafe op in."),
+    Code("outputs-alive", "guard",
+         "A tensor still refers to the recording's static memory (an output the caller kept, or "
+         "one an earlier call saved for its pending backward); replaying would overwrite it, so "
+         "this call ran the region natively.",
+         "Expected when two forwards precede one backward; keep no views of loss intermediates."),
+    Code("profiler-active", "guard",
+         "A profiler installed with sys.setprofile is running; the trace records the globals the "
+         "loss reads with a profile hook of its own, so this call ran natively and is traced on "
+         "a later call without the profiler (specializations made before keep running).",
+         "Make the first call outside the profiler, or profile with torch.profiler."),
+    Code("concurrent-call", "guard",
+         "Another thread was inside the same optimized loss or captured region; this call ran "
+         "natively.", "Expected when threads share one optimized loss."),
+    Code("double-backward-eager", "guard",
+         "A backward with create_graph=True (second-order gradients) went through a captured "
+         "region; the region's gradient was recomputed eagerly so that it is differentiable.",
+         "Expected for gradient penalties; it costs one eager recomputation of the region."),
+    Code("stale-backward", "failure",
+         "A backward reached a replay whose graph memory a later replay overwrote "
+         "(backward(retain_graph=True) again after a new forward); it raised instead of giving a "
+         "wrong gradient.", "Run the second backward before the next forward, or drop CaptureLoss."),
     Code("replay-pending-backward", "guard",
          "The previous replay's backward has not run yet; replaying would overwrite the "
          "activations it needs, so this call ran the region natively.",
@@ -185,6 +251,24 @@ _CODES = (
 REGISTRY: dict[str, Code] = {code.name: code for code in _CODES}
 assert len(REGISTRY) == len(_CODES), "duplicate code names"
 assert all(code.kind in KINDS for code in _CODES)
+
+
+_observed: set[str] | None = None
+
+
+def observe() -> set[str]:
+    """Start collecting the codes that occur (in certificates, checks and run-time counters);
+    returns the live set. A test session uses it to show every code is exercised."""
+    global _observed
+    if _observed is None:
+        _observed = set()
+    return _observed
+
+
+def note(name: str) -> None:
+    """Record that ``name`` occurred, when collecting (see :func:`observe`); cheap otherwise."""
+    if _observed is not None and name in REGISTRY:
+        _observed.add(name)
 
 
 def lookup(name: str) -> Code:

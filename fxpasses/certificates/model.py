@@ -8,6 +8,11 @@ an applied rewrite, the run-time guards that keep it valid, and a witness where 
 Evidence is JSON data: ``None``, ``bool``, ``int``, ``float``, ``str``, tuples of these and
 string-keyed dicts of these. :func:`jsonable` normalises common torch values (dtypes, devices,
 sizes) into that form when a certificate is built, so ``Certificate.from_json(c.to_json()) == c``.
+
+The JSON form (schema ``SCHEMA_VERSION``, structure in :mod:`fxpasses.certificates.schema`) adds a
+``digest``, the SHA-256 of the rest (:mod:`fxpasses.certificates.digest`); ``from_dict`` refuses
+a certificate whose digest or structure is wrong. Whether the decision follows from the checks is
+:func:`decide`'s answer, which :mod:`fxpasses.certificates.integrity` compares with the recorded one.
 """
 
 from __future__ import annotations
@@ -15,11 +20,13 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
-from .codes import REGISTRY, lookup
+from .codes import REGISTRY, lookup, note
+from .digest import DIGEST_KEY, content_digest
+from .schema import CERTIFICATE, mismatches
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: a content digest
 DECISIONS = ("applied", "refused", "failed")
 
 
@@ -29,10 +36,11 @@ def jsonable(value: Any) -> Any:
     torch dtypes, devices and sizes become strings and tuples; lists become tuples. Anything else
     raises TypeError, so evidence can never hold an object that does not survive JSON.
     """
-    if value is None or isinstance(value, (bool, int, str)):
+    if value is None or isinstance(value, bool):
         return value
-    if isinstance(value, float):
-        return value
+    for plain in (int, float, str):  # subclasses (torch.__version__, IntEnum) as the plain type
+        if isinstance(value, plain):
+            return plain(value)
     if isinstance(value, Mapping):
         out = {}
         for key, item in value.items():
@@ -97,6 +105,7 @@ class Check:
         _set(self, "evidence", jsonable(dict(self.evidence)))
         if self.code is not None:
             lookup(self.code)
+            note(self.code)
         if not self.ok and self.code is None:
             raise ValueError(f"failed check {self.id!r} needs a code")
 
@@ -169,6 +178,7 @@ class Certificate:
             raise ValueError(f"decision must be one of {DECISIONS}, got {self.decision!r}")
         for code in self.codes:
             lookup(code)
+            note(code)
         if self.decision == "applied" and self.codes:
             raise ValueError("an applied certificate carries no refusal codes")
         if self.decision != "applied" and not self.codes:
@@ -178,46 +188,86 @@ class Certificate:
     @classmethod
     def from_checks(cls, pass_name: str, site: Site, checks: list[Check] | tuple[Check, ...],
                     **kwargs: Any) -> "Certificate":
-        """Applied when every check holds; otherwise refused with the failed checks' codes."""
-        codes = tuple(dict.fromkeys(c.code for c in checks if not c.ok))
-        decision = "refused" if codes else "applied"
+        """The certificate whose decision and codes are :func:`decide`'s for ``checks``."""
+        decision, codes = decide(checks)
         return cls(pass_name, site, decision, tuple(checks), codes, **kwargs)
 
     @property
     def applied(self) -> bool:
         return self.decision == "applied"
 
+    @property
+    def id(self) -> str:
+        """``pass@nodes``: unique within one pipeline run (a pass decides once per site)."""
+        return f"{self.pass_name}@{'+'.join(self.site.nodes) or '-'}"
+
     # -- JSON -----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return _to_json_data(_as_evidence(self))
+        """The JSON data of this certificate, its ``digest`` last."""
+        data = _to_json_data(_as_evidence(self))
+        data[DIGEST_KEY] = content_digest(data)
+        return data
 
     def to_json(self, indent: int | None = None) -> str:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=True, allow_nan=False)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Certificate":
-        data = _from_json_data(_decode_floats(dict(data)))
+    def from_dict(cls, data: Mapping[str, Any], *, check_digest: bool = True) -> "Certificate":
+        """The certificate ``to_dict`` gave ``data``. ValueError, naming what is wrong, for another
+        schema version, a structure or field type that is not the schema's, an unknown code, or
+        (``check_digest``) a digest that is not the content's: an edit after writing."""
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
             raise ValueError(f"certificate schema {version!r} is not {SCHEMA_VERSION}")
-        witness = data.get("witness")
-        return cls(
-            pass_name=data["pass_name"],
-            site=Site(**data["site"]),
-            decision=data["decision"],
-            checks=tuple(Check(**c) for c in data["checks"]),
-            codes=data["codes"],
-            effect=data["effect"],
-            guards=tuple(Guard(**g) for g in data["guards"]),
-            witness=None if witness is None else Witness(**witness),
-            message=data["message"],
-            graph_fingerprint=data.get("graph_fingerprint", ""),
-            schema_version=version,
-        )
+        try:
+            decoded = _decode_floats(dict(data))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"a tagged float is not a float: {exc}") from None
+        wrong = mismatches(decoded, CERTIFICATE, "certificate")
+        if wrong:
+            more = f" (and {len(wrong) - 5} more)" if len(wrong) > 5 else ""
+            raise ValueError("; ".join(wrong[:5]) + more)
+        if check_digest and data[DIGEST_KEY] != content_digest(data):
+            where = f"{data['pass_name']} @ {', '.join(data['site']['nodes']) or '-'}"
+            raise ValueError(f"certificate {where} was edited after it was written: its digest "
+                             f"is {data[DIGEST_KEY]}, "
+                             f"its content's {content_digest(data)}")
+        data = _from_json_data(decoded)
+        witness = data["witness"]
+        try:
+            return cls(
+                pass_name=data["pass_name"],
+                site=Site(**data["site"]),
+                decision=data["decision"],
+                checks=tuple(Check(**c) for c in data["checks"]),
+                codes=data["codes"],
+                effect=data["effect"],
+                guards=tuple(Guard(**g) for g in data["guards"]),
+                witness=None if witness is None else Witness(**witness),
+                message=data["message"],
+                graph_fingerprint=data["graph_fingerprint"],
+                schema_version=version,
+            )
+        except KeyError as exc:  # lookup() of an unknown code; its message lists every code
+            raise ValueError(str(exc.args[0]).split(";")[0]) from None
 
     @classmethod
     def from_json(cls, text: str) -> "Certificate":
         return cls.from_dict(json.loads(text))
+
+
+def decide(checks: Iterable[Check]) -> tuple[str, tuple[str, ...]]:
+    """The decision and codes that ``checks`` give.
+
+    Applied when every check holds. Otherwise the codes are the failed checks' codes (in order,
+    each once), and the decision is "failed" when one of them is a failure code (fxpasses broke,
+    see :mod:`fxpasses.certificates.codes`), else "refused".
+    """
+    codes = tuple(dict.fromkeys(c.code for c in checks if not c.ok))
+    if not codes:
+        return "applied", ()
+    failure = any(lookup(code).kind == "failure" for code in codes)
+    return ("failed" if failure else "refused"), codes
 
 
 def _as_evidence(obj: Any) -> Any:
@@ -229,5 +279,5 @@ def _as_evidence(obj: Any) -> Any:
     return obj
 
 
-__all__ = ["Certificate", "Check", "Guard", "Site", "Witness", "jsonable", "SCHEMA_VERSION",
-           "DECISIONS", "REGISTRY"]
+__all__ = ["Certificate", "Check", "Guard", "Site", "Witness", "decide", "jsonable",
+           "SCHEMA_VERSION", "DECISIONS", "REGISTRY"]

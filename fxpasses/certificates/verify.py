@@ -9,6 +9,11 @@ nodes; a report records each pipeline step's generated code. Re-verification com
   node-missing         a site node is not in the graph
   node-changed         a site node computes something else: another op, target or inputs
 
+``verify_report`` also reports every integrity problem of the report
+(:mod:`fxpasses.certificates.integrity`: digests, decisions recomputed from the checks, counters,
+recorded steps), and checks every certificate: those decided on the given step against the graph,
+the others against the code recorded for the step they name. None is skipped.
+
 Nodes are compared through the code torch.fx generated for them (``gm.code``, one statement per
 node), read with :mod:`ast`: the graph itself is not saved, its code is, so a saved report can be
 checked without the objects it was made from. (torch.fx has no parser back from code to a Graph;
@@ -24,9 +29,9 @@ from typing import Any
 import torch.fx as fx
 
 from ..pipeline import fingerprint
+from .integrity import PROBLEM_KINDS, Problem, decision_problems, label, report_problems
+from .io import validate
 from .model import Certificate
-
-PROBLEM_KINDS = ("fingerprint-changed", "no-fingerprint", "node-missing", "node-changed")
 
 
 @dataclass(frozen=True)
@@ -71,32 +76,13 @@ def _node_target(stmt: ast.Assign | ast.AnnAssign) -> str | None:
 
 
 @dataclass(frozen=True)
-class Problem:
-    """One way a graph differs from what a certificate was decided on."""
-
-    kind: str  # one of PROBLEM_KINDS
-    certificate: str = ""  # "pass @ nodes"; empty for the graph as a whole
-    node: str = ""
-    expected: str = ""
-    actual: str = ""
-
-    def __post_init__(self) -> None:
-        if self.kind not in PROBLEM_KINDS:
-            raise ValueError(f"unknown problem kind {self.kind!r}; known: {PROBLEM_KINDS}")
-
-    def __str__(self) -> str:
-        where = f"{self.certificate}: " if self.certificate else ""
-        node = f" {self.node}" if self.node else ""
-        change = f": expected {self.expected!r}, found {self.actual!r}" if self.expected else ""
-        return f"{where}{self.kind}{node}{change}"
-
-
-@dataclass(frozen=True)
 class Verification:
-    """The outcome: ``ok`` when no problem was found; ``checked`` certificates were compared."""
+    """The outcome: ``ok`` when no problem was found; ``checked`` certificates were examined,
+    ``compared`` of them against the given graph."""
 
     problems: tuple[Problem, ...]
     checked: int
+    compared: int = 0
 
     @property
     def ok(self) -> bool:
@@ -106,13 +92,9 @@ class Verification:
         return {p.kind for p in self.problems}
 
     def render(self) -> str:
-        head = f"{self.checked} certificate(s) checked: " + ("ok" if self.ok else
-                                                             f"{len(self.problems)} problem(s)")
+        head = (f"{self.checked} certificate(s) checked, {self.compared} against the graph: "
+                + ("ok" if self.ok else f"{len(self.problems)} problem(s)"))
         return "\n".join([head, *(f"  {p}" for p in self.problems)])
-
-
-def _label(cert: Certificate) -> str:
-    return f"{cert.pass_name} @ {', '.join(cert.site.nodes) or '-'}"
 
 
 def _fingerprint_problem(expected: str, gm: fx.GraphModule, label: str = "") -> list[Problem]:
@@ -129,21 +111,23 @@ def _site_problems(cert: Certificate, now: dict[str, Statement],
     problems = []
     for node in cert.site.nodes:
         if node not in now:
-            problems.append(Problem("node-missing", _label(cert), node))
+            problems.append(Problem("node-missing", label(cert), node))
         elif recorded is not None and node in recorded and recorded[node] != now[node]:
-            problems.append(Problem("node-changed", _label(cert), node, recorded[node].expr,
+            problems.append(Problem("node-changed", label(cert), node, recorded[node].expr,
                                     now[node].expr))
     return problems
 
 
 def verify_certificate(cert: Certificate, gm: fx.GraphModule,
                        recorded_code: str | None = None) -> Verification:
-    """Check ``cert`` against ``gm``: fingerprint, site nodes present and, when the code of the
-    graph the certificate was decided on is given, each site node unchanged."""
+    """Check ``cert`` against ``gm``: its decision against its checks, the fingerprint, site nodes
+    present and, when the code of the graph the certificate was decided on is given, each site
+    node unchanged."""
     recorded = statements(recorded_code) if recorded_code is not None else None
-    problems = _fingerprint_problem(cert.graph_fingerprint, gm, _label(cert))
+    problems = decision_problems(cert)
+    problems += _fingerprint_problem(cert.graph_fingerprint, gm, label(cert))
     problems += _site_problems(cert, statements(gm.code), recorded)
-    return Verification(tuple(problems), 1)
+    return Verification(tuple(problems), 1, 1)
 
 
 def _snapshot(special: dict[str, Any], step: str) -> dict[str, Any]:
@@ -156,20 +140,36 @@ def _snapshot(special: dict[str, Any], step: str) -> dict[str, Any]:
 
 def verify_report(report: dict[str, Any], gm: fx.GraphModule, *, step: str = "traced",
                   specialization: int = 0) -> Verification:
-    """Check a report's certificates against ``gm``, the graph of pipeline ``step``.
+    """Check a report (every integrity problem) and its certificates against ``gm``, the graph of
+    pipeline ``step`` of specialization ``specialization``.
 
     By default ``gm`` stands for the traced graph: ``fxpasses.trace`` of the same loss on inputs of
-    the same structure. Its fingerprint is compared with the step's (one problem for the graph),
-    and every certificate decided on that step's graph has its site nodes checked against ``gm``
-    and the recorded code. Certificates decided on another step's graph are not checked.
+    the same structure. Its fingerprint is compared with the step's (one problem for the graph).
+    Every certificate of the specialization is checked: one decided on that step's graph has its
+    site nodes checked against ``gm`` and the recorded code; one decided on another step's graph
+    against that step's recorded code; one with no fingerprint is a ``no-fingerprint`` problem.
+    ValueError if ``report`` is not a valid report or has no such step.
     """
+    validate(report)
+    problems = report_problems(report)
     special = report["specializations"][specialization]
     snapshot = _snapshot(special, step)
-    certs = [c for c in map(Certificate.from_dict, special["certificates"])
-             if c.graph_fingerprint == snapshot["fingerprint"]]
-    now, recorded = statements(gm.code), statements(snapshot["code"])
-    problems = _fingerprint_problem(snapshot["fingerprint"], gm)
+    codes = {s["fingerprint"]: statements(s["code"]) for s in special["snapshots"]}
+    now = statements(gm.code)
+    problems += _fingerprint_problem(snapshot["fingerprint"], gm)
+    certs = [Certificate.from_dict(c, check_digest=False) for c in special["certificates"]]
+    compared = 0
     for cert in certs:
-        problems += _site_problems(cert, now, recorded)
-    return Verification(tuple(problems), len(certs))
+        if cert.graph_fingerprint == snapshot["fingerprint"]:
+            compared += 1
+            problems += _site_problems(cert, now, codes[snapshot["fingerprint"]])
+        elif not cert.graph_fingerprint:
+            problems.append(Problem("no-fingerprint", label(cert)))
+        elif cert.graph_fingerprint in codes:  # decided on another step: against its own code
+            problems += _site_problems(cert, codes[cert.graph_fingerprint], None)
+        # else: fingerprint-unknown, already among report_problems
+    return Verification(tuple(problems), len(certs), compared)
 
+
+__all__ = ["PROBLEM_KINDS", "Problem", "Statement", "Verification", "statements",
+           "verify_certificate", "verify_report"]

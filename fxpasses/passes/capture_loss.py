@@ -1,71 +1,45 @@
 """CaptureLoss: CUDA-graph capture of the loss's capturable regions, forward and backward.
 
 The graph is partitioned (:mod:`fxpasses.analysis.capture`) into maximal regions of capturable
-nodes; each region is fused into a submodule by torch.fx's ``fuse_by_partitions`` and its call is
+nodes; each region is fused into a submodule (:mod:`fxpasses.analysis.fusion`) and its call is
 replaced by a :class:`~fxpasses.runtime.capture.CapturedRegion`, which records and replays it
 (:mod:`fxpasses.runtime.capture`). Everything else runs eagerly between regions. Certificates: one
-per region (applied), one per refusal code (the nodes and ops that stay eager, and why), and one
-per paired call site: inside a region when its shapes are static; otherwise, when the rows are on
+per region (applied), one per source line whose nodes stay eager (a check per node, with its
+code), and one per call proven row-independent by an earlier pass (``fxpasses.facts``): inside a region when its shapes are static; otherwise, when the rows are on
 a capture device and zero padding rows are inert (a float64 witness), its one flow call is recorded
 per power-of-two row bucket (:mod:`fxpasses.runtime.paired_capture`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 from collections import Counter
 from typing import Sequence
 
 import torch
 import torch.fx as fx
-from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
 from ..analysis.capture import CapturePlan, Verdict, plan_regions
+from ..analysis.fusion import fuse_region
 from ..analysis.meta import tensors_in, value
 from ..analysis.witness import padding_witness, witness_holds
 from ..certificates import Certificate, Check, Guard, Site
+from ..facts import RowIndependentCall, proven
 from ..pipeline import PassResult
-from ..runtime import RuntimeSite
+from ..runtime import RuntimeOp
 from ..runtime.capture import CapturedRegion, Recorder
-from ..runtime.paired import PairedCall
+from ..runtime.ownership import OwnedOutputs
+from ..runtime.trace_ops import ReadSource, ReadState
 from ..runtime.paired_capture import CapturedPairedCall
-from ..trace import node_location
+from ..locations import node_location
 
 _PREFIX = "capture_region_"
-_VIEW_METHODS = {"view", "reshape", "squeeze", "unsqueeze", "expand", "expand_as", "view_as",
-                 "permute", "transpose", "t", "detach", "flatten", "unflatten", "narrow", "select"}
-_EXAMPLES = 8
-
-
-def _is_view(node: fx.Node) -> bool:
-    if node.op == "call_method":
-        return node.target in _VIEW_METHODS
-    if node.op == "call_function" and node.target is operator.getitem:
-        return isinstance(value(node.args[0]), torch.Tensor) or not isinstance(node.args[1], int)
-    return node.op == "call_function" and getattr(node.target, "__name__", "") in _VIEW_METHODS
-
-
-def _reaches_output_through_views(node: fx.Node) -> bool:
-    """Whether ``node``'s memory can be returned to the caller (directly or as a view)."""
-    stack, seen = [node], set()
-    while stack:
-        current = stack.pop()
-        for user in current.users:
-            if user.op == "output":
-                return True
-            if user not in seen and _is_view(user):
-                seen.add(user)
-                stack.append(user)
-    return False
-
-
-def _owned_outputs(fused: fx.Node) -> frozenset[int]:
-    """Flat output positions of a fused region that the caller may keep (they are cloned)."""
-    getitems = [u for u in fused.users if u.op == "call_function" and u.target is operator.getitem]
-    if getitems and len(getitems) == len(fused.users):
-        return frozenset(u.args[1] for u in getitems if _reaches_output_through_views(u))
-    return frozenset({0}) if _reaches_output_through_views(fused) else frozenset()
+def _is_state(arg: object) -> bool:
+    """A value the graph reads from the loss's state (a parameter, a buffer, a tensor attribute)
+    rather than computes or receives as input: replays read it in place."""
+    if not isinstance(arg, fx.Node):
+        return False
+    return arg.op == "get_attr" or (arg.op == "call_function" and isinstance(arg.target, (ReadState, ReadSource)))
 
 
 def _histogram(nodes: Sequence[fx.Node], verdicts: dict[fx.Node, Verdict]) -> dict[str, int]:
@@ -99,64 +73,92 @@ class CaptureLoss:
 
     def run(self, gm: fx.GraphModule) -> PassResult:
         devices = {t.device.type for n in gm.graph.nodes for t in tensors_in(value(n))}
-        if not devices & set(self.devices):
-            check = Check("tensors-on-device", False, {"devices_seen": tuple(sorted(devices)),
-                                                       "capture_devices": self.devices,
-                                                       "cuda_available": torch.cuda.is_available()},
-                          "no-cuda")
+        on_device = bool(devices & set(self.devices))
+        cuda_ok = "cuda" not in self.devices or torch.cuda.is_available() or "cuda" not in devices
+        if not on_device or not cuda_ok:
+            checks = [Check("tensors-on-capture-device", on_device, {
+                              "devices_seen": tuple(sorted(devices)), "capture_devices": self.devices},
+                            None if on_device else "not-on-capture-device"),
+                      Check("cuda-available", cuda_ok, {"cuda_available": torch.cuda.is_available()},
+                            None if cuda_ok else "cuda-unavailable")]
             return PassResult(gm, False, [Certificate.from_checks(self.name, Site((), (), "whole loss"),
-                                                                  [check])])
+                                                                  checks)])
         plan = plan_regions(gm, self.devices, self.min_region_ops)
         certificates = self._refusals(plan) + self._too_small(plan)
         region_certs = [self._region_certificate(i, nodes, plan) for i, nodes in enumerate(plan.regions)]
-        paired = [self._paired_site(gm, node, plan) for node in gm.graph.nodes
-                  if isinstance(node.target, PairedCall)]
+        calls = [(node, fact) for node in gm.graph.nodes
+                 if (fact := proven(node, RowIndependentCall.kind)) is not None]
+        paired = [self._row_independent_call(gm, node, fact, plan) for node, fact in calls]
+        regions = [self._capture_padded(gm, node, fact) for (node, fact), cert in zip(calls, paired)
+                   if cert.applied and not any(node in r for r in plan.regions)]  # (else in a region)
         if plan.regions:
-            self._fuse(gm, plan)
-        modified = bool(plan.regions) or any(c.applied for c in paired)
-        return PassResult(gm, modified, region_certs + paired + certificates)
+            regions += self._fuse(gm, plan)
+        if regions:
+            self._own_outputs(gm, regions)
+        return PassResult(gm, bool(regions), region_certs + paired + certificates)
+
+    def _capture_padded(self, gm: fx.GraphModule, node: fx.Node, fact: RowIndependentCall) -> CapturedRegion:
+        """Replace a row-independent call by one that replays it per row bucket (the node keeps
+        its arguments: the module, then the rows)."""
+        captured = CapturedPairedCall(f"captured_{node.name}", fact.method, devices=self.devices,
+                                      min_bucket=self.min_bucket, max_recordings=self.max_recordings,
+                                      recorder=self.recorder)
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(captured, node.args, node.kwargs)
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        return captured.region
 
     # -- rewrite --------------------------------------------------------------------------
-    def _fuse(self, gm: fx.GraphModule, plan: CapturePlan) -> None:
-        partitions = [dict.fromkeys(nodes) for nodes in plan.regions]
-        try:
-            fuse_by_partitions(gm, partitions, prefix=_PREFIX)
-        except TypeError:  # torch < 2.6 has no prefix argument
-            fuse_by_partitions(gm, partitions)
-        fused = [n for n in gm.graph.nodes if n.op == "call_module" and
-                 n.target.startswith((_PREFIX, "fused_"))]
+    def _fuse(self, gm: fx.GraphModule, plan: CapturePlan) -> list[CapturedRegion]:
+        fused = [fuse_region(gm, nodes, f"{_PREFIX}{i}") for i, nodes in enumerate(plan.regions)]
+        regions = []
         for node in fused:
-            region = gm.get_submodule(node.target)
-            site = CapturedRegion(node.target, region, owned=_owned_outputs(node),
-                                  max_recordings=self.max_recordings, recorder=self.recorder)
+            # parameters, buffers and other state read by the graph are used in place, never copied
+            identity = frozenset(i for i, a in enumerate(node.args) if _is_state(a))
+            region = CapturedRegion(node.target, gm.get_submodule(node.target), identity=identity,
+                                    max_recordings=self.max_recordings, recorder=self.recorder)
             with gm.graph.inserting_before(node):
-                call = gm.graph.call_function(site, node.args, node.kwargs)
+                call = gm.graph.call_function(region, node.args, node.kwargs)
             call.meta = dict(node.meta)
             node.replace_all_uses_with(call)
             gm.graph.erase_node(node)
-            gm.delete_submodule(node.target)
+            regions.append(region)
+        return regions
+
+    @staticmethod
+    def _own_outputs(gm: fx.GraphModule, regions: list[CapturedRegion]) -> None:
+        """Route the graph's outputs through one OwnedOutputs (see fxpasses.runtime.ownership)."""
+        output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        leaves = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+        with gm.graph.inserting_before(output):
+            owned = gm.graph.call_function(OwnedOutputs("own_outputs", regions), tuple(leaves))
+        output.args = (owned,) if isinstance(output.args[0], (tuple, list)) else \
+            (gm.graph.call_function(operator.getitem, (owned, 0)),)
 
     # -- certificates ---------------------------------------------------------------------
     def _region_certificate(self, index: int, nodes: list[fx.Node], plan: CapturePlan) -> Certificate:
         inside = set(nodes)
         inputs = {a for n in nodes for a in n.all_input_nodes if a not in inside}
         outputs = [n for n in nodes if any(u not in inside for u in n.users)]
-        owned = [n.name for n in outputs if _reaches_output_through_views(n)]
         the_checks = [
             Check("ops-capturable", True, {"ops": _histogram(nodes, plan.verdicts),
-                                           "table": "fxpasses.analysis.capture_rules"}),
+                                           "table": "fxpasses.analysis.capture_rules.ROWS"}),
             Check("static-shapes", True, {"evidence": "no unbacked (data-dependent) size in any "
                                           "node's FakeTensorProp metadata"}),
             Check("on-capture-device", True, {"devices": self.devices}),
-            Check("no-barrier-inside", True, {"partitioner": "fxpasses convex greedy regions; fuse_by_partitions",
-                                              "split_at": "grad-mode switches, in-place and unknown ops"}),
+            Check("no-barrier-inside", True, {"partitioner": "fxpasses convex greedy regions; fxpasses.analysis.fusion",
+                                              "split_at": "grad-mode switches, ops writing their inputs, "
+                                                          "user code, nodes without metadata"}),
         ]
         effect = {"region": f"{_PREFIX}{index}", "nodes": len(nodes),
                   "kernel_ops": plan.kernel_ops(nodes), "inputs": len(inputs),
-                  "outputs": len(outputs), "owned_outputs": tuple(owned),
-                  "copy_in": "every tensor input is copied into its static buffer before a replay",
-                  "copy_out": f"{len(owned)} caller-visible outputs and every input gradient are "
-                              "cloned out of graph memory per replay",
+                  "outputs": len(outputs),
+                  "copy_in": "tensor inputs are copied into static buffers before a replay; "
+                             "parameters and buffers are read in place and receive gradients",
+                  "copy_out": "every input gradient is cloned out of graph memory; outputs that "
+                              "reach the caller are cloned when they lie in graph memory",
                   "memory_pool": "one private pool per region (forward, backward, all recordings)"}
         guards = (
             Guard("signature", "input shapes, strides, dtypes, devices, requires_grad, constants, "
@@ -164,6 +166,9 @@ class CaptureLoss:
                   "record-budget", {"max_recordings": self.max_recordings}),
             Guard("backward-done", "the previous replay's backward has run (or its graph was "
                   "freed)", "replay-pending-backward"),
+            Guard("memory-free", "no tensor outside the recording refers to its static memory "
+                  "(storage use counts)", "outputs-alive"),
+            Guard("one-thread", "no other thread is inside the region", "concurrent-call"),
             Guard("capture-ok", "recording did not fail", "capture-failed"),
             Guard("no-new-hooks", "whole-loss guard", "hook-added"),
         )
@@ -172,20 +177,20 @@ class CaptureLoss:
         return Certificate.from_checks(self.name, site, the_checks, effect=effect, guards=guards)
 
     def _refusals(self, plan: CapturePlan) -> list[Certificate]:
-        by_code: dict[str, list[fx.Node]] = {}
+        """One certificate per source line whose nodes stay eager, a check per node."""
+        by_line: dict[str, list[fx.Node]] = {}
         for node, verdict in plan.verdicts.items():
-            if verdict.code and not isinstance(node.target, RuntimeSite):
-                by_code.setdefault(verdict.code, []).append(node)
+            if verdict.code and not isinstance(node.target, RuntimeOp):
+                by_line.setdefault(node_location(node), []).append(node)
         certs = []
-        for code, nodes in by_code.items():
-            examples = tuple(f"{n.name} ({plan.verdicts[n].op}"
-                             f"{', ' + plan.verdicts[n].detail if plan.verdicts[n].detail else ''})"
-                             f" at {node_location(n) or '?'}" for n in nodes[:_EXAMPLES])
-            check = Check("capturable", False, {"nodes": len(nodes), "ops": _histogram(nodes, plan.verdicts),
-                                                "examples": examples}, code)
-            locations = tuple(dict.fromkeys(loc for n in nodes if (loc := node_location(n))))[:_EXAMPLES]
-            site = Site(tuple(n.name for n in nodes), locations, f"{len(nodes)} nodes run eagerly: {code}")
-            certs.append(Certificate.from_checks(self.name, site, [check]))
+        for location, nodes in by_line.items():
+            checks = [Check(f"capturable {n.name}", False, {
+                "op": plan.verdicts[n].op, "statement": n.format_node()[:200],
+                "row": plan.verdicts[n].detail}, plan.verdicts[n].code) for n in nodes]
+            codes = ", ".join(dict.fromkeys(c.code for c in checks))
+            site = Site(tuple(n.name for n in nodes), (location,) if location else (),
+                        f"{len(nodes)} node(s) stay eager: {codes}")
+            certs.append(Certificate.from_checks(self.name, site, checks))
         return certs
 
     def _too_small(self, plan: CapturePlan) -> list[Certificate]:
@@ -198,33 +203,34 @@ class CaptureLoss:
             certs.append(Certificate.from_checks(self.name, Site(tuple(n.name for n in nodes)), [check]))
         return certs
 
-    def _paired_site(self, gm: fx.GraphModule, node: fx.Node, plan: CapturePlan) -> Certificate:
-        """A paired call: inside a region if static; else recorded per row bucket if padding is safe."""
-        site: PairedCall = node.target
+    def _row_independent_call(self, gm: fx.GraphModule, node: fx.Node, fact: RowIndependentCall,
+                              plan: CapturePlan) -> Certificate:
+        """A call proven row-independent: inside a region if static; else recorded per row
+        bucket if padding is safe (the proof licenses padding; a float64 witness checks it)."""
         verdict = plan.verdicts[node]
-        where = Site((node.name,), (node_location(node),), f"run-time site {site.site_id}")
+        where = Site((node.name,), (node_location(node),), f"row-independent call {node.name}")
         inside = any(node in r for r in plan.regions)
         if inside or verdict.code != "dynamic-shape":
-            check = Check("site-in-region", inside, {"site": site.site_id, "runs": "inside a region"
-                                                     if inside else "eagerly between regions",
+            check = Check("call-in-region", inside, {"runs": "inside a region" if inside else
+                                                     "eagerly between regions",
                                                      "reason": verdict.detail or verdict.code or ""},
-                          None if inside else (verdict.code or "op-not-capturable"))
+                          None if inside else (verdict.code or "op-unknown"))
             return Certificate.from_checks(self.name, where, [check])
         rows = [value(a) for a in node.args[1:]]
-        module = gm.get_submodule(node.args[0].target)
+        module = gm.get_submodule(fact.module)
         on_device = all(isinstance(r, torch.Tensor) and r.device.type in self.devices for r in rows)
         checks = [
-            Check("rows-dynamic", True, {"site": site.site_id, "reason": "row count is data-dependent",
-                                         "licence": "row independence, certified for this PairedCall "
-                                                    "by the pass that created it"}),
+            Check("rows-dynamic", True, {"reason": "row count is data-dependent",
+                                         "licence": f"row independence of {fact.module}.{fact.method}, "
+                                                    f"proved by certificate {fact.certificate}"}),
             Check("rows-on-capture-device", on_device, {"devices": tuple(str(r.device) for r in rows
                                                                           if isinstance(r, torch.Tensor))},
-                  None if on_device else "no-cuda"),
+                  None if on_device else "device-not-captured"),
         ]
         witness = None
         if on_device:
             trailing = tuple(int(d) for d in rows[0].shape[1:])
-            witness = padding_witness(module, site.method, trailing)
+            witness = padding_witness(module, fact.method, trailing)
             holds = witness_holds(witness)
             checks.append(Check("zero-padding-rows-are-inert", holds, {
                 "max_abs_value_diff": witness.max_abs_value_diff,
@@ -236,12 +242,5 @@ class CaptureLoss:
         guards = (Guard("bucket-recorded", "a recording exists for the padded row count (else record, "
                         "within budget)", "record-budget", {"max_recordings": self.max_recordings}),
                   Guard("backward-done", "the previous replay's backward has run", "replay-pending-backward"))
-        cert = Certificate.from_checks(self.name, where, checks, effect=effect, guards=guards,
+        return Certificate.from_checks(self.name, where, checks, effect=effect, guards=guards,
                                        witness=witness)
-        if cert.applied:
-            captured = CapturedPairedCall(f"captured_{site.site_id}", site.method, devices=self.devices,
-                                          min_bucket=self.min_bucket, max_recordings=self.max_recordings,
-                                          recorder=self.recorder)
-            node.target = captured
-            cert = dataclasses.replace(cert, effect={**cert.effect, "new_nodes": (node.name,)})
-        return cert

@@ -22,22 +22,24 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..analysis.capture_rules import is_mutation
-from ..analysis.graph import dependent_pairs, downstream, grad_modes, to_digraph
+from ..analysis.order import conflict
+from ..analysis.graph import (dependent_pairs, downstream, grad_modes, gradient_may_reach_output,
+                              to_digraph)
 from ..analysis.meta import is_dynamic, value
 from ..analysis.rows import analyze_rows
 from ..analysis.witness import pairing_witness, witness_holds
 from ..certificates import Certificate, Check, Guard, Site
+from ..facts import RowIndependentCall, prove
 from ..pipeline import PassResult
 from ..runtime.paired import PairedCall
-from ..trace import node_location
+from ..locations import node_location
 from . import checks
 
 _WITNESS_ROWS = ((5, 3), (0, 4), (2, 0))
 
 
 @dataclass
-class CallSite:
+class CallGroup:
     """Calls of one method on one module object."""
 
     module: nn.Module
@@ -53,27 +55,20 @@ class CallSite:
                     description or f"{len(self.calls)} calls of {self.path}.{self.method}")
 
 
-def _order_matters(node: fx.Node) -> bool:
-    """Side effects that fix a node's place (grad-mode switches are compared separately)."""
-    if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
-        return False
-    return is_mutation(node) or (node.op.startswith("call_") and node.is_impure())
-
-
 class PairCalls:
     """Pair every group of calls of ``methods`` on one module (see the module docstring).
 
+    ``methods``: method names to pair (default ``log_prob``; ``"forward"`` pairs module calls).
     ``modules``: restrict to these module paths or classes (default: any module).
     ``allow_overrides``: classes whose overriding of inherited scoring code is intended.
     """
 
     name = "PairCalls"
 
-    def __init__(self, methods: Sequence[str] = ("log_prob",), *, modules: Sequence[Any] = (),
-                 allow_overrides: Sequence[type] = ()):
-        if isinstance(methods, str):
-            methods = (methods,)
-        self.methods = tuple(methods)
+    def __init__(self, *methods: str, modules: Sequence[Any] = (), allow_overrides: Sequence[type] = ()):
+        if not all(isinstance(m, str) for m in methods):
+            raise TypeError(f"methods are method names (str), got {methods!r}")
+        self.methods = tuple(methods) or ("log_prob",)
         self.modules = tuple(modules)
         self.allow_overrides = tuple(allow_overrides)
 
@@ -86,8 +81,8 @@ class PairCalls:
             return True
         return any(m == path or (isinstance(m, type) and isinstance(module, m)) for m in self.modules)
 
-    def _call_sites(self, gm: fx.GraphModule) -> list[CallSite]:
-        grouped: dict[tuple[int, str], CallSite] = {}
+    def _call_sites(self, gm: fx.GraphModule) -> list[CallGroup]:
+        grouped: dict[tuple[int, str], CallGroup] = {}
         for node in gm.graph.nodes:
             if node.op == "call_method" and node.target in self.methods \
                     and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr":
@@ -100,15 +95,17 @@ class PairCalls:
             if not self._wanted(path, module):
                 continue
             key = (id(module), method)
-            grouped.setdefault(key, CallSite(module, path, method, [])).calls.append(node)
+            grouped.setdefault(key, CallGroup(module, path, method, [])).calls.append(node)
         return list(grouped.values())
 
     # -- the pass -------------------------------------------------------------------------
     def run(self, gm: fx.GraphModule) -> PassResult:
         sites = self._call_sites(gm)
+        if not sites:
+            return PassResult(gm, False, [self._no_site(gm)])
         certificates: list[Certificate] = []
         modified = False
-        by_kind: dict[tuple[type, str], list[CallSite]] = defaultdict(list)
+        by_kind: dict[tuple[type, str], list[CallGroup]] = defaultdict(list)
         for s in sites:
             by_kind[(type(s.module), s.method)].append(s)
         for group in by_kind.values():
@@ -121,18 +118,36 @@ class PairCalls:
                 if len(s.calls) > 1:
                     cert = self._decide(gm, s)
                     if cert.applied:
-                        new_nodes = self._rewrite(gm, s)
-                        cert = dataclasses.replace(cert, effect={**cert.effect, "new_nodes": new_nodes})
+                        new_nodes, detached = self._rewrite(gm, s, cert.id)
+                        cert = dataclasses.replace(cert, effect={**cert.effect, "new_nodes": new_nodes,
+                                                                 "rows_detached": detached})
                         modified = True
                     certificates.append(cert)
         return PassResult(gm, modified, certificates)
 
-    def _single(self, s: CallSite) -> Certificate:
+    def _no_site(self, gm: fx.GraphModule) -> Certificate:
+        """No call of ``methods`` in the graph; the wanted modules the trace went through are
+        named (their calls became their ops: nothing is left to pair)."""
+        reached = getattr(gm.meta.get("fxpasses"), "modules", ())
+        paths: dict[int, list[str]] = defaultdict(list)  # a module's paths below each reached one
+        for top in reached:
+            for path, m in top.named_modules():
+                if path and any(m is r for r in reached):
+                    paths[id(m)].append(path)
+        through = sorted({min(paths[id(m)], key=len) for m in reached if paths[id(m)]
+                          and any(self._wanted(p, m) for p in paths[id(m)])
+                          and any(callable(getattr(m, name, None)) for name in self.methods)})
+        check = Check("call-sites-found", False, {
+            "methods": self.methods, "modules": tuple(map(_shown, self.modules)),
+            "traced_through": tuple(through[:10])}, "no-site")
+        return Certificate.from_checks(self.name, Site((), (), "the whole graph"), [check])
+
+    def _single(self, s: CallGroup) -> Certificate:
         check = Check("has-partner", False, {"module": s.path, "method": s.method, "calls": 1},
                       "pair-single-call")
         return Certificate.from_checks(self.name, s.site(), [check])
 
-    def _different_modules(self, singles: list[CallSite]) -> Certificate:
+    def _different_modules(self, singles: list[CallGroup]) -> Certificate:
         evidence = {"modules": tuple(s.path for s in singles),
                     "ids": tuple(hex(id(s.module)) for s in singles),
                     "class": type(singles[0].module).__qualname__}
@@ -142,7 +157,7 @@ class PairCalls:
                     f"{len(calls)} calls of {singles[0].method} on different modules")
         return Certificate.from_checks(self.name, site, [check])
 
-    def _decide(self, gm: fx.GraphModule, s: CallSite) -> Certificate:
+    def _decide(self, gm: fx.GraphModule, s: CallGroup) -> Certificate:
         module = s.module
         rows_check, analysis = self._row_checks(s)
         the_checks = [
@@ -189,31 +204,37 @@ class PairCalls:
         return Certificate.from_checks(self.name, s.site(), the_checks, effect=effect, guards=guards,
                                        witness=witness)
 
-    def _call_signature(self, s: CallSite) -> Check:
+    def _call_signature(self, s: CallGroup) -> Check:
         bad = [c.name for c in s.calls
                if c.kwargs or len(c.args) != (2 if c.op == "call_method" else 1)]
         return Check("rows-only-argument", not bad, {"calls_with_other_arguments": tuple(bad)},
                      None if not bad else "pair-call-signature")
 
-    def _graph_checks(self, gm: fx.GraphModule, s: CallSite) -> list[Check]:
+    def _graph_checks(self, gm: fx.GraphModule, s: CallGroup) -> list[Check]:
         g = to_digraph(gm.graph)
         dependent = dependent_pairs(g, s.calls)
         independent = Check("calls-independent", not dependent, {
             "dependencies": tuple(f"{a} -> {b}" for a, b in dependent), "analysis": "networkx.has_path"},
             None if not dependent else "calls-dependent")
         moved, jumped = self._reordering(gm, s, g) if not dependent else ([], [])
-        mutations = [n.name for n in [*moved, *jumped] if _order_matters(n)]
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        # a moved node now runs after every jumped node: only those it used to precede swap
+        conflicts = [f"{m.name} / {j.name}: {why}" for m in moved for j in jumped
+                     if order[j] > order[m] and (why := conflict(m, j)) is not None]
         modes = grad_modes(gm.graph)
         last = max(s.calls, key=list(gm.graph.nodes).index)
         mode_changes = [n.name for n in moved if modes[n] != modes[last]]
-        ok = not mutations and not mode_changes
-        reorder = Check("reorder-pure", ok, {
-            "moved_nodes": len(moved), "mutations": tuple(mutations),
-            "grad_mode_changes": tuple(mode_changes)}, None if ok else "pair-reorder-mutation")
+        ok = not conflicts and not mode_changes
+        reorder = Check("reorder-safe", ok, {
+            "moved_nodes": len(moved), "jumped_nodes": len(jumped),
+            "conflicts": tuple(conflicts[:10]), "conflicts_total": len(conflicts),
+            "grad_mode_changes": tuple(mode_changes),
+            "analysis": "fxpasses.analysis.order (storages, random draws, attributes)"},
+            None if ok else "pair-reorder-mutation")
         return [independent, reorder]
 
     @staticmethod
-    def _reordering(gm: fx.GraphModule, s: CallSite, g) -> tuple[list[fx.Node], list[fx.Node]]:
+    def _reordering(gm: fx.GraphModule, s: CallGroup, g) -> tuple[list[fx.Node], list[fx.Node]]:
         """Nodes the rewrite moves after the merged call, and the nodes they jump over."""
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         last = max(s.calls, key=order.__getitem__)
@@ -228,44 +249,64 @@ class PairCalls:
         return moved, jumped
 
     @staticmethod
-    def _trailing(s: CallSite) -> tuple[int, ...]:
+    def _trailing(s: CallGroup) -> tuple[int, ...]:
         return tuple(int(d) for d in value(s.rows(s.calls[0])).shape[1:])
 
-    def _row_checks(self, s: CallSite) -> tuple[list[Check], Any]:
+    def _row_checks(self, s: CallGroup) -> tuple[list[Check], Any]:
+        """Rows with metadata, one layout, row independence: all evaluated (the last on the first
+        branch's layout, whenever that layout is known)."""
         vals = [value(s.rows(c)) if isinstance(s.rows(c), fx.Node) else None for c in s.calls]
-        if any(not isinstance(v, torch.Tensor) for v in vals):
-            check = Check("rows-metadata", False, {"reason": "an input is not a tensor with metadata"},
-                          "rows-analysis-failed")
-            return [check], None
+        tensors = [v for v in vals if isinstance(v, torch.Tensor)]
+        meta = Check("rows-metadata", len(tensors) == len(vals),
+                     {"with_metadata": len(tensors), "calls": len(vals)},
+                     None if len(tensors) == len(vals) else "rows-analysis-failed")
         layout = {"trailing": tuple(tuple(int(d) for d in v.shape[1:]) if v.dim() and not
-                                    is_dynamic(v.shape[1:]) else None for v in vals),
-                  "dtypes": tuple(str(v.dtype) for v in vals),
-                  "devices": tuple(str(v.device) for v in vals)}
-        same = all(t is not None for t in layout["trailing"]) and len(set(layout["trailing"])) == 1
-        shape_check = Check("rows-same-layout", same, layout, None if same else "pair-row-shape-mismatch")
-        if not same:
-            return [shape_check], None
-        v = vals[0]
-        example = torch.randn((5, *layout["trailing"][0]), dtype=v.dtype, device=_real_device(v.device))
+                                    is_dynamic(v.shape[1:]) else None for v in tensors),
+                  "dtypes": tuple(str(v.dtype) for v in tensors),
+                  "devices": tuple(str(v.device) for v in tensors)}
+        same = meta.ok and all(t is not None for t in layout["trailing"]) and len(set(layout["trailing"])) == 1
+        shape = Check("rows-same-layout", same, layout, None if same else "pair-row-shape-mismatch")
+        if not tensors or layout["trailing"][0] is None:
+            return [meta, shape, Check("row-independent", False, {
+                "not_evaluated": "no branch's rows have a known layout"}, "rows-analysis-failed")], None
+        v = tensors[0]
+        example = torch.empty((5, *layout["trailing"][0]), dtype=v.dtype, device=_real_device(v.device))
         with _autocast_off():  # the proof is about the ops; autocast's casts are measured on GPU
             analysis = analyze_rows(s.module, s.method, example)
-        rows = Check("row-independent", analysis.ok, analysis.evidence, analysis.code)
-        return [shape_check, rows], analysis
+        return [meta, shape, Check("row-independent", analysis.ok, analysis.evidence, analysis.code)], analysis
 
     # -- the rewrite ----------------------------------------------------------------------
-    def _rewrite(self, gm: fx.GraphModule, s: CallSite) -> tuple[str, ...]:
-        """Replace the calls by one PairedCall and getitems; returns the new nodes' names."""
+    def _rewrite(self, gm: fx.GraphModule, s: CallGroup, proof: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Replace the calls by one PairedCall and getitems; returns the new nodes' names and the
+        calls whose rows enter detached.
+
+        A call whose result no gradient reaches gives its rows none natively (``x.grad`` stays
+        None); stacked with the other branches' rows they would get a zero gradient, so they
+        enter the stacked call detached (the same values; nothing flows back through them).
+        """
         graph = gm.graph
         g = to_digraph(graph)
         moved, _ = self._reordering(gm, s, g)
         order = {n: i for i, n in enumerate(graph.nodes)}
         last = max(s.calls, key=order.__getitem__)
+        detached = tuple(c.name for c in s.calls if not gradient_may_reach_output(c))
         site = PairedCall(f"pair_{s.path.replace('.', '_')}_{s.method}", s.method)
         with graph.inserting_after(last):
             module_node = graph.get_attr(s.path)
-        with graph.inserting_after(module_node):
-            paired = graph.call_function(site, (module_node, *[s.rows(c) for c in s.calls]))
-        anchor, new_nodes = paired, [module_node.name, paired.name]
+        anchor, rows, new_nodes = module_node, [], [module_node.name]
+        for call in s.calls:
+            row = s.rows(call)
+            if call.name in detached:
+                with graph.inserting_after(anchor):
+                    row = anchor = graph.call_method("detach", (row,))
+                row.meta = {k: v for k, v in s.rows(call).meta.items() if k == "val"}
+                new_nodes.append(row.name)
+            rows.append(row)
+        with graph.inserting_after(anchor):
+            paired = graph.call_function(site, (module_node, *rows))
+        prove(paired, RowIndependentCall(proof, s.path, s.method))
+        anchor = paired
+        new_nodes.append(paired.name)
         for i, call in enumerate(s.calls):
             with graph.inserting_after(anchor):
                 part = graph.call_function(operator.getitem, (paired, i))
@@ -281,7 +322,7 @@ class PairCalls:
             graph.erase_node(call)
             if owner is not None and not owner.users:
                 graph.erase_node(owner)
-        return tuple(new_nodes)
+        return tuple(new_nodes), detached
 
 
 def _autocast_off() -> contextlib.ExitStack:
@@ -295,3 +336,7 @@ def _real_device(device: torch.device) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         return torch.device("cpu")
     return device
+
+
+def _shown(module_spec: Any) -> str:
+    return module_spec.__qualname__ if isinstance(module_spec, type) else str(module_spec)

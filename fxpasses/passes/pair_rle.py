@@ -9,17 +9,11 @@ selection precedes the stacking, so unlabelled points never reach the flow.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
-
 from .pair_calls import PairCalls
 
 
 class PairRLE(PairCalls):
     """``PairRLE()`` pairs the ``log_prob`` calls on each module; ``PairRLE("forward", ...)``
-    names other methods, ``modules=`` restricts to module paths or classes."""
+    names other methods, ``modules=`` restricts to module paths or classes (as PairCalls)."""
 
     name = "PairRLE"
-
-    def __init__(self, *methods: str, modules: Sequence[Any] = (),
-                 allow_overrides: Sequence[type] = ()):
-        super().__init__(methods or ("log_prob",), modules=modules, allow_overrides=allow_overrides)

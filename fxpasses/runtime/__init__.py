@@ -1,63 +1,76 @@
 """Objects that rewritten graphs call at run time, and the counters they keep.
 
 A rewrite that needs run-time decisions (per-call guards, CUDA graph replay) puts a
-:class:`RuntimeSite` into the graph as a ``call_function`` target. Each site keeps a Counter of
-what happened on each call (e.g. ``paired``, ``pair-dtype-mismatch``), which
-``OptimizedLoss.stats`` gathers by walking the graph.
+:class:`RuntimeOp` into the graph as a ``call_function`` target. A RuntimeOp has two behaviours:
+
+* ``op(*args)``: the call at run time, which keeps a Counter of what happened (``paired``,
+  ``replayed``, ``pair-dtype-mismatch``...), gathered by ``OptimizedLoss.stats``;
+* ``op.propagate(*args)``: what it computes when shapes are propagated with fake tensors
+  (:mod:`fxpasses.analysis.meta` calls it instead of the op): no counters, no recordings, no
+  run-time guards — only the values' metadata matters.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from collections import Counter
-from typing import Iterator
+from typing import Any
 
 import torch.fx as fx
 
-_state = threading.local()
+from ..certificates.codes import note
 
 
-@contextlib.contextmanager
-def propagating() -> Iterator[None]:
-    """Sites run on fake tensors for metadata inside this context: not calls, not counted."""
-    previous = getattr(_state, "propagating", False)
-    _state.propagating = True
-    try:
-        yield
-    finally:
-        _state.propagating = previous
+class RuntimeOp:
+    """Base of call_function targets with a name torch.fx can print and per-op counters.
 
-
-def is_propagating() -> bool:
-    return getattr(_state, "propagating", False)
-
-
-class RuntimeSite:
-    """Base of call_function targets with a name torch.fx can print and per-site counters.
-
-    ``pure``: the site has no side effects beyond its outputs (nodes may be reordered around it).
-    ``capturable``: the site may run inside a CUDA graph region when its shapes are static.
+    ``pure``: no side effects beyond its outputs (nodes may be reordered around it).
+    ``capturable``: it may run inside a CUDA graph region when its shapes are static.
     """
 
     __module__ = "fxpasses.runtime"
     pure = False
     capturable = False
 
-    def __init__(self, site_id: str):
-        self.site_id = site_id
-        self.__name__ = site_id.replace("-", "_").replace(".", "_")
+    def __init__(self, op_id: str):
+        self.op_id = op_id
+        self.__name__ = op_id.replace("-", "_").replace(".", "_")
         self.__qualname__ = self.__name__
         self.counters: Counter[str] = Counter()
 
+    def count(self, event: str) -> None:
+        """Count one occurrence of ``event`` (a reason code or an event such as ``replayed``)."""
+        self.counters[event] += 1
+        note(event)
+
+    def __call__(self, *args: Any) -> Any:
+        raise NotImplementedError
+
+    def propagate(self, *args: Any) -> Any:
+        """The op's result on fake tensors, for shape propagation (see the module docstring)."""
+        raise NotImplementedError
+
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.site_id}>"
+        return f"<{type(self).__name__} {self.op_id}>"
 
 
-def runtime_sites(gm: fx.GraphModule) -> list[RuntimeSite]:
-    """The RuntimeSite targets of ``gm``'s graph, in node order, each once."""
-    seen: dict[int, RuntimeSite] = {}
+def propagating_call(target: Any, args: tuple, kwargs: dict) -> Any:
+    """``target(*args, **kwargs)``, or ``target.propagate(...)`` when it is a RuntimeOp."""
+    if isinstance(target, RuntimeOp):
+        return target.propagate(*args, **kwargs)
+    return target(*args, **kwargs)
+
+
+class Propagator(fx.Interpreter):
+    """Runs a graph for its metadata: RuntimeOps inside it propagate instead of running."""
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        return propagating_call(target, args, kwargs)
+
+
+def runtime_ops(gm: fx.GraphModule) -> list[RuntimeOp]:
+    """The RuntimeOp targets of ``gm``'s graph, in node order, each once."""
+    seen: dict[int, RuntimeOp] = {}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and isinstance(node.target, RuntimeSite):
+        if node.op == "call_function" and isinstance(node.target, RuntimeOp):
             seen.setdefault(id(node.target), node.target)
     return list(seen.values())

@@ -5,64 +5,99 @@ call it builds the input *signature* (shapes, strides, dtypes, devices, requires
 arguments, grad mode and autocast state) and replays the recording made for it; a new signature
 is recorded (warm-up on a side stream, then one CUDA graph for the forward and one for the
 backward, as ``torch.cuda.make_graphed_callables`` does), up to ``max_recordings`` per region.
-Past the budget, after a failed capture, or while the previous replay's backward is still
-pending, the region runs eagerly — same values, counted by reason.
 
-Ownership: inputs are copied into the recording's static buffers before each replay (never baked
-in); outputs the caller may keep (``owned``) and every gradient handed to autograd are cloned out
-of the graph's memory, so the next replay cannot overwrite them. Each region has its own memory
-pool, shared by its forward and backward graphs and all its recordings: pools shared *between*
-regions are only safe when regions are recorded in replay order, which re-recording breaks.
+Module state. A module passed as an argument (a paired call's flow) and the submodules of the
+recorded function itself (an ``nn.Linear`` inside a fused region) contribute their parameters and
+buffers as extra inputs, read *in place* (their addresses are part of the signature, never
+copied) and differentiated like any input: every parameter read inside a region gets its gradient.
+
+Memory. Replays write into the recording's static buffers. A replay is admitted only when that
+memory is free, else the region runs eagerly for this call, counted by reason:
+
+* ``replay-pending-backward``: the previous replay's backward has not run (its activations live
+  in the region's memory pool);
+* ``outputs-alive``: a tensor still refers to this recording's static inputs or outputs (kept by
+  the caller, or saved for backward by an eager op of an earlier call whose backward is pending)
+  — checked by storage use counts, as torch's own CUDA-graph trees check their outputs'
+  liveness (``torch/_inductor/cudagraph_trees.py``);
+* ``concurrent-call``: another thread is inside this region;
+* ``record-budget`` and ``capture-failed``.
+
+Gradients handed to autograd are cloned out of graph memory. A backward of a replay that a later
+replay overwrote (``backward(retain_graph=True)`` twice around a new forward) raises
+:class:`StaleReplayError`. A backward with ``create_graph=True`` (second-order gradients) is
+recomputed eagerly from the saved inputs, so it is differentiable, counted as
+``double-backward-eager``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
+import torch.fx as fx
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
+from ..certificates.codes import note
 from ..guards import ambient_state
-from . import RuntimeSite, is_propagating
+from . import Propagator, RuntimeOp
+
+
+class StaleReplayError(RuntimeError):
+    """A backward reached a replay whose graph memory a later replay has overwritten."""
+
+    code = "stale-backward"
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        note(self.code)
 
 
 def signature(args: Sequence[Any], identity: frozenset[int] = frozenset()) -> tuple:
     """What a recording depends on, besides the values of its tensor inputs.
 
     Inputs at ``identity`` positions (parameters, buffers) are used in place, not copied: their
-    memory address is part of the signature.
+    memory address is part of the signature. Modules are keyed by identity.
     """
     parts = []
     for i, arg in enumerate(args):
         if isinstance(arg, torch.Tensor):
             parts.append(("T", tuple(arg.shape), arg.stride(), arg.dtype, arg.device,
                           arg.requires_grad, type(arg), arg.data_ptr() if i in identity else None))
+        elif isinstance(arg, nn.Module):
+            parts.append(("M", id(arg)))
         else:
             parts.append(("C", repr(arg)))
     return (tuple(parts), ambient_state())
 
 
-class Recording(Protocol):
-    pending: bool
-
-    def replay(self, args: Sequence[Any]) -> Any: ...
+def module_state(modules: Sequence[nn.Module]) -> list[torch.Tensor]:
+    """Parameters and buffers of ``modules`` (recursively), each tensor once, in module order."""
+    seen: dict[int, torch.Tensor] = {}
+    for module in modules:
+        for tensor in (*module.parameters(), *module.buffers()):
+            seen.setdefault(id(tensor), tensor)
+    return list(seen.values())
 
 
 class Recorder(Protocol):
-    def record(self, fn: Callable, args: Sequence[Any], owned: frozenset[int], pool: Any,
-               identity: frozenset[int] = frozenset()) -> Recording: ...
+    def record(self, fn: Callable, args: Sequence[Any], pool: Any,
+               identity: frozenset[int] = frozenset()) -> "Recording": ...
 
     def new_pool(self) -> Any: ...
 
 
 @dataclass
-class _Capture:
+class Recording:
     """The static buffers and graphs of one recorded signature."""
 
-    inputs: list[Any]  # static tensors, or the constants themselves
+    inputs: list[Any]  # static tensors (or, at identity positions, the live tensors), constants
     outputs: list[Any]  # flat static outputs (tensors or constants)
     out_spec: Any
     forward: Any  # has .replay(): a torch.cuda.CUDAGraph, or an emulation
@@ -71,89 +106,106 @@ class _Capture:
     grad_output_index: list[int]  # positions of outputs that carry gradients
     grad_outputs: list[torch.Tensor]  # static buffers for incoming gradients
     grad_inputs: list[torch.Tensor | None]  # static gradients of the inputs
-    owned: frozenset[int]
-    pending: bool = False
-    generation: int = 0
-    _finalizers: list = field(default_factory=list)
+    identity: frozenset[int]
+    call: Callable[..., Any]  # the recorded function, on the flat arguments
+    memory: frozenset[int] = frozenset()  # data pointers of the static storages
+    _storages: list[tuple[StorageWeakRef, int]] = field(default_factory=list)
 
-    def load(self, args: Sequence[Any]) -> None:
+    def track_memory(self) -> None:
+        """Note this recording's own references to its static memory (right after recording).
+
+        Static memory is what replays write: the static input buffers and the outputs, less any
+        storage of an identity input (live parameters, which replays only read).
+        """
+        live = {self.inputs[i].untyped_storage().data_ptr() for i in self.identity
+                if isinstance(self.inputs[i], torch.Tensor)}
+        tensors = [t for i, t in enumerate(self.inputs) if isinstance(t, torch.Tensor) and i not in self.identity]
+        tensors += [t for t in self.outputs if isinstance(t, torch.Tensor)]
+        refs: dict[int, StorageWeakRef] = {}
+        for t in tensors:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr and ptr not in live:
+                refs.setdefault(ptr, StorageWeakRef(t.untyped_storage()))
+        self.memory = frozenset(refs)
+        self._storages = [(ref, torch._C._storage_Use_Count(ref.cdata)) for ref in refs.values()]
+
+    def referenced(self) -> bool:
+        """Whether any tensor besides this recording's own refers to its static memory."""
+        return any(torch._C._storage_Use_Count(ref.cdata) > own for ref, own in self._storages)
+
+    def load(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Copy the call's tensors into the static input buffers (identity inputs are in place)."""
         with torch.no_grad():
-            for static, arg in zip(self.inputs, args):
-                if isinstance(arg, torch.Tensor) and arg.data_ptr() != static.data_ptr():
-                    static.copy_(arg)
+            it = iter(tensors)
+            for i, static in enumerate(self.inputs):
+                if isinstance(static, torch.Tensor):
+                    arg = next(it)
+                    if i not in self.identity:
+                        static.copy_(arg)
 
-    def replay(self, args: Sequence[Any]) -> Any:
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if self.backward is not None and torch.is_grad_enabled():
-            replayed = iter(_Replay.apply(self, *tensors))  # the tensor outputs, in order
-            flat = [next(replayed) if isinstance(o, torch.Tensor) else o for o in self.outputs]
-        else:
-            self.load(args)
-            self.forward.replay()
-            flat = self._copy_out()
+    def arguments(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
+        """The flat call arguments: ``tensors`` at the tensor positions, constants elsewhere."""
+        it = iter(tensors)
+        return [next(it) if isinstance(s, torch.Tensor) else s for s in self.inputs]
+
+    def tensor_outputs(self) -> list[torch.Tensor]:
+        return [o.detach() for o in self.outputs if isinstance(o, torch.Tensor)]
+
+    def rebuild(self, tensor_outputs: Sequence[torch.Tensor]) -> Any:
+        it = iter(tensor_outputs)
+        flat = [next(it) if isinstance(o, torch.Tensor) else o for o in self.outputs]
         return pytree.tree_unflatten(flat, self.out_spec)
 
-    def _copy_out(self) -> list[Any]:
-        return [o.clone() if i in self.owned else (o.detach() if isinstance(o, torch.Tensor) else o)
-                for i, o in enumerate(self.outputs)]
-
-    def release(self, generation: int) -> None:
-        if generation == self.generation:
-            self.pending = False
+    def gradients(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Replay the backward for the outputs' ``grads``; the inputs' gradients, cloned."""
+        tensor_positions = [i for i, o in enumerate(self.outputs) if isinstance(o, torch.Tensor)]
+        by_output = dict(zip(tensor_positions, grads))
+        with torch.no_grad():
+            for static, i in zip(self.grad_outputs, self.grad_output_index):
+                g = by_output.get(i)
+                static.zero_() if g is None else static.copy_(g)
+        self.backward.replay()
+        grads_in = dict(zip(self.grad_input_index, self.grad_inputs))
+        return [None if grads_in.get(i) is None else grads_in[i].clone()
+                for i, s in enumerate(self.inputs) if isinstance(s, torch.Tensor)]
 
 
 class _Replay(torch.autograd.Function):
-    """Forward: copy inputs in, replay the forward graph. Backward: replay the backward graph."""
+    """Forward: load the inputs, replay the forward graph. Backward: replay the backward graph
+    (or, under ``create_graph=True``, recompute the region eagerly so it is differentiable)."""
 
     @staticmethod
-    def forward(ctx, capture: _Capture, *tensors: torch.Tensor):  # type: ignore[override]
-        args, it = [], iter(tensors)
-        for static in capture.inputs:
-            args.append(next(it) if isinstance(static, torch.Tensor) else static)
-        capture.load(args)
-        capture.forward.replay()
-        capture.pending = True
-        capture.generation += 1
-        token = _Token()
-        ctx.token, ctx.capture, ctx.generation = token, capture, capture.generation
-        capture._finalizers = [weakref.finalize(token, capture.release, capture.generation)]
-        flat = capture._copy_out()
-        tensor_out = [o for o in flat if isinstance(o, torch.Tensor)]
-        differentiable = {id(flat[i]) for i in capture.grad_output_index}
-        ctx.mark_non_differentiable(*[t for t in tensor_out if id(t) not in differentiable])
-        ctx.constants = [(i, o) for i, o in enumerate(flat) if not isinstance(o, torch.Tensor)]
-        return tuple(tensor_out)
+    def forward(ctx, region: "CapturedRegion", recording: Recording, *tensors: torch.Tensor):  # type: ignore[override]
+        recording.load(tensors)
+        recording.forward.replay()
+        ctx.region, ctx.recording = region, recording
+        ctx.generation = region.began(ctx)
+        ctx.save_for_backward(*tensors)  # read only by a create_graph backward
+        outputs = recording.tensor_outputs()
+        differentiable = set(recording.grad_output_index)
+        tensor_positions = [i for i, o in enumerate(recording.outputs) if isinstance(o, torch.Tensor)]
+        ctx.mark_non_differentiable(*[t for t, i in zip(outputs, tensor_positions) if i not in differentiable])
+        return tuple(outputs)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        capture: _Capture = ctx.capture
-        tensor_positions = [i for i, o in enumerate(capture.outputs) if isinstance(o, torch.Tensor)]
-        by_output = dict(zip(tensor_positions, grads))
-        with torch.no_grad():
-            for static, i in zip(capture.grad_outputs, capture.grad_output_index):
-                g = by_output.get(i)
-                if g is None:
-                    static.zero_()
-                else:
-                    static.copy_(g)
-        capture.backward.replay()
-        capture.release(ctx.generation)
-        result: list[torch.Tensor | None] = []
-        grads_in = dict(zip(capture.grad_input_index, capture.grad_inputs))
-        for i, static in enumerate(capture.inputs):
-            if isinstance(static, torch.Tensor):
-                g = grads_in.get(i)
-                result.append(None if g is None else g.clone())
-        return (None, *result)
+        region: CapturedRegion = ctx.region
+        region.check_fresh(ctx.generation)
+        if torch.is_grad_enabled():  # create_graph=True: the gradient must itself be differentiable
+            return (None, None, *region.differentiable_gradients(ctx.recording, ctx.saved_tensors, grads))
+        with region.lock:
+            region.check_fresh(ctx.generation)
+            result = ctx.recording.gradients(grads)
+            region.released(ctx.generation)
+        return (None, None, *result)
 
 
 class _Token:
-    """Lives as long as the autograd context of one replay; its death releases the recording."""
+    """Lives as long as the autograd context of one replay; its death releases the region."""
 
 
 class GraphRecorder:
-    """Records a region into static buffers plus a forward and a backward graph.
+    """Records a function into static buffers plus a forward and a backward graph.
 
     Subclasses say how a graph is made (:meth:`_graph` and :meth:`_capturing`): CUDA graphs
     here, an eager emulation with the same static-buffer semantics in :mod:`.emulated`.
@@ -176,8 +228,8 @@ class GraphRecorder:
         for _ in range(self.warmup):
             _forward_backward(fn, inputs, grad_input_index)
 
-    def record(self, fn: Callable, args: Sequence[Any], owned: frozenset[int], pool: Any,
-               identity: frozenset[int] = frozenset()) -> "_Capture":
+    def record(self, fn: Callable, args: Sequence[Any], pool: Any,
+               identity: frozenset[int] = frozenset()) -> Recording:
         with torch.no_grad():
             # empty_like keeps dense strides; expanded (stride 0) inputs get their own memory
             inputs = [a if i in identity or not isinstance(a, torch.Tensor) else torch.empty_like(a).copy_(a)
@@ -186,7 +238,9 @@ class GraphRecorder:
         for i, (static, arg) in enumerate(zip(inputs, args)):
             if isinstance(arg, torch.Tensor) and arg.requires_grad and grad_mode and i not in identity:
                 static.requires_grad_(True)
-        grad_input_index = [i for i, s in enumerate(inputs) if isinstance(s, torch.Tensor) and s.requires_grad]
+        grad_input_index = list({id(s): i for i, s in reversed(list(enumerate(inputs)))
+                                 if isinstance(s, torch.Tensor) and s.requires_grad and grad_mode}.values())
+        grad_input_index.sort()  # each tensor once: a parameter read twice gets one gradient
         self._warm_up(fn, inputs, grad_input_index)
         forward = self._graph()
         out = self._capturing(forward, pool, lambda: fn(*inputs))
@@ -201,21 +255,9 @@ class GraphRecorder:
                 [outputs[i] for i in grad_output_index], [inputs[i] for i in grad_input_index],
                 grad_outputs, allow_unused=True)))
         outputs = [o.detach() if isinstance(o, torch.Tensor) else o for o in outputs]
-        return _Capture(inputs, outputs, out_spec, forward, backward, grad_input_index,
-                        grad_output_index if backward is not None else [], grad_outputs,
-                        grad_inputs, _flat_positions(out, owned))
-
-
-def _flat_positions(out: Any, owned: frozenset[int]) -> frozenset[int]:
-    """Flat leaf positions of the top-level outputs in ``owned`` (a Size output holds several)."""
-    items = out if isinstance(out, tuple) else (out,)
-    positions, start = set(), 0
-    for i, item in enumerate(items):
-        count = len(pytree.tree_leaves(item))
-        if i in owned:
-            positions.update(range(start, start + count))
-        start += count
-    return frozenset(positions)
+        return Recording(inputs, outputs, out_spec, forward, backward, grad_input_index,
+                         grad_output_index if backward is not None else [], grad_outputs,
+                         grad_inputs, identity, fn)
 
 
 def _forward_backward(fn: Callable, inputs: list[Any], grad_input_index: list[int]) -> None:
@@ -242,7 +284,8 @@ class CudaGraphRecorder(GraphRecorder):
         torch.cuda.current_stream().wait_stream(stream)
 
     def _capturing(self, graph: Any, pool: Any, run: Callable[[], Any]) -> Any:
-        with _no_autocast_cache(), torch.cuda.graph(graph, pool=pool):
+        # thread_local: other threads' CUDA work does not invalidate this capture
+        with _no_autocast_cache(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             return run()
 
 
@@ -253,51 +296,137 @@ def _no_autocast_cache():
     return contextlib.nullcontext()
 
 
-class CapturedRegion(RuntimeSite):
-    """``region(*args)``: replay the recording for the args' signature (see module docstring)."""
+class CapturedRegion(RuntimeOp):
+    """``region(*args)``: replay the recording for the args' signature (see module docstring).
+
+    ``fn`` is called with ``args``; ``identity`` are argument positions used in place (tensors
+    from ``get_attr``: parameters and buffers). Modules among ``args`` and ``fn`` itself, when it
+    is a module, contribute their state as in-place inputs.
+    """
 
     pure = True
     capturable = False
 
-    def __init__(self, site_id: str, fn: Callable, *, owned: frozenset[int] = frozenset(),
-                 max_recordings: int = 4, recorder: Recorder | None = None,
-                 identity: frozenset[int] = frozenset(), counters: Any = None):
-        super().__init__(site_id)
+    def __init__(self, op_id: str, fn: Callable, *, max_recordings: int = 4,
+                 recorder: Recorder | None = None, identity: frozenset[int] = frozenset(),
+                 counters: Any = None):
+        super().__init__(op_id)
         self.fn = fn
-        self.owned = owned
-        self.identity = identity  # argument positions used in place (parameters, buffers)
-        if counters is not None:  # report into the counters of the site that owns this region
+        self.identity = frozenset(identity)
+        if counters is not None:  # report into the counters of the op that owns this region
             self.counters = counters
         self.max_recordings = max_recordings
         self.recorder = recorder or CudaGraphRecorder()
         self.recordings: dict[tuple, Recording] = {}
         self.failure: str | None = None
+        self.lock = threading.RLock()
+        self.generation = 0
+        self._pending: int | None = None  # generation whose backward has not run yet
         self._pool: Any = None
 
+    # -- the call ---------------------------------------------------------------------------
+    def propagate(self, *args: Any) -> Any:
+        if isinstance(self.fn, fx.GraphModule):
+            return Propagator(self.fn).run(*args)
+        return self.fn(*args)
+
     def __call__(self, *args: Any) -> Any:
-        if is_propagating():
-            return self.fn(*args)
+        if not self.lock.acquire(blocking=False):
+            return self._eager("concurrent-call", args)
+        try:
+            reason, recording, flat = self._admit(args)
+            if reason is not None:
+                return self._eager(reason, args)
+            self.count("replayed")
+            tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+            if recording.backward is not None and torch.is_grad_enabled():
+                return recording.rebuild(_Replay.apply(self, recording, *tensors))
+            recording.load(tensors)
+            recording.forward.replay()
+            return recording.rebuild(recording.tensor_outputs())
+        finally:
+            self.lock.release()
+
+    def _admit(self, args: tuple) -> tuple[str | None, Recording | None, list[Any]]:
+        """(reason to run eagerly or None, the recording to replay, the flat inputs)."""
         if self.failure is not None:
-            return self._eager("capture-failed", args)
-        key = signature(args, self.identity)
+            return "capture-failed", None, []
+        passed = {id(a) for a in args}
+        state = [t for t in module_state([m for m in (self.fn, *args) if isinstance(m, nn.Module)])
+                 if id(t) not in passed]
+        flat = [*args, *state]
+        identity = self.identity | frozenset(range(len(args), len(flat)))
+        key = signature(flat, identity)
         recording = self.recordings.get(key)
         if recording is None:
             if len(self.recordings) >= self.max_recordings:
-                return self._eager("record-budget", args)
+                return "record-budget", None, flat
+            if self._pending is not None:
+                return "replay-pending-backward", None, flat
             try:
-                if self._pool is None:
-                    self._pool = self.recorder.new_pool()
-                recording = self.recorder.record(self.fn, args, self.owned, self._pool, self.identity)
+                recording = self._record(flat, len(args), identity)
             except Exception as exc:  # never lose the step: this region runs eagerly from now on
                 self.failure = f"{type(exc).__name__}: {exc}"[:500]
-                return self._eager("capture-failed", args)
+                return "capture-failed", None, flat
             self.recordings[key] = recording
-            self.counters["recorded"] += 1
-        if recording.pending:
-            return self._eager("replay-pending-backward", args)
-        self.counters["replayed"] += 1
-        return recording.replay(args)
+            self.count("recorded")
+        if self._pending is not None:
+            return "replay-pending-backward", None, flat
+        if recording.referenced():
+            return "outputs-alive", None, flat
+        return None, recording, flat
+
+    def _record(self, flat: list[Any], n_args: int, identity: frozenset[int]) -> Recording:
+        if self._pool is None:
+            self._pool = self.recorder.new_pool()
+        fn = self.fn
+        call = lambda *full: fn(*full[:n_args])  # noqa: E731 (state is read in place by fn)
+        recording = self.recorder.record(call, flat, self._pool, identity)
+        recording.track_memory()
+        return recording
+
+    def memory(self) -> frozenset[int]:
+        """Data pointers of every recording's static memory (what replays write)."""
+        return frozenset().union(*(r.memory for r in self.recordings.values()))
 
     def _eager(self, reason: str, args: Sequence[Any]) -> Any:
-        self.counters[reason] += 1
+        self.count(reason)
         return self.fn(*args)
+
+    # -- replay bookkeeping (called by _Replay) -----------------------------------------------
+    def began(self, ctx: Any) -> int:
+        """A replay with a backward started: the region's memory is pending until it runs."""
+        self.generation += 1
+        self._pending = self.generation
+        token = _Token()
+        ctx.token = token  # dies with the autograd graph: a forward never followed by backward
+        weakref.finalize(token, self.released, self.generation)
+        return self.generation
+
+    def released(self, generation: int) -> None:
+        if self._pending == generation:
+            self._pending = None
+
+    def check_fresh(self, generation: int) -> None:
+        if generation != self.generation:
+            raise StaleReplayError(
+                f"fxpasses: backward through captured region {self.op_id} of an earlier call "
+                f"(replay {generation}) after a later call replayed it (replay {self.generation}): "
+                "its graph memory was overwritten. backward(retain_graph=True) twice around a new "
+                "forward is not supported with CaptureLoss [stale-backward]")
+
+    def differentiable_gradients(self, recording: Recording, saved: Sequence[torch.Tensor],
+                                 grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Input gradients computed eagerly with a graph (for second-order gradients)."""
+        self.count("double-backward-eager")
+        with torch.enable_grad():
+            outputs = [o for o in pytree.tree_leaves(recording.call(*recording.arguments(saved)))
+                       if isinstance(o, torch.Tensor)]
+        pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
+        wanted = [i for i, t in enumerate(saved) if t.requires_grad]
+        if not pairs or not wanted:
+            return [None] * len(saved)
+        found = torch.autograd.grad([o for o, _ in pairs], [saved[i] for i in wanted],
+                                    [g for _, g in pairs], create_graph=True, allow_unused=True)
+        by_position = dict(zip(wanted, found))
+        return [by_position.get(i) for i in range(len(saved))]

@@ -2,8 +2,8 @@
 
 It keeps exactly the static-buffer semantics of :class:`~fxpasses.runtime.capture.CudaGraphRecorder`
 — inputs copied into static buffers, every replay overwriting the same output and gradient
-tensors — but a "replay" re-runs the region eagerly and copies the results into those buffers.
-So ownership bugs (an output the caller keeps being overwritten by the next replay) and
+memory — but a "replay" re-runs the recorded function eagerly and writes the results into those
+buffers. So ownership bugs (an output the caller keeps being overwritten by the next replay) and
 pending-backward bugs show up on a CPU exactly as they would on a GPU.
 """
 
@@ -14,49 +14,51 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from .capture import GraphRecorder, _Capture
+from .capture import GraphRecorder, Recording
 
 
-def _overwrite(buffers: list[Any], index: int, value: torch.Tensor) -> None:
-    """Write ``value`` into the static buffer in place, as a graph replay does.
+def _overwrite(static: torch.Tensor, value: torch.Tensor) -> None:
+    """Write ``value`` into ``static``'s memory in place, as a graph replay does.
 
-    A buffer whose elements share memory (an expanded view) cannot be written element-wise; it is
-    rebound instead, so only dense buffers model the overwrite exactly.
+    A buffer whose elements share memory (an expanded view) is written through its storage when
+    ``value`` has the same layout; a replay writes the memory, never rebinds the tensor.
     """
-    static = buffers[index]
-    if all(stride != 0 or size <= 1 for size, stride in zip(static.shape, static.stride())):
+    dense = all(stride != 0 or size <= 1 for size, stride in zip(static.shape, static.stride()))
+    if dense:
         static.copy_(value)
-    else:
-        buffers[index] = value.detach()
+        return
+    if (value.stride(), value.storage_offset()) != (static.stride(), static.storage_offset()):
+        raise RuntimeError("emulated replay: an overlapping static buffer changed its layout")
+    static.untyped_storage().copy_(value.untyped_storage())
 
 
 class _Forward:
-    def __init__(self, fn: Callable, capture: _Capture):
-        self.fn, self.capture = fn, capture
+    def __init__(self, fn: Callable, recording: Recording):
+        self.fn, self.recording = fn, recording
 
     def replay(self) -> None:
         with torch.no_grad():
-            fresh = pytree.tree_leaves(self.fn(*self.capture.inputs))
-            for i, (static, value) in enumerate(zip(self.capture.outputs, fresh)):
+            fresh = pytree.tree_leaves(self.fn(*self.recording.inputs))
+            for static, value in zip(self.recording.outputs, fresh):
                 if isinstance(static, torch.Tensor):
-                    _overwrite(self.capture.outputs, i, value)
+                    _overwrite(static, value)
 
 
 class _Backward:
-    def __init__(self, fn: Callable, capture: _Capture):
-        self.fn, self.capture = fn, capture
+    def __init__(self, fn: Callable, recording: Recording):
+        self.fn, self.recording = fn, recording
 
     def replay(self) -> None:
-        c = self.capture
+        r = self.recording
         with torch.enable_grad():
-            fresh = pytree.tree_leaves(self.fn(*c.inputs))
-            grads = torch.autograd.grad([fresh[i] for i in c.grad_output_index],
-                                        [c.inputs[i] for i in c.grad_input_index], c.grad_outputs,
+            fresh = pytree.tree_leaves(self.fn(*r.inputs))
+            grads = torch.autograd.grad([fresh[i] for i in r.grad_output_index],
+                                        [r.inputs[i] for i in r.grad_input_index], r.grad_outputs,
                                         allow_unused=True)
         with torch.no_grad():
-            for i, (static, value) in enumerate(zip(c.grad_inputs, grads)):
+            for static, value in zip(r.grad_inputs, grads):
                 if static is not None and value is not None:
-                    _overwrite(c.grad_inputs, i, value)
+                    _overwrite(static, value)
 
 
 class EmulatedRecorder(GraphRecorder):
@@ -64,22 +66,20 @@ class EmulatedRecorder(GraphRecorder):
 
     def __init__(self, warmup: int = 1):
         super().__init__(warmup)
-        self.recorded = 0
 
     def new_pool(self) -> Any:
         return None
 
     def _graph(self) -> Any:
-        return object()  # replaced by _Forward / _Backward once the buffers exist
+        return object()  # a placeholder, replaced by _Forward / _Backward once the buffers exist
 
     def _capturing(self, graph: Any, pool: Any, run: Callable[[], Any]) -> Any:
         return run()
 
-    def record(self, fn: Callable, args: Sequence[Any], owned: frozenset[int], pool: Any,
-               identity: frozenset[int] = frozenset()) -> _Capture:
-        capture = super().record(fn, args, owned, pool, identity)
-        capture.forward = _Forward(fn, capture)
-        if capture.backward is not None:
-            capture.backward = _Backward(fn, capture)
-        self.recorded += 1
-        return capture
+    def record(self, fn: Callable, args: Sequence[Any], pool: Any,
+               identity: frozenset[int] = frozenset()) -> Recording:
+        recording = super().record(fn, args, pool, identity)
+        recording.forward = _Forward(fn, recording)
+        if recording.backward is not None:
+            recording.backward = _Backward(fn, recording)
+        return recording

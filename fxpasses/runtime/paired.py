@@ -3,7 +3,7 @@
     # f(cat(x, y)) == cat(f(x), f(y))   when f maps each row from that row alone
 
 A :class:`PairedCall` is the ``call_function`` target the pairing pass puts in the graph. On every
-call it checks the per-site guards — all branches' rows are plain ``torch.Tensor`` of one dtype and
+call it checks the per-call guards — all branches' rows are plain ``torch.Tensor`` of one dtype and
 one device — and otherwise runs the branches' separate native calls, counting the reason. The split
 uses each branch's row count of *this* call (unequal and zero counts included); weights are never
 stacked or copied.
@@ -11,13 +11,13 @@ stacked or copied.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from . import RuntimeSite, is_propagating
+from . import RuntimeOp
 
 
 def guard_failure(rows: tuple[torch.Tensor, ...]) -> str | None:
@@ -32,8 +32,17 @@ def guard_failure(rows: tuple[torch.Tensor, ...]) -> str | None:
     return None
 
 
-class PairedCall(RuntimeSite):
-    """``site(module, *rows) -> tuple(method(r) for r in rows)``, as one call when guards hold.
+def split_rows(out: Any, counts: list[int]) -> tuple[Any, ...]:
+    """The per-branch parts of ``out`` (a tensor or a structure of tensors carrying the rows)."""
+    if isinstance(out, torch.Tensor):
+        return torch.split(out, counts)
+    leaves, spec = pytree.tree_flatten(out)
+    parts = [torch.split(leaf, counts) for leaf in leaves]
+    return tuple(pytree.tree_unflatten([p[i] for p in parts], spec) for i in range(len(counts)))
+
+
+class PairedCall(RuntimeOp):
+    """``op(module, *rows) -> tuple(method(r) for r in rows)``, as one call when guards hold.
 
     Pure and capturable: the row analysis admitted only row-preserving ops without state changes.
     """
@@ -41,27 +50,24 @@ class PairedCall(RuntimeSite):
     pure = True
     capturable = True
 
-    def __init__(self, site_id: str, method: str):
-        super().__init__(site_id)
+    def __init__(self, op_id: str, method: str):
+        super().__init__(op_id)
         self.method = method
 
+    def bound(self, module: nn.Module) -> Callable[[torch.Tensor], Any]:
+        return module if self.method == "forward" else getattr(module, self.method)
+
+    def propagate(self, module: nn.Module, *rows: torch.Tensor) -> tuple[Any, ...]:
+        return self.paired(module, rows)
+
     def __call__(self, module: nn.Module, *rows: torch.Tensor) -> tuple[Any, ...]:
-        call = module if self.method == "forward" else getattr(module, self.method)
-        if is_propagating():
-            return self._paired(call, rows)
         reason = guard_failure(rows)
         if reason is not None:
-            self.counters[reason] += 1
+            self.count(reason)
+            call = self.bound(module)
             return tuple(call(r) for r in rows)
-        self.counters["paired"] += 1
-        return self._paired(call, rows)
+        self.count("paired")
+        return self.paired(module, rows)
 
-    @staticmethod
-    def _paired(call: Any, rows: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
-        counts = [r.shape[0] for r in rows]
-        out = call(torch.cat(rows))
-        if isinstance(out, torch.Tensor):
-            return torch.split(out, counts)
-        leaves, spec = pytree.tree_flatten(out)  # several outputs, each carrying the rows
-        parts = [torch.split(leaf, counts) for leaf in leaves]
-        return tuple(pytree.tree_unflatten([p[i] for p in parts], spec) for i in range(len(rows)))
+    def paired(self, module: nn.Module, rows: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
+        return split_rows(self.bound(module)(torch.cat(rows)), [r.shape[0] for r in rows])

@@ -8,7 +8,8 @@ the row independence that licensed the pairing also licenses padding: append zer
 and keep the first rows. The padded rows' outputs are dropped, so their gradient is exactly zero;
 CaptureLoss checks at pass time that a zero row has finite values and derivatives, so those zero
 gradients stay zero through the flow's parameters. Buckets bound the recordings (one per power of
-two); the flow's parameters and buffers are graph inputs used in place, not copied.
+two); the flow is an argument of the recorded region, so its parameters and buffers are in-place
+inputs that receive their gradients.
 """
 
 from __future__ import annotations
@@ -19,9 +20,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from . import is_propagating
 from .capture import CapturedRegion, Recorder
-from .paired import PairedCall, guard_failure
+from .paired import PairedCall, guard_failure, split_rows
 
 
 def bucket(rows: int, minimum: int) -> int:
@@ -32,31 +32,27 @@ def bucket(rows: int, minimum: int) -> int:
 class CapturedPairedCall(PairedCall):
     """:class:`PairedCall` that replays its one call from a recording per row bucket."""
 
-    def __init__(self, site_id: str, method: str, *, devices: Sequence[str] = ("cuda",),
+    def __init__(self, op_id: str, method: str, *, devices: Sequence[str] = ("cuda",),
                  min_bucket: int = 1024, max_recordings: int = 8, recorder: Recorder | None = None):
-        super().__init__(site_id, method)
+        super().__init__(op_id, method)
         self.devices = tuple(devices)
         self.min_bucket = min_bucket
-        self._module: nn.Module | None = None
-        self.region = CapturedRegion(f"{site_id}_graph", self._scored, max_recordings=max_recordings,
+        self.region = CapturedRegion(f"{op_id}_graph", self._scored, max_recordings=max_recordings,
                                      recorder=recorder, counters=self.counters)
 
-    def _scored(self, padded: torch.Tensor, *state: torch.Tensor) -> Any:
-        """The recorded function; ``state`` (parameters, buffers) is read in place by the module."""
-        module = self._module
-        return (module if self.method == "forward" else getattr(module, self.method))(padded)
+    def _scored(self, module: nn.Module, padded: torch.Tensor) -> Any:
+        return self.bound(module)(padded)
 
     def __call__(self, module: nn.Module, *rows: torch.Tensor) -> tuple[Any, ...]:
-        if is_propagating() or guard_failure(rows) is not None or rows[0].device.type not in self.devices:
+        if guard_failure(rows) is not None or rows[0].device.type not in self.devices:
             return super().__call__(module, *rows)
-        self._module = module  # the graph's get_attr: one module per site; its state is keyed below
-        self.counters["paired"] += 1
+        self.count("paired")
         counts = [r.shape[0] for r in rows]
         total = sum(counts)
         pad = rows[0].new_zeros((bucket(total, self.min_bucket) - total, *rows[0].shape[1:]))
-        state = [*module.parameters(), *module.buffers()]
-        self.region.identity = frozenset(range(1, 1 + len(state)))
-        out = self.region(torch.cat([*rows, pad]), *state)
-        leaves, spec = pytree.tree_flatten(out)
-        parts = [leaf[:total].split(counts) for leaf in leaves]
-        return tuple(pytree.tree_unflatten([p[i] for p in parts], spec) for i in range(len(rows)))
+        out = self.region(module, torch.cat([*rows, pad]))
+        return split_rows(_first_rows(out, total), counts)
+
+
+def _first_rows(out: Any, total: int) -> Any:
+    return pytree.tree_map(lambda leaf: leaf[:total], out)

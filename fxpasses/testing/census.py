@@ -1,6 +1,6 @@
 """A census of random losses: run N cases, never stop at a failure, count failures by class.
 
-    python -m fxpasses.testing.census --cases 10000 [--seed 0] [--examples out.txt]
+    python -m fxpasses.testing.census --cases 10000 [--seed 0] [--minutes M] [--examples out.txt]
 
     examples = pickle.load(open("out.txt.pickle", "rb"))  # failure class -> its smallest case
     print(check_case(examples[cls]))                     # run one again
@@ -10,6 +10,7 @@ how often each kind of difference occurs and what the passes did (coverage). A f
 is its arm, its observation label with call numbers and registers elided, its kind and the case's
 protocol (``PairRLE+CaptureLoss | call # grad param flow.* | missing | sequential``). The smallest
 case of each class (fewest instructions) is kept as an example. Progress goes to stderr every 30 s.
+``--minutes`` ends the run after that much wall time, with the cases checked so far.
 """
 
 from __future__ import annotations
@@ -83,10 +84,16 @@ class Census:
         return "\n".join(lines)
 
 
-def run_census(cases: int, seed: int = 0, progress_every: float = 30.0) -> Census:
-    """Check ``cases`` random losses (hypothesis, seeded); never stops at a failure."""
+class _TimeUp(Exception):
+    pass
+
+
+def run_census(cases: int, seed: int = 0, progress_every: float = 30.0,
+               minutes: float | None = None) -> Census:
+    """Check ``cases`` random losses (hypothesis, seeded), or as many as ``minutes`` allow;
+    never stops at a failure."""
     census = Census()
-    last = time.perf_counter()
+    last = start = time.perf_counter()
     cpu = time.process_time()
 
     @hypothesis_seed(seed)
@@ -95,6 +102,8 @@ def run_census(cases: int, seed: int = 0, progress_every: float = 30.0) -> Censu
     @given(random_losses())
     def one(case: LossCase) -> None:
         nonlocal last
+        if minutes is not None and time.perf_counter() - start > 60 * minutes:
+            raise _TimeUp
         try:
             census.add(check_case(case))
         except Exception as exc:  # a census never stops: count it, keep the case
@@ -104,7 +113,10 @@ def run_census(cases: int, seed: int = 0, progress_every: float = 30.0) -> Censu
             print(f"census: {census.cases}/{cases} cases, {census.failing_cases} failing, "
                   f"{census.seconds / census.cases:.3f} s per case", file=sys.stderr, flush=True)
 
-    one()
+    try:
+        one()
+    except _TimeUp:
+        print(f"census: time is up after {census.cases} cases", file=sys.stderr, flush=True)
     census.cpu_seconds = time.process_time() - cpu
     return census
 
@@ -115,9 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--examples", help="write the smallest case of each failure class here "
                         "(text), and to EXAMPLES.pickle (a dict: class -> LossCase)")
+    parser.add_argument("--minutes", type=float, help="stop after this much wall time")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    census = run_census(args.cases, args.seed)
+    census = run_census(args.cases, args.seed, minutes=args.minutes)
     print(census.summary())
     print(f"wall time {time.perf_counter() - start:.0f} s")
     if args.examples:

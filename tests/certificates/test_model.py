@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -9,8 +10,10 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from fxpasses.certificates import (REGISTRY, Certificate, Check, Guard, Site, Witness, jsonable,
-                                   render_certificate)
+from fxpasses.certificates import (DECISIONS, REGISTRY, Certificate, Check, Guard, Site, Witness,
+                                   jsonable, render_certificate)
+from fxpasses.certificates.integrity import decision_problems
+from fxpasses.certificates.model import decide
 
 _codes = st.sampled_from(sorted(REGISTRY))
 _names = st.text(min_size=1, max_size=12)
@@ -61,6 +64,7 @@ def test_torch_values_are_normalised_into_evidence():
     check = Check("meta", True, {"dtype": torch.float32, "device": torch.device("cpu"),
                                  "shape": torch.Size([2, 3]), "rows": [1, 2]})
     assert check.evidence == {"dtype": "torch.float32", "device": "cpu", "shape": (2, 3), "rows": (1, 2)}
+    assert type(jsonable(torch.__version__)) is str  # a str subclass becomes a plain str
     with pytest.raises(TypeError, match="cannot record"):
         jsonable(object())
 
@@ -86,3 +90,22 @@ def test_from_checks_runs_no_short_circuit_and_collects_every_code():
     assert len(cert.checks) == 3
     text = render_certificate(cert)
     assert "FAIL a  [hooks-present]" in text and "ok   b" in text and "hint:" in text
+
+
+@given(st.lists(checks(), max_size=5))
+def test_the_decision_follows_from_the_checks_and_any_other_is_named(the_checks):
+    cert = Certificate.from_checks("p", Site(("n",)), the_checks)
+    failed = [c.code for c in the_checks if not c.ok]
+    assert cert.applied == (not failed) and set(cert.codes) == set(failed)
+    assert decision_problems(cert) == []
+    for other in set(DECISIONS) - {cert.decision}:
+        codes = () if other == "applied" else (cert.codes or ("hooks-present",))
+        lying = dataclasses.replace(cert, decision=other, codes=codes)
+        assert "decision-mismatch" in {p.kind for p in decision_problems(lying)}
+
+
+def test_a_failure_code_among_the_failed_checks_makes_the_decision_failed():
+    checks_ = [Check("a", False, {}, "hooks-present"), Check("b", False, {}, "pass-raised")]
+    assert decide(checks_) == ("failed", ("hooks-present", "pass-raised"))
+    assert decide(checks_[:1]) == ("refused", ("hooks-present",))
+    assert decide([Check("a", True)]) == ("applied", ())

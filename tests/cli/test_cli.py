@@ -30,14 +30,14 @@ def test_explain_a_loss_then_its_saved_file(tmp_path):
     saved, dot = tmp_path / "report.json", tmp_path / "graphs.dot"
     live = fxpasses_cli("explain", *LOSS, "--save", str(saved), "--dot", str(dot))
     assert live.returncode == EXIT_OK, live.stderr
-    assert "RefuseMethods: sites 3, applied 0, refused op-not-capturable: 3" in live.stdout
+    assert "RefuseMethods: sites 4, applied 0, refused op-unknown: 4" in live.stdout
     assert "calls: 2  optimized: 2" in live.stdout and "graph diff:" in live.stdout
     assert dot.read_text().startswith("digraph")
     again = fxpasses_cli("explain", str(saved), "--json", "--require-applied", "RefuseMethods")
     assert again.returncode == EXIT_NOT_APPLIED
     assert json.loads(again.stdout) == load(saved)
     ours = [line for line in again.stderr.splitlines() if line.startswith("fxpasses")]
-    assert ours == ["fxpasses: RefuseMethods did not apply: op-not-capturable: 3"]  # torch may warn too
+    assert ours == ["fxpasses: RefuseMethods did not apply: op-unknown: 4"]  # torch may warn too
 
 
 def test_drawing_without_graphviz_exits_3_with_one_line(tmp_path, monkeypatch, capsys):

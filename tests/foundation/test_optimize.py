@@ -10,7 +10,8 @@ from torch import nn
 
 from fxpasses import PassResult, optimize
 from fxpasses.certificates import Certificate, Site
-from fxpasses.runtime import is_propagating
+from fxpasses.runtime import RuntimeOp
+from fxpasses.runtime.abandon import Abandon
 
 
 def _inputs(rows_a, rows_b, seed=0, dtype=torch.float32):
@@ -110,15 +111,20 @@ def test_global_hook_sends_the_next_call_native(two_branch_loss):
     assert fast.stats.native == {"hook-added": 1} and fast.stats.optimized == 2
 
 
-def test_grad_mode_and_autocast_changes_run_natively(two_branch_loss):
+def test_no_grad_runs_natively_and_autocast_gets_its_own_trace(two_branch_loss):
     fast = optimize(two_branch_loss)
     a, b = _inputs(4, 3)
     fast(a, b)
     with torch.no_grad():
         fast(a, b)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        fast(a, b)
-    assert fast.stats.native == {"grad-mode-changed": 1, "autocast-changed": 1}
+        under_autocast = fast(a, b)
+        assert under_autocast.dtype == two_branch_loss(a, b).dtype
+    fast(a, b)  # back to full precision: the first trace again
+    assert fast.stats.native == {"grad-mode-changed": 1} and fast.stats.optimized == 3
+    assert len(fast.specializations) == 2
+    (reason,) = fast.stats.retraced
+    assert reason.startswith("None")  # a whole-loss kind: autocast (no source)
 
 
 def test_reoptimize_accepts_the_current_state(two_branch_loss):
@@ -132,10 +138,17 @@ def test_reoptimize_accepts_the_current_state(two_branch_loss):
     assert fast.stats.native == {"hook-added": 1} and fast.stats.optimized == 2
 
 
-def _boom(x):
-    if is_propagating():  # shape propagation at optimization time passes through
+class _Boom(RuntimeOp):
+    """Raises when called; shape propagation at optimization time passes through."""
+
+    def propagate(self, x):
         return x
-    raise RuntimeError("injected failure")
+
+    def __call__(self, x):
+        raise RuntimeError("injected failure")
+
+
+_boom = _Boom("_boom")
 
 
 class InjectFailure:
@@ -164,31 +177,32 @@ def test_exception_in_optimized_path_returns_native_result(two_branch_loss):
 
 
 def test_trace_failure_runs_natively_with_a_refusal():
-    class Branchy(nn.Module):
+    class Numpyish(nn.Module):
         def forward(self, a, b):
-            if a.sum() > 0:
-                return a.sum()
-            return b.sum()
+            return a.sum() * float(b.detach().numpy().sum())  # values leave torch
 
-    fast = optimize(Branchy())
+    fast = optimize(Numpyish())
     a, b = _inputs(4, 3)
-    assert torch.equal(fast(a, b), Branchy()(a, b))
+    assert torch.equal(fast(a, b), Numpyish()(a, b))
     (cert,) = fast.certificates
-    assert cert.codes == ("trace-control-flow",)
+    assert cert.codes == ("trace-unsupported",)
     fast(a, b)  # not traced again
-    assert fast.stats.native == {"trace-control-flow": 2} and len(fast.specializations) == 1
+    assert fast.stats.native == {"trace-unsupported": 2} and len(fast.specializations) == 1
 
 
-def test_new_input_structure_or_attribute_gets_a_new_specialization_up_to_the_budget(two_branch_loss):
+def test_float_attributes_are_inputs_and_other_values_retrace_up_to_the_budget(two_branch_loss):
     fast = optimize(two_branch_loss, max_specializations=2)
     a, b = _inputs(4, 3)
-    fast(a, b)
-    two_branch_loss.alpha = 0.5  # a scalar attribute baked into the trace: retrace
+    for alpha in (0.25, 0.5, 0.75):  # a float read as arithmetic: an input, one trace
+        two_branch_loss.alpha = alpha
+        assert torch.equal(fast(a, b), two_branch_loss(a, b))
+    assert len(fast.specializations) == 1, fast.stats.retraced
+    two_branch_loss.scale = torch.tensor(3.0)  # a buffer rebound: read live, no other trace
     assert torch.equal(fast(a, b), two_branch_loss(a, b))
-    two_branch_loss.alpha = 0.75
-    fast(a, b)
+    fast(a, b=b)  # another input structure: a second trace
+    fast(a=a, b=b)  # and a third: past the budget
     assert len(fast.specializations) == 2
-    assert fast.stats.optimized == 2 and fast.stats.native == {"specialization-budget": 1}
+    assert fast.stats.optimized == 5 and fast.stats.native == {"specialization-budget": 1}
 
 
 def test_bad_arguments_are_rejected_at_optimize_time(two_branch_loss):
@@ -234,3 +248,44 @@ def test_first_call_under_autocast_returns_real_tensors():
         again = loss(x)  # a real call after it in the same region must see a real cached cast
     assert type(out) is torch.Tensor and type(again) is torch.Tensor
     assert torch.equal(out, again) and out.item() == again.item()
+
+
+class _AbandonOnRequest(RuntimeOp):
+    """Abandons the calls it is told to (an assumption that fails for that call only)."""
+
+    abandon = False
+
+    def propagate(self, x):
+        return x
+
+    def __call__(self, x):
+        if _AbandonOnRequest.abandon:
+            raise Abandon("optimized-path-raised", "here.py:1", "told to")
+        return x
+
+
+class InsertAbandon:
+    name = "insert-abandon"
+
+    def run(self, gm: fx.GraphModule) -> PassResult:
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        (value,) = output.args[0]
+        with gm.graph.inserting_before(output):
+            checked = gm.graph.call_function(_AbandonOnRequest("abandon"), (value,))
+        output.args = ((checked,),)
+        return PassResult(gm, True, [Certificate("insert-abandon", Site((value.name,)), "applied")])
+
+
+def test_an_abandoned_call_runs_natively_and_keeps_the_specialization(two_branch_loss):
+    fast = optimize(two_branch_loss, passes=[InsertAbandon()])
+    values = []
+    for abandon in (False, True, False):
+        a, b = _inputs(4, 3)
+        _AbandonOnRequest.abandon = abandon
+        values.append((fast(a, b), two_branch_loss(a, b)))
+    _AbandonOnRequest.abandon = False
+    assert all(torch.equal(got, want) for got, want in values)
+    stats = fast.stats
+    assert stats.optimized == 2 and stats.native == {"optimized-path-raised": 1}  # its code
+    assert stats.abandoned == {"optimized-path-raised at here.py:1": 1}
+    assert all(s.disabled is None for s in fast.specializations)

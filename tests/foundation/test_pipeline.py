@@ -35,7 +35,7 @@ class RemoveNegation:
     def run(self, gm: fx.GraphModule) -> PassResult:
         changed = False
         for node in list(gm.graph.nodes):
-            if node.op == "call_function" and node.target is operator.neg:
+            if (node.op, node.target) in (("call_function", operator.neg), ("call_method", "neg")):
                 with gm.graph.inserting_before(node):
                     sub = gm.graph.call_function(operator.sub, (0.0, node.args[0]))
                 node.replace_all_uses_with(sub)
@@ -82,7 +82,8 @@ def test_refused_rewrite_leaves_graph_and_results_unchanged(two_branch_loss, two
 def test_modification_is_recorded_with_a_diff(two_branch_loss, two_branch_inputs):
     run = run_pipeline(_traced(two_branch_loss, two_branch_inputs), [RemoveNegation()])
     assert run.snapshots[-1].modified and run.snapshots[0].fingerprint != run.snapshots[-1].fingerprint
-    assert "-    neg = -mean" in run.diff() and "sub = 0.0 - mean" in run.diff()
+    diff = run.diff()
+    assert ("-    neg = -mean" in diff or "-    neg = mean.neg()" in diff) and " = 0.0 - mean" in diff
 
 
 def test_fingerprint_catches_a_pass_that_lies_about_modified(two_branch_loss, two_branch_inputs):
@@ -120,3 +121,49 @@ def test_counters_group_by_pass_and_code(two_branch_loss, two_branch_inputs):
     counters = run.counters()
     assert counters["refuse-all"]["seen"] == 2 and counters["refuse-all"]["refused"]["not-training"] == 2
     assert counters["raises"]["failed"]["pass-raised"] == 1
+
+
+class BreaksShapes:
+    """Multiplies the loss by a (3,) tensor and reshapes it to 2 elements: propagation fails."""
+
+    name = "breaks-shapes"
+
+    def run(self, gm):
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        (value,) = output.args[0]
+        with gm.graph.inserting_before(output):
+            bad = gm.graph.call_method("view", (gm.graph.call_function(torch.ones, (3,)), 2))
+            new = gm.graph.call_function(torch.add, (value, bad))
+        output.args = ((new,),)
+        return PassResult(gm, True, [])
+
+
+def test_the_pipeline_owns_annotation_and_a_pass_that_breaks_shapes_is_discarded(
+        two_branch_loss, two_branch_inputs):
+    gm = _traced(two_branch_loss, two_branch_inputs)
+    run = run_pipeline(gm, [BreaksShapes(), RemoveNegation()], list(two_branch_inputs))
+    (cert,) = run.certificates
+    assert cert.pass_name == "breaks-shapes" and cert.codes == ("metadata-failed",)
+    assert "view" in cert.checks[0].evidence["statement"]
+    assert [s.step for s in run.snapshots] == ["traced", "remove-neg"]
+    assert all("val" in n.meta for n in run.graph_module.graph.nodes if n.op.startswith("call_"))
+
+
+def through_numpy(x):
+    """A leaf function whose values leave torch: shape propagation cannot follow it."""
+    return torch.from_numpy(x.detach().numpy() * 2)
+
+
+class NumpyLeafLoss(torch.nn.Module):
+    def forward(self, a):
+        return through_numpy(a).sum() + a.sum()
+
+
+def test_nodes_the_traced_graph_cannot_propagate_get_an_annotate_certificate():
+    from fxpasses import LeafPolicy
+    a = torch.randn(6, 2)
+    gm = trace(NumpyLeafLoss(), (a,), policy=LeafPolicy(leaf_functions=(through_numpy,)))
+    run = run_pipeline(gm, [], [a])
+    (cert,) = run.certificates
+    assert (cert.pass_name, cert.decision, cert.codes) == ("annotate", "failed", ("metadata-failed",))
+    assert cert.graph_fingerprint == run.snapshots[0].fingerprint

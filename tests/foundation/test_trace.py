@@ -1,4 +1,8 @@
-"""Tracing: modules, functions and callable objects; the leaf policy; shared parameters; failures."""
+"""Tracing: modules, functions and callable objects; the leaf policy; shared parameters; failures.
+
+The tracer is concrete (fxpasses.tracing): Python control flow on values is followed and guarded;
+what it cannot record is a refusal naming the line.
+"""
 
 from __future__ import annotations
 
@@ -17,8 +21,14 @@ def _call_nodes(gm: fx.GraphModule, op: str, target) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == op and n.target == target]
 
 
-def _run(gm: fx.GraphModule, *tensors):
-    return gm.meta["fxpasses"].signature.unflatten_output(gm(*tensors))
+def _state_read(gm: fx.GraphModule, tensor: torch.Tensor) -> bool:
+    """Whether the graph reads ``tensor`` live from its module (a ReadState node)."""
+    from fxpasses.runtime.trace_ops import ReadState
+    return any(isinstance(n.target, ReadState) and n.target() is tensor for n in gm.graph.nodes)
+
+
+def _run(gm: fx.GraphModule, *inputs):
+    return gm.meta["fxpasses"].unflatten_output(gm(*inputs))
 
 
 def test_module_density_calls_stay_one_node_each(two_branch_loss, two_branch_inputs):
@@ -38,6 +48,9 @@ def test_parameters_are_shared_not_copied(two_branch_loss, two_branch_inputs):
     with torch.no_grad():
         two_branch_loss.flow.outer.bias.add_(1.0)  # an optimizer step on the original
     assert torch.equal(_run(gm, *two_branch_inputs), two_branch_loss(*two_branch_inputs))
+    two_branch_loss.scale = torch.tensor(5.0)  # a buffer rebound (as module.to() does): read live
+    assert _state_read(gm, two_branch_loss.scale)
+    assert torch.equal(_run(gm, *two_branch_inputs), two_branch_loss(*two_branch_inputs))
 
 
 def test_plain_function_with_global_module(two_branch_inputs):
@@ -47,7 +60,7 @@ def test_plain_function_with_global_module(two_branch_inputs):
         return flow(a).sum() + flow(b).sum()
 
     gm = trace(loss, two_branch_inputs)
-    assert gm.get_submodule("flow") is flow
+    assert _state_read(gm, flow.weight) and _state_read(gm, flow.bias)  # the closure's module
     assert torch.equal(_run(gm, *two_branch_inputs), loss(*two_branch_inputs))
 
 
@@ -66,9 +79,11 @@ class Criterion:
 def test_callable_object_holding_modules(two_branch_inputs):
     crit = Criterion()
     gm = trace(crit, two_branch_inputs)
-    # torch.fx rebuilds containers it traces through; the leaf modules are the original objects
-    assert gm.get_submodule("flow.0") is crit.flow[0] and gm.get_submodule("flow.2") is crit.flow[2]
+    # the modules are traced through; their parameters are the originals, read live
+    assert _state_read(gm, crit.flow[0].weight) and _state_read(gm, crit.flow[2].bias)
     assert torch.equal(_run(gm, *two_branch_inputs), crit(*two_branch_inputs))
+    kinds = {str(a.source): a.kind for a in gm.meta["fxpasses"].assumptions}
+    assert kinds["loss.gain"] == "float" and kinds["loss.flow"] == "identity"
 
 
 class Pair(NamedTuple):
@@ -86,19 +101,21 @@ torch.utils._pytree.register_pytree_node(
     KeylessPair, lambda p: ([p.a, p.b], None), lambda leaves, _: KeylessPair(*leaves))
 
 
-def test_pytree_inputs_and_constant_leaves(two_branch_loss, two_branch_inputs):
-    def loss(pair: Pair, weight: float, alpha=None):
+def test_pytree_inputs_floats_are_inputs_and_constants_are_baked(two_branch_loss, two_branch_inputs):
+    def loss(pair: Pair, weight: float, power: int, alpha=None):
         w = weight if alpha is None else alpha
-        return {"total": w * pair.a.sum() + pair.b.sum(), "alpha": w}
+        return {"total": w * pair.a.sum() ** power + pair.b.sum(), "alpha": w}
 
     pair = Pair(*two_branch_inputs)
-    gm = trace(loss, (pair, 0.5), {})
-    assert [n.target for n in gm.graph.nodes if n.op == "placeholder"] == ["pair_a", "pair_b"]
-    out = _run(gm, *two_branch_inputs)
-    assert out["alpha"] == 0.5 and torch.equal(out["total"], loss(pair, 0.5)["total"])
+    gm = trace(loss, (pair, 0.5, 2), {})
+    assert [n.target for n in gm.graph.nodes if n.op == "placeholder"] == ["pair_a", "pair_b", "weight"]
+    for weight in (0.5, 0.25):  # a float is an input: another value needs no other trace
+        out = _run(gm, *two_branch_inputs, weight)
+        assert out["alpha"] == weight and torch.equal(out["total"], loss(pair, weight, 2)["total"])
+    assert gm.meta["fxpasses"].signature.constants[-1][1] == 2  # an int is a constant of the trace
     override = torch.tensor(0.7)
-    gm2 = trace(loss, (pair, 0.5), {"alpha": override})
-    out2 = _run(gm2, *two_branch_inputs, override)
+    gm2 = trace(loss, (pair, 0.5, 2), {"alpha": override})
+    out2 = _run(gm2, *two_branch_inputs, 0.5, override)
     assert out2["alpha"] is override  # the override is returned as given
 
 
@@ -113,38 +130,59 @@ def branching(x):
     return x
 
 
-def test_trace_failure_is_a_refusal_naming_the_line():
+def test_control_flow_on_values_is_followed_and_guarded():
     def loss(a):
         return branching(a).sum()
 
-    with pytest.raises(TraceFailure) as info:
-        trace(loss, (torch.randn(3),))
-    cert = info.value.certificate
-    assert cert.decision == "refused" and cert.codes == ("trace-control-flow",)
-    check = cert.checks[0]
-    assert check.evidence["line"] == "if x.sum() > 0:"
-    assert check.evidence["location"].endswith(f"test_trace.py:{branching.__code__.co_firstlineno + 1}")
-    assert check.evidence["function"] == "branching"
+    x = torch.ones(3)
+    gm = trace(loss, (x,))
+    info = gm.meta["fxpasses"]
+    ((kind, location),) = info.guards
+    assert kind == "truth" and location.endswith(f"test_trace.py:{branching.__code__.co_firstlineno + 1}")
+    assert torch.equal(_run(gm, x), loss(x))
+    from fxpasses.runtime.abandon import Abandon
+    with pytest.raises(Abandon):  # the other branch: the optimized call would be abandoned
+        _run(gm, -x)
 
 
-def test_declared_leaf_function_makes_it_traceable():
+def test_declared_leaf_function_stays_one_node():
     def loss(a):
         return branching(a).sum()
 
     gm = trace(loss, (torch.randn(3),), policy=LeafPolicy(leaf_functions=(branching,)))
     assert [n for n in gm.graph.nodes if n.op == "call_function" and n.target is branching]
-    x = torch.randn(3)
-    assert torch.equal(_run(gm, x), loss(x))
+    assert not gm.meta["fxpasses"].guards  # the branch is inside the leaf
+    for x in (torch.ones(3), -torch.ones(3)):
+        assert torch.equal(_run(gm, x), loss(x))
+
+
+def to_numpy(x):
+    return x.detach().numpy().sum()  # values leave torch: the trace cannot follow them
 
 
 class Unsupported(nn.Module):
     def forward(self, a):
-        return torch.ones(len(a)) + a  # len() of a proxy is a generic trace failure
+        return a * float(to_numpy(a))
+
+
+def test_what_a_trace_cannot_record_is_a_refusal_naming_the_line():
+    with pytest.raises(TraceFailure) as info:
+        trace(Unsupported(), (torch.randn(3),))
+    cert = info.value.certificate
+    assert cert.decision == "refused" and cert.codes == ("trace-unsupported",)
+    check = cert.checks[0]
+    assert check.evidence["line"] == "return x.detach().numpy().sum()  # values leave torch: the trace cannot follow them"
+    assert check.evidence["function"] == "to_numpy"
+
+
+class Broken(nn.Module):
+    def forward(self, a):
+        raise ValueError("the loss itself fails")
 
 
 def test_other_trace_errors_are_trace_failed():
     with pytest.raises(TraceFailure) as info:
-        trace(Unsupported(), (torch.randn(3),))
+        trace(Broken(), (torch.randn(3),))
     assert info.value.certificate.codes == ("trace-failed",)
 
 

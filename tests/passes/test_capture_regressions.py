@@ -30,7 +30,7 @@ from torch import nn
 
 from fxpasses import optimize
 from fxpasses.passes import CaptureLoss, PairRLE
-from fxpasses.runtime import runtime_sites
+from fxpasses.runtime import runtime_ops
 from fxpasses.runtime.emulated import EmulatedRecorder
 from fxpasses.testing import assert_equivalent
 
@@ -218,7 +218,10 @@ class WeightedRegion(nn.Module):
 
 
 def _penalised_grads(loss_fn, x):
-    """Gradients of ``loss + |d loss / d x|^2`` (a gradient penalty) w.r.t. x and parameters."""
+    """Gradients of ``loss + |d loss / d x|^2`` (a gradient penalty) w.r.t. x and parameters
+    (their earlier gradients cleared first)."""
+    for p in loss_fn.parameters():
+        p.grad = None
     value = loss_fn(x)
     (grad,) = torch.autograd.grad(value, x, create_graph=True)
     (value + (grad * grad).sum()).backward()
@@ -269,7 +272,7 @@ class LeafThenRegion(nn.Module):
 def test_a_dropped_optimized_loss_that_calls_a_leaf_function_frees_its_captured_regions():
     fast = optimize(LeafThenRegion(), passes=[_capture()], leaf_functions=[identity])
     fast(_rows(4, 0)).backward()
-    regions = [weakref.ref(site) for site in runtime_sites(fast.graph_module)]
+    regions = [weakref.ref(site) for site in runtime_ops(fast.graph_module)]
     assert regions
     del fast
     gc.collect()

@@ -14,7 +14,7 @@ from torch import nn
 
 from fxpasses import OptimizedLoss, PassResult, optimize
 from fxpasses.certificates import Certificate, Check, Site
-from fxpasses.runtime import RuntimeSite
+from fxpasses.runtime import RuntimeOp
 
 
 class SmallLoss(nn.Module):
@@ -65,13 +65,13 @@ class DropTimesOne:
 
 
 class RefuseMethods:
-    """Consider every call_method node and refuse it (code ``op-not-capturable``)."""
+    """Consider every call_method node and refuse it (code ``op-unknown``)."""
 
     name = "RefuseMethods"
 
     def run(self, gm: fx.GraphModule) -> PassResult:
         certs = [Certificate.from_checks(self.name, Site((node.name,)), [Check(
-            "method-allowed", False, {"method": node.target}, "op-not-capturable")])
+            "method-allowed", False, {"method": node.target}, "op-unknown")])
             for node in gm.graph.nodes if node.op == "call_method"]
         return PassResult(gm, False, certs)
 
@@ -94,11 +94,14 @@ def optimized(loss: nn.Module | None = None, passes: tuple = (), calls: int = 2)
     return fast
 
 
-class CountingSite(RuntimeSite):
+class CountingSite(RuntimeOp):
     """Identity at run time, counting ``calls`` (like a paired call counts ``paired``)."""
 
     def __call__(self, value: torch.Tensor) -> torch.Tensor:
         self.counters["calls"] += 1
+        return value
+
+    def propagate(self, value: torch.Tensor) -> torch.Tensor:
         return value
 
 

@@ -30,22 +30,23 @@ def test_rewritten_sites_are_green_and_refused_sites_red(text):
     color = colors(text)
     green, red = COLORS["rewritten"], COLORS["refused"]
     assert color[("before", "mul")] == color[("before", "mul_1")] == green  # applied sites
-    assert color[("after", "lin")] == color[("after", "tanh")] == green  # nodes that changed
+    assert color[("after", "linear")] == color[("after", "tanh")] == green  # nodes that changed
     for graph in ("before", "after"):
-        assert {color[(graph, n)] for n in ("mean", "sum_1", "mean_1")} == {red}
+        assert {color[(graph, n)] for n in ("pow_1", "mean", "sum_1", "mean_1")} == {red}
         assert color[(graph, "sub")] == "" and color[(graph, "x")] == COLORS["input"]
     assert ("after", "mul") not in color
 
 
 def test_edges_follow_the_data(text):
     edges = {(a, b) for graph, a, graph2, b in EDGE.findall(text) if graph == graph2 == "after"}
-    assert ("x", "lin") in edges and ("lin", "sub") in edges and ("y", "sub") in edges
+    assert ("x", "linear") in edges and ("linear", "sub") in edges and ("y", "sub") in edges
+    assert ("read_lin_weight", "linear") in edges
     assert not any(graph != graph2 for graph, _, graph2, _ in EDGE.findall(text))
 
 
 def test_every_node_line_parses(text):
     node_lines = [line for line in text.splitlines() if "[label=" in line]
-    assert len(node_lines) == len(NODE.findall(text)) == 13 + 11
+    assert len(node_lines) == len(NODE.findall(text)) == 15 + 13
 
 
 def test_missing_dot_says_what_to_install(monkeypatch, tmp_path):

@@ -29,8 +29,9 @@ def test_report_counts_sites_decisions_and_calls(fast):
     assert report["pipeline"] == ["DropTimesOne", "RefuseMethods"]
     (special,) = report["specializations"]
     assert special["counters"] == {
+        "trace": {"seen": 1, "applied": 1, "refused": {}, "failed": {}},
         "DropTimesOne": {"seen": 2, "applied": 2, "refused": {}, "failed": {}},
-        "RefuseMethods": {"seen": 3, "applied": 0, "refused": {"op-not-capturable": 3},
+        "RefuseMethods": {"seen": 4, "applied": 0, "refused": {"op-unknown": 4},
                           "failed": {}}}
     assert [(s["step"], s["modified"]) for s in special["snapshots"]] == [
         ("traced", False), ("DropTimesOne", True), ("RefuseMethods", False)]
@@ -95,21 +96,21 @@ def test_load_rejects_an_invalid_certificate(fast, tmp_path):
 def test_render_shows_counters_certificates_and_diff(fast):
     report = build_report(fast)
     text = render_report(report)
-    assert "RefuseMethods: sites 3, applied 0, refused op-not-capturable: 3" in text
-    assert "FAIL method-allowed  [op-not-capturable]" in text and "graph diff:" in text
+    assert "RefuseMethods: sites 4, applied 0, refused op-unknown: 4" in text
+    assert "FAIL method-allowed  [op-unknown]" in text and "graph diff:" in text
     brief = render_report(report, verbose=False, diff=False)
-    assert "op-not-capturable" in brief
+    assert "op-unknown" in brief
     assert "FAIL method-allowed" not in brief and "graph diff:" not in brief
 
 
 def test_report_of_a_loss_whose_trace_failed(tmp_path):
-    def branchy(x):
-        return x.sum() if x.sum() > 0 else -x.sum()
+    def leaves_the_graph(x):
+        return torch.as_tensor(x.numpy()).sum()
 
-    fast = optimize(branchy)
+    fast = optimize(leaves_the_graph)
     fast(torch.ones(3))
     report = load(save(build_report(fast), tmp_path / "r.json"))
     (special,) = report["specializations"]
-    assert special["snapshots"] == [] and special["disabled"] == "trace-control-flow"
-    assert certificates_of(report)[0].codes == ("trace-control-flow",)
-    assert "runs natively: trace-control-flow" in render_report(report)
+    assert special["snapshots"] == [] and special["disabled"] == "trace-unsupported"
+    assert certificates_of(report)[0].codes == ("trace-unsupported",)
+    assert "runs natively: trace-unsupported" in render_report(report)

@@ -32,34 +32,36 @@ def drop_certificates(report):
 
 def test_statements_read_each_node_of_generated_code():
     nodes = statements(traced(samples.make_loss()).code)
-    assert list(nodes)[:4] == ["x", "y", "mul", "lin"]
+    assert list(nodes)[:6] == ["x", "y", "mul", "read_lin_weight", "read_lin_bias", "linear"]
     assert nodes["x"] == Statement("input")
     assert nodes["mul"] == Statement("x * 1", ("x",))
-    assert nodes["lin"] == Statement("self.lin(mul)", ("mul",))
+    assert nodes["linear"] == Statement("torch._C._nn.linear(mul, read_lin_weight, read_lin_bias)",
+                                        ("mul", "read_lin_weight", "read_lin_bias"))
     assert nodes["output"] == Statement("(add,)", ("add",))
     assert not any(s.expr == "None" for s in nodes.values())  # freeing statements are skipped
 
 
 def test_the_same_loss_traced_again_verifies(report):
     result = verify_report(report, traced(samples.make_loss()))
-    assert result.ok and result.checked == 2  # DropTimesOne's two sites, on the traced graph
+    assert result.ok and result.checked == 7  # every certificate, and
+    assert result.compared == 3  # the trace's and DropTimesOne's two sites, on the traced graph
 
 
 def test_the_final_graph_verifies_the_certificates_decided_on_it(report):
     fast = samples.optimized()
     result = verify_report(report, fast.graph_module, step="RefuseMethods")
-    assert result.ok and result.checked == 3  # RefuseMethods decided on DropTimesOne's output
+    assert result.ok and result.compared == 4  # RefuseMethods decided on DropTimesOne's output
 
 
 def test_a_changed_graph_fails_with_each_reason(report):
     gm = traced(samples.SmallLossNoMul().double())
     result = verify_report(report, gm)
-    assert not result.ok and result.checked == 2
+    assert not result.ok and (result.checked, result.compared) == (7, 3)
     kinds = [(p.kind, p.node) for p in result.problems]
     assert kinds == [("fingerprint-changed", ""), ("node-changed", "mul"),
                      ("node-missing", "mul_1")]
     changed = result.problems[1]
-    assert (changed.expected, changed.actual) == ("x * 1", "lin * 1")
+    assert (changed.expected, changed.actual) == ("x * 1", "linear * 1")
     assert changed.certificate == "DropTimesOne @ mul"
     assert result.render().count("\n") == len(result.problems)  # a line per problem
 
@@ -68,7 +70,7 @@ def test_a_changed_operand_is_a_changed_node(report):
     result = verify_report(report, traced(samples.SmallLoss(factor=2).double()))
     graph, changed = result.problems
     assert graph.kind == "fingerprint-changed" and graph.expected != graph.actual
-    assert (changed.kind, changed.node, changed.actual) == ("node-changed", "mul_1", "lin * 2")
+    assert (changed.kind, changed.node, changed.actual) == ("node-changed", "mul_1", "linear * 2")
 
 
 def test_one_certificate_against_a_graph(report):

@@ -28,10 +28,11 @@ import pytest
 import torch
 import torch.fx as fx
 from hypothesis import HealthCheck, Phase, find, given, settings
+from torch._subclasses.fake_tensor import FakeTensor
 
 from fxpasses import LeafPolicy, trace
 from fxpasses.pipeline import PassResult
-from fxpasses.runtime import is_propagating
+from fxpasses.runtime.trace_ops import ReadState
 from fxpasses.testing.loss_check import check_case, run_protocol
 from fxpasses.testing.loss_programs import (ALIASING_OPS, KINDS, OP_TABLE, OPS, CallInputs,
                                             InputSpec, ProgramLoss, concrete_sizes, passthrough)
@@ -237,7 +238,8 @@ class _DetachWeight:
     name = "DetachWeight"
 
     def run(self, gm: fx.GraphModule) -> PassResult:
-        reads = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == "weight"]
+        reads = [n for n in gm.graph.nodes if n.op == "call_function"
+                 and isinstance(n.target, ReadState) and n.target.name == "weight"]
         for node in reads:
             with gm.graph.inserting_after(node):
                 detached = gm.graph.call_method("detach", (node,))
@@ -262,7 +264,7 @@ class _IntoStatic(torch.autograd.Function):
 
 
 def into_static(x):
-    if is_propagating() or not x.is_floating_point():  # fake tensors: shapes only
+    if isinstance(x, FakeTensor) or not x.is_floating_point():  # fake tensors: shapes only
         return x.clone()
     return _IntoStatic.apply(x)
 

@@ -36,3 +36,12 @@ def test_bad_arguments_are_clear_errors():
         interleave({"a": print}, lambda r: r, rounds=0, baseline="a")
     with pytest.raises(ValueError, match="baseline"):
         interleave({"a": print}, lambda r: r, rounds=1, baseline="b")
+
+
+def test_device_sync_waits_only_for_cuda():
+    import torch
+
+    from fxpasses.timing import device_sync
+
+    assert device_sync("cuda:0") is torch.cuda.synchronize
+    assert device_sync(torch.device("cpu"))() is None

@@ -34,8 +34,8 @@ class Assignment(NamedTuple):
 class TaskAlignedAssigner(nn.Module):
     """Assigns anchors to ground truth; ``forward`` runs without gradients (see module docstring).
 
-    Pass detached predictions: symbolic tracing does not record ``torch.no_grad()``, so the
-    detach is what keeps a traced copy from differentiating through the assignment.
+    Pass detached predictions, as public losses do; ``forward`` also runs under ``no_grad``
+    (fxpasses' tracer records the switch as a graph node).
     """
 
     def __init__(self, topk: int = 10, alpha: float = 0.5, beta: float = 6.0,

@@ -18,8 +18,8 @@ def box_ciou(box1: Tensor, box2: Tensor, eps: float = 1e-7) -> Tensor:
 
     IoU minus the normalised centre distance and an aspect-ratio term, as in ultralytics'
     ``bbox_iou(..., CIoU=True)``. The aspect-ratio weight is a constant for the gradient; it is
-    written with ``.detach()`` rather than under ``torch.no_grad()`` because symbolic tracing does
-    not record grad-mode blocks, so a traced copy would differentiate through it.
+    written with ``.detach()``, as ultralytics computes it under ``torch.no_grad()``: the same
+    values and gradients.
     """
     b1_x1, b1_y1, b1_x2, b1_y2 = box1.chunk(4, -1)
     b2_x1, b2_y1, b2_x2, b2_y2 = box2.chunk(4, -1)

@@ -14,6 +14,7 @@ half. The layout and initialisation follow mmpose's ``RealNVP`` (RLE, Li et al. 
 
 from __future__ import annotations
 
+import abc
 import math
 
 import torch
@@ -32,7 +33,7 @@ def _alternating_masks(dim: int, couplings: int) -> Tensor:
     return torch.stack([first if i % 2 == 0 else 1 - first for i in range(couplings)])
 
 
-class _CouplingFlow(nn.Module):
+class _CouplingFlow(nn.Module, abc.ABC):
     """Affine couplings over a standard normal base; subclasses provide the conditioners."""
 
     def __init__(self, dim: int, couplings: int) -> None:
@@ -49,9 +50,9 @@ class _CouplingFlow(nn.Module):
                 nn.init.xavier_uniform_(layer.weight, gain=0.01)
                 nn.init.zeros_(layer.bias)
 
+    @abc.abstractmethod
     def scale_shift(self, index: int, kept: Tensor) -> tuple[Tensor, Tensor]:
         """Log-scale (in [-1, 1]) and shift of coupling ``index`` from the kept coordinates."""
-        raise NotImplementedError
 
     def log_prob(self, x: Tensor) -> Tensor:
         """Log density of each row of ``x`` (N, dim) -> (N,), inverting the couplings in turn."""

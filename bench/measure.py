@@ -1,27 +1,29 @@
-"""Measuring a loss's forward+backward step: medians, ratios, first call, memory, launches.
+"""Measuring the reference pose loss's forward+backward step: medians, ratios, first call,
+memory, launches. The measurement code of ``bench/*.py`` (not part of the fxpasses package).
 
 One *arm* is a way of running the reference loss (eager, a pass alone, both passes,
-torch.compile...). :func:`measure_arm` times ``steps`` forward+backward steps after ``warmup``,
-rotating over a few batches (so data-dependent shapes vary as in training), and records the
-first-call time, the peak memory over the baseline, the launches, host synchronisations and
-GPU-busy time of one profiled step, the linear calls of one step, and the relative difference of
-the loss and of the gradients against eager on the first batch. Ratios are taken in
-:func:`summarize`, against the eager arm of the same run.
+torch.compile...). :func:`measure_arm` times ``steps`` forward+backward steps after ``warmup``
+with :func:`fxpasses.timing.interleave` (the arm alone), rotating over a few batches (so
+data-dependent shapes vary as in training), and records the first-call time, the peak memory over
+the baseline, the launches, host synchronisations and GPU-busy time of one profiled step, the
+linear calls of one step, and the relative difference of the loss and of the gradients against
+eager on the first batch. Ratios are taken in :func:`summarize`, against the eager arm of the
+same run.
 """
 
 from __future__ import annotations
 
 import gc
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import torch
-from torch.utils import _pytree as pytree
 
-from .log import logger, progress
-from .testing.counting import CountLinear
+from fxpasses.log import logger
+from fxpasses.steps import differences, step
+from fxpasses.testing.counting import CountLinear
+from fxpasses.timing import device_sync, interleave
 
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
                  "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
@@ -53,46 +55,25 @@ class ArmResult:
         return asdict(self)
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+def total(out: Any) -> torch.Tensor:
+    """The objective of a pose loss's output: its weighted total."""
+    return out.total
 
 
-def _leaves(batch: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor) and t.requires_grad]
-
-
-def step(fn: Callable, batch: Any) -> Any:
-    """One training step of the loss: forward, backward into the predictions' ``.grad``."""
-    for leaf in _leaves(batch):
-        leaf.grad = None
-    out = fn(batch)
-    out.total.backward()
-    return out
-
-
-def _grads(fn: Callable, batch: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    out = step(fn, batch)
-    return out.total.detach().double(), [leaf.grad.detach().double().clone() for leaf in _leaves(batch)]
-
-
-def differences(reference: Callable, candidate: Callable, batch: Any) -> tuple[float, float]:
-    """(relative loss difference, worst relative L2 gradient difference) on one batch."""
-    ref_value, ref_grads = _grads(reference, batch)
-    value, grads = _grads(candidate, batch)
-    loss = ((value - ref_value).abs() / ref_value.abs()).item()
-    grad = max(((g - r).norm() / r.norm().clamp(min=1e-30)).item() for g, r in zip(grads, ref_grads))
-    return loss, grad
+def pose_step(fn: Callable, batch: Any) -> Any:
+    """One training step of a pose loss on ``batch`` (backward of the total)."""
+    return step(fn, batch, total)
 
 
 def _profile(fn: Callable, batch: Any, device: str) -> tuple[int, int, float]:
     """Launches and synchronisations issued by the host, and summed kernel time, of one step."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
-    _sync(device)
+    sync = device_sync(device)
+    sync()
     with profile(activities=activities) as prof:
-        step(fn, batch)
-        _sync(device)
+        pose_step(fn, batch)
+        sync()
     launches = syncs = 0
     busy_us = 0.0
     for event in prof.events():
@@ -110,40 +91,36 @@ def measure_arm(name: str, make: Callable[[], Callable], batches: list[Any], dev
                 profile: bool = True) -> ArmResult:
     """Time one arm (see the module docstring); a failure is recorded, never raised."""
     result = ArmResult(name, batches[0].o2m.scores.shape[0], device)
+    sync = device_sync(device)
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated()
     try:
-        _sync(device)
+        sync()
         start = time.perf_counter()
         fn = make()
-        step(fn, batches[0])
-        _sync(device)
+        pose_step(fn, batches[0])
+        sync()
         result.first_call_s = time.perf_counter() - start
-        for i in range(warmup):
-            step(fn, batches[i % len(batches)])
-        times = []
-        for i in progress(range(steps), steps, f"{name} batch {result.batch}"):
-            _sync(device)
-            begin = time.perf_counter()
-            step(fn, batches[i % len(batches)])
-            _sync(device)
-            times.append((time.perf_counter() - begin) * 1e3)
+        timing = interleave({name: lambda batch: pose_step(fn, batch)},
+                            lambda r: batches[r % len(batches)], steps, baseline=name,
+                            sync=sync, warmup=warmup, label=f"{name} batch {result.batch}")[name]
         result.steps = steps
-        result.median_ms = statistics.median(times)
-        deciles = statistics.quantiles(times, n=10)
-        result.p10_ms, result.p90_ms = deciles[0], deciles[-1]
+        result.median_ms = timing.median_ms
+        result.p10_ms, result.p90_ms = timing.time_spread()
         if device.startswith("cuda"):
             result.peak_mb = (torch.cuda.max_memory_allocated() - baseline) / 2**20
         with CountLinear() as counter:
-            step(fn, batches[1 % len(batches)])
+            pose_step(fn, batches[1 % len(batches)])
         result.linear_calls = counter.calls
         if profile:
-            result.launches, result.syncs, result.gpu_busy_ms = _profile(fn, batches[2 % len(batches)], device)
+            result.launches, result.syncs, result.gpu_busy_ms = _profile(
+                fn, batches[2 % len(batches)], device)
         if reference is not None:
-            result.loss_rel_diff, result.grad_rel_l2_diff = differences(reference, fn, batches[0])
+            result.loss_rel_diff, result.grad_rel_l2_diff = differences(reference, fn, batches[0],
+                                                                        total)
         stats = getattr(fn, "stats", None)
         if stats is not None:
             result.notes["stats"] = stats.as_dict()

@@ -1,0 +1,20 @@
+"""Abandoning an optimized call: a run-time op finds its assumption does not hold for this call.
+
+A run-time op (a guard on a data-dependent decision, a selection that came out empty) raises
+:class:`Abandon` with a reason code. ``OptimizedLoss`` then runs the call natively, counted by that
+code and the op's location, and keeps the specialization: the next call may hold again. An op may
+abandon only before anything visible happened (no input, parameter or buffer written, no value
+returned), which the pass that put it in the graph certifies.
+"""
+
+from __future__ import annotations
+
+
+class Abandon(Exception):
+    """The optimized forward stops here; the call runs natively (see the module docstring)."""
+
+    def __init__(self, code: str, where: str = "", detail: str = ""):
+        super().__init__(f"{code} at {where or '?'}: {detail}")
+        self.code = code
+        self.where = where
+        self.detail = detail

@@ -1,0 +1,120 @@
+"""What a concretely traced graph calls besides torch: guards, reads of the loss's state, writes.
+
+* :class:`ExpectValue`, :class:`ExpectTruth`, :class:`ExpectLength`: a value Python took during
+  tracing (a size turned into an int, ``if mask.any():``, the length of a split) is the same in
+  this call, else the call is abandoned (:class:`~fxpasses.runtime.abandon.Abandon`, code
+  ``guard-failed``) and runs natively. Counted per guard.
+* :class:`ReadSource`: a value read on every call from the loss's state (a float weight decayed
+  each epoch, a tensor attribute): an input of the graph, never a baked constant.
+* :class:`ReadState`: a parameter or buffer, read live from the module holding it.
+* :class:`WriteAttribute`: an attribute the loss writes during a call (``self.bs = ...``).
+* :func:`set_item`: ``x[index] = value`` as an expression (it returns ``x``), so the nodes after
+  it depend on it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import RuntimeOp
+from .abandon import Abandon
+
+
+def set_item(tensor: Any, index: Any, value: Any) -> Any:
+    tensor[index] = value
+    return tensor
+
+
+class _Guard(RuntimeOp):
+    pure = True
+
+    def __init__(self, op_id: str, expected: Any, location: str):
+        super().__init__(op_id)
+        self.expected = expected
+        self.location = location
+
+    def propagate(self, value: Any) -> None:
+        return None
+
+    def _fail(self, seen: Any) -> None:
+        self.count("guard-failed")
+        raise Abandon("guard-failed", self.location, f"{self.op_id}: traced {self.expected!r}, now {seen!r}")
+
+
+class ExpectValue(_Guard):
+    """The value (a size, an ``.item()``, a comparison) equals the one seen while tracing."""
+
+    def __call__(self, value: Any) -> None:
+        if value != self.expected:
+            self._fail(value)
+
+
+class ExpectTruth(_Guard):
+    """``bool(tensor)`` (a host read, as the loss's own ``if`` does) is the one seen."""
+
+    def __call__(self, value: Any) -> None:
+        seen = bool(value)
+        if seen != self.expected:
+            self._fail(seen)
+
+
+class ExpectLength(_Guard):
+    """A sequence an op returned (``unbind``, ``split``) has the length seen while tracing."""
+
+    def __call__(self, value: Any) -> None:
+        if len(value) != self.expected:
+            self._fail(len(value))
+
+
+class ReadSource(RuntimeOp):
+    """``op()`` or ``op(root)``: the value at ``path`` under ``root`` (an argument of the call,
+    or the object the op holds: the loss, a module's globals, a closure cell), read on this call."""
+
+    pure = True
+
+    def __init__(self, op_id: str, path: tuple[tuple[str, Any], ...], shown: str, root: Any = None):
+        super().__init__(op_id)
+        self.path = path
+        self.shown = shown
+        self.root = root
+
+    def __call__(self, *given: Any) -> Any:
+        value = given[0] if given else self.root
+        for step, key in self.path:
+            value = getattr(value, key) if step == "attr" else value[key]
+        return value
+
+    def propagate(self, *given: Any) -> Any:
+        return self(*given)
+
+
+class ReadState(RuntimeOp):
+    """``op()``: a parameter or buffer, read from the module that holds it on this call (so a
+    buffer that ``module.to(...)`` or an assignment rebinds is seen, never a stale copy)."""
+
+    pure = True
+
+    def __init__(self, op_id: str, module: Any, name: str):
+        super().__init__(op_id)
+        self.module = module
+        self.name = name
+
+    def __call__(self) -> Any:
+        return getattr(self.module, self.name)
+
+    def propagate(self) -> Any:
+        return self()
+
+
+class WriteAttribute(RuntimeOp):
+    """``op(owner, value)``: ``setattr(owner, name, value)``, as the loss does on each call."""
+
+    def __init__(self, op_id: str, name: str):
+        super().__init__(op_id)
+        self.name = name
+
+    def __call__(self, owner: Any, value: Any) -> None:
+        setattr(owner, self.name, value)
+
+    def propagate(self, owner: Any, value: Any) -> None:
+        return None

@@ -1,0 +1,115 @@
+"""One specialization of a loss: a trace, its rewritten graph, its certificates, its assumptions.
+
+:func:`build` traces the loss on one call (:mod:`fxpasses.trace`), certifies the trace (every
+assumption it made is a guard of its certificate), and runs the pass pipeline on the graph. A
+trace that fails, or that writes to an input, a parameter or a buffer before a guard (a call that
+fails the guard could not be abandoned without a visible effect), is a refusal: calls of that
+structure run natively.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch.fx as fx
+from torch import nn
+
+from .certificates import Certificate, Check, Guard, Site
+from .guards import Assumption, LossRoots, first_failure, user_classes, whole_loss_assumptions
+from .log import logger
+from .pipeline import Pass, PipelineRun, fingerprint, run_pipeline
+from .signature import CallSignature, flatten_call
+from .trace import LeafPolicy, TraceFailure, TraceInfo, positional_names, trace
+
+_PER_TRACE_KINDS = ("hooks", "methods", "modules", "modes", "autocast")
+
+
+@dataclass
+class Specialization:
+    """One trace of the loss for one input structure and one set of assumptions."""
+
+    index: int
+    signature: CallSignature
+    assumptions: tuple[Assumption, ...] = ()
+    modules: tuple[nn.Module, ...] = ()
+    classes: tuple[type, ...] = ()
+    info: TraceInfo | None = None
+    graph_module: fx.GraphModule | None = None
+    run: PipelineRun | None = None
+    certificates: list[Certificate] = field(default_factory=list)
+    disabled: str | None = None  # a reason code once this specialization must not run
+    seconds: dict[str, float] = field(default_factory=dict)
+    abandoned: Counter = field(default_factory=Counter)  # guard location -> calls abandoned there
+
+    def covers(self, leaves: list[Any], spec: Any) -> bool:
+        return self.signature.matches(leaves, spec)
+
+    def roots(self, loss: Any, leaves: list[Any]) -> LossRoots:
+        return LossRoots(loss, leaves, self.modules, self.classes)
+
+    def failing(self, loss: Any, leaves: list[Any]) -> Assumption | None:
+        """The first assumption that does not hold for this call, or None."""
+        return first_failure(self.assumptions, self.roots(loss, leaves))
+
+
+def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pass],
+          policy: LeafPolicy) -> Specialization:
+    """Trace, certify and optimize (see the module docstring); failures are recorded on it."""
+    special = Specialization(index, CallSignature.of_call(args, kwargs, positional_names(loss)))
+    start = time.perf_counter()
+    try:
+        gm = trace(loss, args, kwargs, policy=policy)
+    except TraceFailure as failure:
+        special.certificates.append(failure.certificate)
+        special.disabled = failure.certificate.codes[0]
+        logger.warning("%s", failure.certificate.message)
+        return special
+    special.seconds["trace"] = time.perf_counter() - start
+    info: TraceInfo = gm.meta["fxpasses"]
+    leaves, _ = flatten_call(args, kwargs)
+    special.info, special.signature = info, info.signature
+    special.modules = info.modules
+    special.classes = tuple(user_classes([loss, *info.modules]))
+    roots = special.roots(loss, leaves)
+    whole = tuple(a for a in whole_loss_assumptions(roots) if a.kind in _PER_TRACE_KINDS)
+    special.assumptions = info.assumptions + whole
+    certificate = dataclasses.replace(_trace_certificate(loss, info, special.assumptions),
+                                      graph_fingerprint=fingerprint(gm))
+    special.certificates.append(certificate)
+    if not certificate.applied:
+        special.disabled = certificate.codes[0]
+        return special
+    start = time.perf_counter()
+    special.run = run_pipeline(gm, passes, info.signature.inputs(leaves))
+    special.seconds["pipeline"] = time.perf_counter() - start
+    special.graph_module = special.run.graph_module
+    special.certificates.extend(special.run.certificates)
+    logger.info("specialization %d of %s: %d certificate(s), %s", index, type(loss).__name__,
+                len(special.certificates), ", ".join(f"{k} {v:.2f} s" for k, v in special.seconds.items()))
+    return special
+
+
+def _trace_certificate(loss: Any, info: TraceInfo, assumptions: Sequence[Assumption]) -> Certificate:
+    """The trace's own certificate: what it recorded, and every assumption as a guard."""
+    writes = info.writes_before_guards
+    checks = [
+        Check("concrete-trace", True, {"tracer": "fxpasses concrete tracer", "nodes": info.nodes,
+                                       "assumptions": len(assumptions), "guard_nodes": len(info.guards),
+                                       "modules_reached": len(info.modules)}),
+        Check("abandon-without-effect", not writes, {
+            "writes_before_guards": writes,
+            "why": "a call whose guard fails is abandoned and runs natively: nothing visible may "
+                   "have happened before"}, None if not writes else "trace-write-before-guard"),
+    ]
+    guards = [a.as_guard() for a in assumptions]
+    guards += [Guard(f"{kind}:{location}", f"the {kind} Python took at {location} is the one "
+                     "seen while tracing (a guard node; else this call runs natively)",
+                     "guard-failed", {"kind": kind, "location": location})
+               for kind, location in dict.fromkeys(info.guards)]
+    site = Site((), tuple(dict.fromkeys(a.location for a in assumptions if a.location))[:20],
+                f"loss {type(loss).__name__}")
+    return Certificate.from_checks("trace", site, checks, guards=tuple(guards))

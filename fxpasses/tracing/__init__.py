@@ -1,0 +1,18 @@
+"""Concrete tracing: run the loss once on its real inputs and record what it did.
+
+Symbolic tracing (torch.fx's Proxy) stops where Python needs a value: ``if mask.any():``, a size
+used as an int, an in-place slice assignment, ``isinstance(x, torch.Tensor)``. Here every tensor
+the loss sees is a :class:`~.values.TracedTensor` — a real tensor (so Python sees real values and
+real types) that also names the graph node computing it — and every size or scalar read from one
+is a :class:`~.values.TracedScalar`. A :class:`~.recorder.Recorder` intercepts torch calls at the
+torch-function level and writes one node per call; where Python takes a concrete value (a branch,
+a loop count, a size turned into an int) it records a *guard* that the value is the one seen.
+Reads of the loss's attributes (and of the objects it holds, globals and closure cells of a
+function loss, objects passed as arguments) are recorded as *assumptions* with their source;
+floats read as arithmetic become inputs read on every call.
+
+Modules: :mod:`.values` (the carriers), :mod:`.sources` (where a value was read), :mod:`.recorder`
+(graph building and torch calls), :mod:`.objects` (attribute reads and writes),
+:mod:`.patches` (factories, grad-mode switches, density and leaf calls). :func:`fxpasses.trace.trace`
+is the entry point.
+"""

@@ -1,0 +1,364 @@
+"""Attribute reads and writes during a trace: every value the loss reads from its state.
+
+An :class:`ObjectTracker` knows a :class:`~.sources.Source` for each object the loss holds (the
+loss itself, its submodules, the plain objects they hold, objects passed as arguments, objects in
+the globals its functions read). While tracing, the classes of those objects read attributes
+through a hook (:meth:`ObjectTracker.hooks`); a read made by user code is *adopted*:
+
+==================  ========================================================================
+value read          becomes
+==================  ========================================================================
+traced value        itself (it was computed in this trace)
+parameter, buffer   a ``get_attr`` node of the root module: read live on every call
+other tensor        a ``ReadSource`` node (read on every call) + a ``tensor`` assumption
+float               a ``ReadSource`` node: an *input*, never a constant + a ``float`` assumption
+int, bool, str...   the value + a ``constant`` assumption (it may steer control flow or shapes)
+module, object      the object + an ``identity`` assumption; its own reads are tracked in turn
+dict, list, ...     the container + a ``contents`` assumption (its items by value or identity)
+missing attribute   ``getattr(obj, name, default)``: an ``absent`` assumption
+==================  ========================================================================
+
+A write (``self.bs = ...``) becomes a ``WriteAttribute`` node, later reads of it in the same call
+return the written value, and the original value is restored when the trace ends. Globals that
+user functions executed during the trace refer to are recorded too (:meth:`ObjectTracker.globals_of`).
+"""
+
+from __future__ import annotations
+
+import builtins
+import enum
+import os
+import sys
+import types
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ..guards import Assumption, is_container, snapshot
+from ..locations import is_user_file
+from ..runtime.trace_ops import ReadSource, WriteAttribute
+from .recorder import Recorder, _location
+from .sources import Source
+from .values import TracedScalar, TracedTensor, active_recorder
+
+_CONSTANTS = (bool, int, str, bytes, type(None), enum.Enum, torch.dtype, torch.device)
+_NOT_DATA = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type,
+             types.MethodType, classmethod, staticmethod, property)
+_MISSING = object()
+
+
+_TORCH_MODULES_DIR = os.path.join(os.path.dirname(torch.__file__), "nn", "modules")
+
+
+def _user_caller(depth: int = 2) -> bool:
+    return is_user_file(sys._getframe(depth).f_code.co_filename)
+
+
+def _recorded_read(obj: Any, name: str, depth: int = 2) -> bool:
+    """Reads by user code; and a torch module's own settings read by its forward (``self.p``,
+    ``self.negative_slope``), which change results as much as the user's own attributes."""
+    path = sys._getframe(depth).f_code.co_filename
+    if is_user_file(path):
+        return True
+    return isinstance(obj, nn.Module) and path.startswith(_TORCH_MODULES_DIR) \
+        and not name.startswith("_") and name != "training"
+
+
+def _is_user_class(cls: type) -> bool:
+    module = getattr(sys.modules.get(cls.__module__), "__file__", None) or ""
+    return cls.__module__ not in ("builtins",) and bool(module) and is_user_file(module)
+
+
+class ObjectTracker:
+    """The sources of the loss's objects and the assumptions read from them (see module doc)."""
+
+    def __init__(self, recorder: Recorder, on_module: Callable[[nn.Module], None]):
+        self.recorder = recorder
+        self.on_module = on_module
+        self.assumptions: dict[tuple[str, str], Assumption] = {}
+        self._sources: dict[int, tuple[Source, Any, fx.Node | None]] = {}
+        self._written: dict[tuple[int, str], Any] = {}
+        self._restore: list[tuple[Any, str, Any]] = []
+        self._patched: list[tuple[type, str, Any]] = []
+        self._seen_code: set[Any] = set()
+
+    # -- sources ----------------------------------------------------------------------------------
+    def track(self, obj: Any, source: Source, placeholder: fx.Node | None = None) -> None:
+        """Follow ``obj``'s attribute reads; ``placeholder``: the graph input that is ``obj``."""
+        if id(obj) in self._sources or isinstance(obj, (torch.Tensor, *_CONSTANTS, float)):
+            return
+        self._sources[id(obj)] = (source, obj, placeholder)
+        cls = type(obj)
+        if not isinstance(obj, nn.Module) and _is_user_class(cls):
+            self._patch_class(cls)
+        elif not isinstance(obj, nn.Module) and is_container(obj):  # its reads cannot be followed
+            self._assume("contents", source, snapshot(obj), _shown(obj))
+        if isinstance(obj, nn.Module):
+            if source.root != ("loss",) or source.path:  # the loss module is not its own child
+                self.recorder.module_path(obj, _hint(source))
+            self.on_module(obj)
+
+    def _reader(self, source: Source) -> tuple[ReadSource, tuple]:
+        """A ReadSource for ``source`` and its node inputs (the argument placeholder, if any)."""
+        kind = source.root[0]
+        op_id = "read_" + "".join(c if c.isalnum() else "_" for c in str(source))[:40]
+        if kind == "arg":
+            _, _, placeholder = next(v for v in self._sources.values() if v[0] == Source(source.root))
+            return ReadSource(op_id, source.path, str(source)), (placeholder,)
+        if kind == "loss":
+            return ReadSource(op_id, source.path, str(source), self._sources_root("loss")), ()
+        if kind == "global":
+            return ReadSource(op_id, (("item", source.root[2]), *source.path), str(source),
+                              source.root[1]), ()
+        return ReadSource(op_id, (("attr", "cell_contents"), *source.path), str(source),
+                          source.root[1]), ()
+
+    def _sources_root(self, kind: str) -> Any:
+        return next(obj for src, obj, _ in self._sources.values() if src.root == (kind,) and not src.path)
+
+    def _assume(self, kind: str, source: Source, expected: Any, shown: str) -> None:
+        key = (kind, str(source))
+        if key not in self.assumptions:
+            self.assumptions[key] = Assumption(kind, source, expected, _location(), shown[:120])
+
+    # -- reads ------------------------------------------------------------------------------------
+    def read(self, obj: Any, name: str, value: Any) -> Any:
+        entry = self._sources.get(id(obj))
+        if entry is None or entry[1] is not obj:
+            return value  # an object made during this trace
+        if (id(obj), name) in self._written:
+            return self._written[(id(obj), name)]
+        return self.adopt(value, entry[0].attr(name), instance=name in getattr(obj, "__dict__", {}))
+
+    def absent(self, obj: Any, name: str) -> None:
+        entry = self._sources.get(id(obj))
+        if entry is not None and entry[1] is obj and (id(obj), name) not in self._written:
+            self._assume("absent", entry[0].attr(name), None, "missing")
+
+    def adopt(self, value: Any, source: Source, instance: bool = True) -> Any:
+        """``value`` read at ``source``, as the trace should see it (see the module table)."""
+        rec = self.recorder
+        if isinstance(value, (TracedTensor, TracedScalar)):
+            return value
+        if isinstance(value, torch.Tensor):
+            state = rec.state_node(value)
+            if state is not None:  # a parameter or buffer: read live on every call
+                return rec.wrap(value, state)
+            self._assume("tensor", source, (value.dtype, value.device.type, value.dim()),
+                         f"{value.dtype} on {value.device.type}, {value.dim()}-d")
+            read, given = self._reader(source)
+            return rec.read_source(read, given, value)
+        if type(value) is float:
+            self._assume("float", source, None, repr(value))
+            read, given = self._reader(source)
+            return rec.read_source(read, given, value)
+        if isinstance(value, _CONSTANTS):
+            self._assume("constant", source, value, repr(value))
+            return value
+        if isinstance(value, _NOT_DATA) or callable(value) and not isinstance(value, nn.Module):
+            if getattr(value, "_fxpasses_patch", False):  # the trace's own stand-in
+                return value
+            if instance and not isinstance(value, type):  # a function stored on the object
+                self._assume("identity", source, value, getattr(value, "__qualname__", repr(value)))
+            return value
+        if is_container(value):
+            self._assume("contents", source, snapshot(value), _shown(value))
+            for key, item in _items(value):
+                if not isinstance(item, (torch.Tensor, *_CONSTANTS, float)) and not is_container(item):
+                    self.track(item, source.item(key) if not isinstance(value, types.SimpleNamespace)
+                               else source.attr(key))
+            return value
+        self._assume("identity", source, value, type(value).__qualname__)
+        self.track(value, source)
+        return value
+
+    # -- writes -----------------------------------------------------------------------------------
+    def write(self, obj: Any, name: str, value: Any) -> None:
+        entry = self._sources.get(id(obj))
+        if entry is None or entry[1] is not obj:
+            return
+        key = (id(obj), name)
+        if key not in self._written:
+            self._restore.append((obj, name, obj.__dict__.get(name, _MISSING)
+                                  if not isinstance(obj, nn.Module) else _module_value(obj, name)))
+        self._written[key] = value
+        source, _, placeholder = entry
+        rec = self.recorder
+        if isinstance(obj, nn.Module):
+            owner = rec.get_attr(rec.module_path(obj))
+        elif placeholder is not None:
+            owner = placeholder
+        else:
+            read, given = self._reader(source)
+            owner = rec.node("call_function", read, given)
+        rec.node("call_function", WriteAttribute(f"write_{name}", name), (owner, rec.arg(value)))
+
+    def restore(self) -> None:
+        """Put back every attribute the trace wrote (the graph writes them on each call)."""
+        for obj, name, old in reversed(self._restore):
+            if old is _MISSING:
+                object.__delattr__(obj, name) if name in getattr(obj, "__dict__", {}) else None
+            elif isinstance(obj, nn.Module):
+                nn.Module.__setattr__(obj, name, old)
+            else:
+                object.__setattr__(obj, name, old)
+
+    # -- globals of executed user functions -------------------------------------------------------
+    def globals_of(self, code: types.CodeType, f_globals: dict) -> None:
+        """Record the globals ``code`` refers to (constants, containers, objects, tensors)."""
+        if code in self._seen_code:
+            return
+        self._seen_code.add(code)
+        for name in code.co_names:
+            if name in f_globals:
+                self._global(f_globals, name)
+
+    def _global(self, f_globals: dict, name: str) -> None:
+        self._outside_value(Source(("global", f_globals, name)), f_globals[name])
+
+    def adopt_cell(self, cell: Any, name: str, value: Any) -> None:
+        """A closure cell of the loss function: guarded like a global."""
+        self._outside_value(Source(("cell", cell, name)), value)
+
+    def _outside_value(self, source: Source, value: Any) -> None:
+        """A global or a closure cell: constants, tensors and containers guarded, objects tracked
+        (their attribute reads are recorded in turn)."""
+        if isinstance(value, _NOT_DATA) or value is builtins or isinstance(value, (TracedTensor, TracedScalar)):
+            return
+        if isinstance(value, (_CONSTANTS, float)):
+            self._assume("constant", source, value, repr(value))
+        elif isinstance(value, torch.Tensor):
+            self._assume("identity", source, value, f"tensor {tuple(value.shape)}")
+        elif is_container(value):
+            self._assume("contents", source, snapshot(value), _shown(value))
+        elif not callable(value) or isinstance(value, nn.Module):
+            self._assume("identity", source, value, type(value).__qualname__)
+            self.track(value, source)
+
+    def modules(self) -> list[nn.Module]:
+        """Every module whose attributes the trace followed."""
+        return [obj for _, obj, _ in self._sources.values() if isinstance(obj, nn.Module)]
+
+    # -- the hooks --------------------------------------------------------------------------------
+    def _patch_class(self, cls: type) -> None:
+        if getattr(cls.__getattribute__, "_fxpasses_hook", False):
+            return
+        self._install(cls, "__getattribute__", _getattribute_hook(cls.__getattribute__))
+        self._install(cls, "__setattr__", _setattr_hook(cls.__setattr__))
+
+    def _install(self, cls: type, name: str, hook: Any) -> None:
+        self._patched.append((cls, name, cls.__dict__.get(name, _MISSING)))
+        setattr(cls, name, hook)
+
+    def hooks(self) -> "_Hooks":
+        return _Hooks(self)
+
+    def unpatch(self) -> None:
+        for cls, name, previous in reversed(self._patched):
+            if previous is _MISSING:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, previous)
+        self._patched.clear()
+
+
+class _Hooks:
+    """Context: nn.Module's attribute access through the tracker (user classes are patched as
+    their objects are tracked); everything restored on exit."""
+
+    def __init__(self, tracker: ObjectTracker):
+        self.tracker = tracker
+
+    def __enter__(self) -> ObjectTracker:
+        t = self.tracker
+        t._install(nn.Module, "__getattribute__", _getattribute_hook(object.__getattribute__))
+        t._install(nn.Module, "__getattr__", _module_getattr_hook(nn.Module.__getattr__))
+        t._install(nn.Module, "__setattr__", _setattr_hook(nn.Module.__setattr__))
+        return t
+
+    def __exit__(self, *exc: Any) -> None:
+        self.tracker.unpatch()
+
+
+def _tracker() -> ObjectTracker | None:
+    rec = active_recorder()
+    return None if rec is None or rec.paused else getattr(rec, "tracker", None)
+
+
+def _getattribute_hook(original: Any) -> Any:
+    def __getattribute__(obj, name):
+        try:
+            value = original(obj, name)
+        except AttributeError:
+            tracker = _tracker()
+            if tracker is not None and name[:2] != "__" and not isinstance(obj, nn.Module) \
+                    and _user_caller():
+                tracker.absent(obj, name)
+            raise
+        if name[:2] == "__":
+            return value
+        tracker = _tracker()
+        if tracker is None or not _recorded_read(obj, name):
+            return value
+        return tracker.read(obj, name, value)
+
+    __getattribute__._fxpasses_hook = True
+    return __getattribute__
+
+
+def _module_getattr_hook(original: Any) -> Any:
+    def __getattr__(module, name):
+        try:
+            value = original(module, name)
+        except AttributeError:
+            tracker = _tracker()
+            if tracker is not None and _user_caller():
+                tracker.absent(module, name)
+            raise
+        tracker = _tracker()
+        if tracker is None or not _recorded_read(module, name):
+            return value
+        return tracker.read(module, name, value)
+
+    return __getattr__
+
+
+def _setattr_hook(original: Any) -> Any:
+    def __setattr__(obj, name, value):
+        tracker = _tracker()
+        if tracker is not None and _user_caller():
+            tracker.write(obj, name, value)
+        original(obj, name, value)
+
+    return __setattr__
+
+
+def _module_value(module: nn.Module, name: str) -> Any:
+    for store in (module.__dict__, module._parameters, module._buffers, module._modules):
+        if name in store:
+            return store[name]
+    return _MISSING
+
+
+def _items(value: Any) -> Iterator[tuple[Any, Any]]:
+    if isinstance(value, dict):
+        return iter(value.items())
+    if isinstance(value, types.SimpleNamespace):
+        return iter(vars(value).items())
+    if isinstance(value, (list, tuple)):
+        return iter(enumerate(value))
+    return iter(())
+
+
+def _hint(source: Source) -> str:
+    """A name for a module found at ``source``: its attribute name, or the global's or cell's."""
+    if source.path:
+        return str(source.path[-1][1])
+    return str(source.root[-1]) if source.root[0] in ("global", "cell") else ""
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."

@@ -1,0 +1,193 @@
+"""What a trace changes while it runs, all restored on exit (:func:`patched`).
+
+* factories: ``torch.zeros(batch, n, k)`` has no tensor argument, so ``__torch_function__`` never
+  sees it; the torch-namespace factories are wrapped so each call is a node (sizes stay traced);
+* grad-mode switches (``torch.no_grad()``, ``@torch.no_grad()``, ``set_grad_enabled``) become
+  ``_set_grad_enabled`` nodes in place; an autocast switch inside the loss is refused;
+* density methods (``flow.log_prob``), leaf modules and leaf functions become one node each:
+  the call runs on plain values with recording paused, its results are traced;
+* a profile hook records the globals of every user function the trace executes (garbage
+  collection is off meanwhile, so that no collection callback's globals are taken for the loss's;
+  a profiler already installed with ``sys.setprofile`` is off during the trace).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import sys
+import threading
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from ..locations import is_user_file
+from .objects import ObjectTracker
+from .recorder import Recorder, Unsupported
+from .values import TracedScalar, TracedTensor, active_recorder
+
+FACTORIES = ("zeros ones empty full rand randn randint randperm arange linspace logspace eye tensor "
+             "as_tensor scalar_tensor empty_strided tril_indices triu_indices normal").split()
+
+
+def _traced_in(values: Any) -> bool:
+    stack = [values]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, (TracedTensor, TracedScalar)):
+            return True
+        if isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+    return False
+
+
+_ABSENT = object()
+
+
+class _Patches:
+    def __init__(self) -> None:
+        self.undo: list[tuple[Any, str, Any]] = []
+
+    def set(self, owner: Any, name: str, value: Any) -> None:
+        previous = vars(owner).get(name, _ABSENT) if hasattr(owner, "__dict__") else _ABSENT
+        self.undo.append((owner, name, previous))
+        setattr(owner, name, value)
+
+    def restore(self) -> None:
+        for owner, name, previous in reversed(self.undo):
+            if previous is _ABSENT:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, previous)
+
+
+def _factory(original: Callable, thread: int) -> Callable:
+    def factory(*args: Any, **kwargs: Any) -> Any:
+        rec = active_recorder()
+        if rec is None or rec.paused or threading.get_ident() != thread:
+            return original(*args, **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return rec.torch_function(original, args, kwargs)
+    factory.__wrapped__ = original
+    return factory
+
+
+def _grad_switch(original: Callable, thread: int) -> Callable:
+    def switch(mode: bool) -> None:
+        rec = active_recorder()
+        if rec is not None and not rec.paused and threading.get_ident() == thread:
+            rec.node("call_function", original, (bool(mode),))
+        original(mode)
+    return switch
+
+
+def _autocast_refused(original: Callable, thread: int) -> Callable:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        rec = active_recorder()
+        if rec is not None and not rec.paused and threading.get_ident() == thread:
+            raise Unsupported("autocast is switched inside the loss; optimize under the autocast "
+                              "context instead")
+        return original(*args, **kwargs)
+    return refuse
+
+
+def _opaque_method(rec: Recorder, module: nn.Module, name: str, bound: Callable, kind: str) -> Callable:
+    """``module.<name>`` as one node when called with traced values."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if rec.paused or active_recorder() is not rec or not _traced_in((args, kwargs)):
+            return bound(*args, **kwargs)
+        path = rec.module_path(module)
+        if kind == "call_module":
+            return rec.opaque_call("call_module", path, bound, args, kwargs)
+        return rec.opaque_call("call_method", name, bound, args, kwargs,
+                               node_args=(module, *args))
+    call._fxpasses_patch = True
+    return call
+
+
+def _opaque_function(rec: Recorder, fn: Callable) -> Callable:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if rec.paused or active_recorder() is not rec or not _traced_in((args, kwargs)):
+            return fn(*args, **kwargs)
+        return rec.opaque_call("call_function", fn, fn, args, kwargs)
+    call.__wrapped__ = fn
+    call._fxpasses_patch = True
+    return call
+
+
+class ModulePatcher:
+    """Patches density methods and leaf modules of every module the trace meets."""
+
+    def __init__(self, rec: Recorder, patches: _Patches, methods: tuple[str, ...],
+                 is_leaf: Callable[[nn.Module], bool]):
+        self.rec, self.patches, self.methods, self.is_leaf = rec, patches, methods, is_leaf
+        self.seen: set[int] = set()
+        self.buffers: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+
+    def __call__(self, root: nn.Module) -> None:
+        for module in root.modules():
+            if id(module) in self.seen:
+                continue
+            self.seen.add(id(module))
+            for buffer in module.buffers(recurse=False):  # a trace must leave them as they were
+                with torch.no_grad():
+                    self.buffers.append((buffer, buffer._version, buffer.detach().clone()))
+            for name in self.methods:
+                bound = getattr(module, name, None)
+                if callable(bound) and getattr(nn.Module, name, None) is None:
+                    self.patches.set(module, name, _opaque_method(self.rec, module, name, bound, "call_method"))
+            if self.is_leaf(module):
+                self.patches.set(module, "forward", _opaque_method(self.rec, module, "forward",
+                                                                    module.forward, "call_module"))
+
+
+    @contextlib.contextmanager
+    def buffers_kept(self) -> Iterator[None]:
+        """Buffers the traced call updated in place get their values back on exit."""
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, version, saved in self.buffers:
+                    if buffer._version != version:
+                        buffer.copy_(saved)
+
+
+@contextlib.contextmanager
+def patched(rec: Recorder, tracker: ObjectTracker, patcher: ModulePatcher,
+            leaf_functions: tuple[Callable, ...]) -> Iterator[None]:
+    """Everything the trace changes (see the module docstring), restored on every exit."""
+    thread = threading.get_ident()
+    patches = patcher.patches
+    for name in FACTORIES:
+        original = getattr(torch, name, None)
+        if original is not None:
+            patches.set(torch, name, _factory(original, thread))
+    patches.set(torch._C, "_set_grad_enabled", _grad_switch(torch._C._set_grad_enabled, thread))
+    patches.set(torch, "set_autocast_enabled", _autocast_refused(torch.set_autocast_enabled, thread))
+    for fn in leaf_functions:
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            for key, value in list((namespace or {}).items()):
+                if value is fn:
+                    patches.set(module, key, _opaque_function(rec, fn))
+    previous_profile = sys.getprofile()
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and is_user_file(frame.f_code.co_filename) and not rec.paused:
+            tracker.globals_of(frame.f_code, frame.f_globals)
+
+    collecting = gc.isenabled()
+    gc.disable()  # a collection's callbacks (a test framework's, a profiler's) are not the loss
+    sys.setprofile(profile)
+    try:
+        with tracker.hooks():
+            yield
+    finally:
+        sys.setprofile(previous_profile)
+        if collecting:
+            gc.enable()
+        patches.restore()

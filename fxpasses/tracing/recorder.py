@@ -1,0 +1,402 @@
+"""The recorder of a concrete trace: one graph node per torch call, one guard per value taken.
+
+:meth:`Recorder.torch_function` receives every torch call made on a :class:`~.values.TracedTensor`
+(through ``__torch_function__``): it runs the call on the real tensors, writes the node, and wraps
+the results. Sizes and scalars become :class:`~.values.TracedScalar`; where Python takes their
+value, :meth:`Recorder.concretize` writes a guard node (:mod:`fxpasses.runtime.trace_ops`).
+Tensors from outside the trace become nodes too: parameters and buffers of the root module as
+``get_attr``, values read from the loss's state as :class:`~fxpasses.runtime.trace_ops.ReadSource`
+(read on every call), anything else as a constant held by reference.
+
+What a trace cannot record raises :class:`Unsupported` (the trace fails with a certificate that
+names the line, and the loss runs natively).
+"""
+
+from __future__ import annotations
+
+import operator
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ..analysis.ops import method_writes_self
+from ..locations import is_user_file
+from ..runtime.trace_ops import ExpectLength, ExpectTruth, ExpectValue, ReadSource, ReadState, set_item
+from .values import TracedScalar, TracedSize, TracedTensor
+
+_CONSTANT_TYPES = (type(None), bool, int, float, complex, str, torch.dtype, torch.device,
+                   torch.memory_format, torch.layout, type(Ellipsis))
+# Tensor properties: metadata fixed by the input signature, read as constants
+_METADATA = frozenset("dtype device layout is_cuda is_cpu is_sparse is_quantized is_meta is_mkldnn "
+                      "is_nested ndim is_complex itemsize nbytes".split())
+_VIEW_PROPERTIES = frozenset("T mT H mH real imag".split())
+_METADATA_METHODS = frozenset("dim ndimension is_floating_point is_complex element_size get_device "
+                              "is_contiguous is_signed type __format__ __repr__ __str__".split())
+_UNSUPPORTED = frozenset("numpy __array__ data_ptr untyped_storage storage backward register_hook "
+                         "retain_grad __reduce_ex__ _base grad data grad_fn _version".split())
+
+
+# Python's operator protocol on tensors, recorded as the operator (as torch.fx records ``a + b``)
+_OPERATORS = {f"__{name}__": getattr(operator, name if name not in ("and", "or") else name + "_")
+              for name in "add sub mul truediv floordiv mod pow matmul and or xor lshift rshift eq ne "
+                          "lt le gt ge neg pos abs invert".split()}
+_REFLECTED = {f"__r{name}__": getattr(operator, name if name not in ("and", "or") else name + "_")
+              for name in "add sub mul truediv floordiv mod pow matmul and or xor lshift rshift".split()}
+_IN_PLACE = {f"__i{name}__": getattr(operator, f"i{name}")
+             for name in "add sub mul truediv floordiv mod pow matmul and or xor lshift rshift".split()}
+
+
+class Unsupported(Exception):
+    """The loss does something a concrete trace cannot record (the message says what)."""
+
+
+def _name(func: Any) -> str:
+    return getattr(func, "__name__", "")
+
+
+def _is_tensor_method(func: Any) -> bool:
+    return getattr(func, "__qualname__", "").startswith(("TensorBase.", "Tensor."))
+
+
+class Recorder:
+    """Builds the graph of one concrete trace (see the module docstring)."""
+
+    def __init__(self, root: nn.Module):
+        self.graph = fx.Graph()
+        self.root = root
+        self.paused = False  # user code runs outside the trace (an opaque call)
+        self.busy = False  # inside a torch call being recorded: the recorder's own calls are plain
+        self.guards: list[tuple[str, str]] = []  # (kind, location) of guard nodes, in order
+        self._events: list[tuple[str, str]] = []  # ("guard" | "write", location), in order
+        self._attrs: dict[Any, fx.Node] = {}
+        self._constants: dict[int, str] = {}
+        self._sizes: dict[tuple[fx.Node, int], TracedScalar] = {}
+        self._state: dict[int, tuple[nn.Module, str, str]] = {}  # id(tensor) -> (owner, name, path)
+        self._modules: dict[int, str] = {}  # id(module) -> qualified name
+        self._outside: set[int] = set()  # storages of inputs, parameters and buffers
+        self.index_root_modules()
+
+    # -- nodes -------------------------------------------------------------------------------
+    def node(self, op: str, target: Any, args: tuple = (), kwargs: dict | None = None) -> fx.Node:
+        node = self.graph.create_node(op, target, args, kwargs or {})
+        node.meta["stack_trace"] = _user_stack()
+        return node
+
+    def get_attr(self, target: str) -> fx.Node:
+        if target not in self._attrs:
+            self._attrs[target] = self.graph.create_node("get_attr", target)
+        return self._attrs[target]
+
+    def guard(self, op: Any, value: fx.Node, kind: str) -> None:
+        self.guards.append((kind, op.location))
+        self._events.append(("guard", op.location))
+        self.node("call_function", op, (value,))
+
+    def writes_before_guards(self) -> tuple[str, ...]:
+        """Locations of writes to inputs, parameters or buffers that precede a guard node."""
+        last_guard = max((i for i, (kind, _) in enumerate(self._events) if kind == "guard"), default=-1)
+        return tuple(loc for kind, loc in self._events[:last_guard] if kind == "write")
+
+    # -- the root module: parameters, buffers, modules, constants ---------------------------
+    def index_root_modules(self) -> None:
+        for path, module in self.root.named_modules():
+            self._modules.setdefault(id(module), path)
+            self.index_state(module, path)
+
+    def index_state(self, module: nn.Module, path: str) -> None:
+        """Parameters and buffers of ``module`` (``path`` names it in certificates and code)."""
+        for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if tensor is not None and id(tensor) not in self._state:
+                self._state[id(tensor)] = (module, name, f"{path}.{name}" if path else name)
+                self._outside.add(_storage(tensor))
+
+    def state_node(self, tensor: torch.Tensor) -> fx.Node | None:
+        """A ReadState node for a parameter or buffer of a module the trace knows, else None."""
+        found = self._state.get(id(tensor))
+        if found is None:
+            return None
+        key = ("state", id(tensor))
+        if key not in self._attrs:
+            module, name, path = found
+            op_id = "read_" + "".join(c if c.isalnum() else "_" for c in path)
+            self._attrs[key] = self.node("call_function", ReadState(op_id, module, name), ())
+        return self._attrs[key]
+
+    def module_path(self, module: nn.Module, hint: str = "") -> str:
+        """The module's path in the root, adding it (under ``hint`` if that name is free) if it
+        is not there yet."""
+        if id(module) not in self._modules:
+            name = hint if hint.isidentifier() and not hasattr(self.root, hint) \
+                else f"_fxpasses_module_{len(self._modules)}"
+            self.root.add_module(name, module)
+            self.index_root_modules()
+        return self._modules[id(module)]
+
+    def held(self, value: Any, hint: str = "object") -> fx.Node:
+        """A ``get_attr`` of ``value`` held by reference on the root (an object, a dict, a cell)."""
+        key = id(value)
+        if key not in self._constants:
+            name = f"_fxpasses_{hint}_{len(self._constants)}"
+            object.__setattr__(self.root, name, value) if not isinstance(value, nn.Module) else \
+                self.root.add_module(name, value)
+            self._constants[key] = name
+        return self.get_attr(self._constants[key])
+
+    def note_outside(self, tensor: torch.Tensor) -> None:
+        self._outside.add(_storage(tensor))
+
+    # -- values into nodes, nodes into values -------------------------------------------------
+    def arg(self, value: Any) -> Any:
+        """``value`` as a node argument: traced values as their nodes, containers recursively."""
+        if isinstance(value, TracedTensor):
+            return value._fx_node
+        if isinstance(value, TracedScalar):
+            return value.node
+        if isinstance(value, torch.Tensor):
+            return self.tensor_node(value)
+        if isinstance(value, (list, tuple)):
+            items = [self.arg(v) for v in value]
+            return items if isinstance(value, list) else tuple(items)
+        if isinstance(value, dict):
+            return {k: self.arg(v) for k, v in value.items()}
+        if isinstance(value, slice):
+            return slice(self.arg(value.start), self.arg(value.stop), self.arg(value.step))
+        if isinstance(value, nn.Module):
+            return self.get_attr(self.module_path(value))
+        if isinstance(value, _CONSTANT_TYPES):
+            return value
+        raise Unsupported(f"an argument of type {type(value).__qualname__} reaches a torch call")
+
+    def tensor_node(self, tensor: torch.Tensor) -> fx.Node:
+        """A tensor from outside the trace: a parameter or buffer, else a constant by reference."""
+        return self.state_node(tensor) or self.held(tensor, "constant")
+
+    def real(self, value: Any, plain: bool = False) -> Any:
+        """``value`` with every TracedScalar replaced by its value; with ``plain``, traced
+        tensors too (as user code outside the trace sees them)."""
+        if isinstance(value, TracedScalar):
+            return value.value
+        if plain and isinstance(value, TracedTensor):
+            return value.as_subclass(torch.Tensor)
+        if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+            items = [self.real(v, plain) for v in value]
+            return items if isinstance(value, list) else tuple(items)
+        if isinstance(value, dict):
+            return {k: self.real(v, plain) for k, v in value.items()}
+        if isinstance(value, slice):
+            return slice(self.real(value.start), self.real(value.stop), self.real(value.step))
+        return value
+
+    def wrap(self, value: Any, node: fx.Node) -> Any:
+        """The result of a recorded call: tensors traced, numbers as TracedScalars."""
+        if isinstance(value, torch.Tensor):
+            traced = value if type(value) is TracedTensor else value.as_subclass(TracedTensor)
+            traced._fx_node = node
+            return traced
+        if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+            self.guard(ExpectLength(f"length_{node.name}", len(value), _location()), node, "length")
+            items = [self.wrap(v, self.node("call_function", operator.getitem, (node, i)))
+                     for i, v in enumerate(value)]
+            return items if isinstance(value, list) else type(value)(items)
+        if isinstance(value, (bool, int, float)):
+            return TracedScalar(value, node, self)
+        return value
+
+    # -- scalars ---------------------------------------------------------------------------------
+    def size(self, tensor: TracedTensor, dim: int) -> TracedScalar:
+        dim = dim % max(tensor.dim(), 1)
+        key = (tensor._fx_node, dim)
+        if key not in self._sizes:
+            node = self.node("call_method", "size", (tensor._fx_node, dim))
+            self._sizes[key] = TracedScalar(tensor.shape[dim], node, self)
+        return self._sizes[key]
+
+    def shape(self, tensor: TracedTensor) -> TracedSize:
+        return TracedSize(self.size(tensor, d) for d in range(tensor.dim()))
+
+    def scalar_op(self, op: Callable, *operands: Any) -> TracedScalar:
+        result = op(*(o.value if isinstance(o, TracedScalar) else o for o in operands))
+        return TracedScalar(result, self.node("call_function", op, tuple(self.arg(o) for o in operands)), self)
+
+    def concretize(self, scalar: TracedScalar) -> Any:
+        """Python takes the value: a guard node checks it is the same on every call."""
+        self.guard(ExpectValue(f"expect_{scalar.node.name}", scalar.value, _location()), scalar.node, "value")
+        return scalar.value
+
+    # -- torch calls -----------------------------------------------------------------------------
+    def torch_function(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        self.busy = True
+        try:
+            return self._torch_function(func, args, kwargs)
+        finally:
+            self.busy = False
+
+    def _torch_function(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        name = _name(func)
+        if name == "__get__":
+            return self._property(func, args)
+        if name in _UNSUPPORTED or func in (torch.autograd.grad, torch.autograd.backward):
+            raise Unsupported(f"{name or func} on a traced tensor: its values leave the graph")
+        if _is_tensor_method(func) or name.startswith("__"):
+            special = _TENSOR_METHODS.get(name)
+            if special is not None:
+                return special(self, args, kwargs)
+            if name in _METADATA_METHODS:
+                return self.run(func, args, kwargs)
+        return self.call(func, args, kwargs)
+
+    def run(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``func`` on the real values, nothing recorded."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*self.real(args), **self.real(kwargs))
+
+    def call(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Run ``func`` and record it as one node; see the module docstring."""
+        out = self.run(func, args, kwargs)
+        name = _name(func)
+        node_args = tuple(args)
+        if func is torch.Tensor.__getitem__:
+            op, target = "call_function", operator.getitem
+        elif name in _OPERATORS or name in _IN_PLACE:
+            op, target = "call_function", _OPERATORS.get(name) or _IN_PLACE[name]
+        elif name in _REFLECTED:
+            op, target, node_args = "call_function", _REFLECTED[name], (args[1], args[0])
+        elif _is_tensor_method(func) or name.startswith("__"):
+            op, target = "call_method", name
+        else:
+            op, target = "call_function", func
+        node = self.node(op, target, self.arg(node_args), self.arg(dict(kwargs)))
+        if method_writes_self(name):  # in place: later uses of the tensor follow this node
+            self._written(args[0], node)
+            return args[0]
+        if args and out is args[0]:  # returned its input unchanged (x.to(x.dtype)): a new alias
+            out = out.as_subclass(TracedTensor)
+        return self.wrap(out, node)
+
+    def _written(self, tensor: Any, node: fx.Node) -> None:
+        if not isinstance(tensor, TracedTensor):
+            raise Unsupported("an in-place write to a tensor the trace did not make or read")
+        if _storage(tensor) in self._outside:
+            self._events.append(("write", _location()))
+        tensor._fx_node = node
+
+    def set_item(self, args: tuple, kwargs: dict) -> None:
+        target, index, value = args
+        self.run(torch.Tensor.__setitem__, args, kwargs)
+        node = self.node("call_function", set_item, (self.arg(target), self.arg(index), self.arg(value)))
+        self._written(target, node)
+
+    def _property(self, func: Any, args: tuple) -> Any:
+        name = getattr(func.__self__, "__name__", "")
+        (tensor,) = args
+        if name == "shape":
+            return self.shape(tensor)
+        if name in _VIEW_PROPERTIES:
+            out = self.run(func, args, {})
+            return self.wrap(out, self.node("call_function", getattr, (tensor._fx_node, name)))
+        if name in ("requires_grad", "is_leaf"):
+            out = self.run(func, args, {})
+            node = self.node("call_function", getattr, (tensor._fx_node, name))
+            self.guard(ExpectValue(f"expect_{node.name}", out, _location()), node, "value")
+            return out
+        if name in _UNSUPPORTED:
+            raise Unsupported(f"tensor.{name} during a trace")
+        return self.run(func, args, {})  # metadata the input signature fixes
+
+    def opaque_call(self, op: str, target: Any, call: Callable, args: tuple, kwargs: dict,
+                    node_args: tuple | None = None) -> Any:
+        """A call kept as one node (a density method, a leaf module or function): it runs on
+        plain values with recording paused; its results are traced."""
+        self.busy = True
+        plain_args, plain_kwargs = self.real(args, plain=True), self.real(kwargs, plain=True)
+        self.busy, self.paused = False, True
+        try:
+            out = call(*plain_args, **plain_kwargs)
+        finally:
+            self.paused, self.busy = False, True
+        try:
+            node = self.node(op, target, self.arg(node_args if node_args is not None else tuple(args)),
+                             self.arg(dict(kwargs)))
+            return self.wrap(out, node)
+        finally:
+            self.busy = False
+
+    def read_source(self, read: ReadSource, given: tuple, value: Any) -> Any:
+        """A value read from the loss's state on every call (a ReadSource node)."""
+        node = self.node("call_function", read, given)
+        if isinstance(value, torch.Tensor):
+            self.note_outside(value)
+        return self.wrap(value, node)
+
+
+# -- Tensor methods with a meaning of their own ------------------------------------------------
+
+def _size(rec: Recorder, args: tuple, kwargs: dict) -> Any:
+    tensor, *rest = args
+    dim = rest[0] if rest else kwargs.get("dim")
+    return rec.shape(tensor) if dim is None else rec.size(tensor, rec.real(dim))
+
+
+def _len(rec: Recorder, args: tuple, kwargs: dict) -> int:
+    return rec.concretize(rec.size(args[0], 0))
+
+
+def _numel(rec: Recorder, args: tuple, kwargs: dict) -> TracedScalar:
+    return rec.wrap(rec.run(torch.Tensor.numel, args, kwargs),
+                    rec.node("call_method", "numel", (args[0]._fx_node,)))
+
+
+def _item(rec: Recorder, args: tuple, kwargs: dict) -> TracedScalar:
+    value = rec.run(torch.Tensor.item, args, kwargs)
+    return TracedScalar(value, rec.node("call_method", "item", (args[0]._fx_node,)), rec)
+
+
+def _to_python(convert: Callable) -> Callable:
+    def concrete(rec: Recorder, args: tuple, kwargs: dict) -> Any:
+        return convert(rec.concretize(_item(rec, args, kwargs)))
+    return concrete
+
+
+def _bool(rec: Recorder, args: tuple, kwargs: dict) -> bool:
+    value = rec.run(torch.Tensor.__bool__, args, kwargs)
+    rec.guard(ExpectTruth(f"truth_{args[0]._fx_node.name}", value, _location()), args[0]._fx_node, "truth")
+    return value
+
+
+def _tolist(rec: Recorder, args: tuple, kwargs: dict) -> Any:
+    value = rec.run(torch.Tensor.tolist, args, kwargs)
+    node = rec.node("call_method", "tolist", (args[0]._fx_node,))
+    rec.guard(ExpectValue(f"expect_{node.name}", value, _location()), node, "value")
+    return value
+
+
+_TENSOR_METHODS: dict[str, Callable[[Recorder, tuple, dict], Any]] = {
+    "size": _size, "__len__": _len, "numel": _numel, "item": _item,
+    "__int__": _to_python(int), "__index__": _to_python(int), "__float__": _to_python(float),
+    "__bool__": _bool, "tolist": _tolist,
+    "__setitem__": lambda rec, args, kwargs: rec.set_item(args, kwargs),
+}
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    with torch._C.DisableTorchFunctionSubclass():
+        return tensor.untyped_storage()._cdata
+
+
+def _location() -> str:
+    """``file:line`` of the innermost user frame now."""
+    for frame in reversed(traceback.extract_stack(limit=40)):
+        if is_user_file(frame.filename):
+            return f"{frame.filename}:{frame.lineno}"
+    return ""
+
+
+def _user_stack() -> str:
+    frames = [f for f in traceback.StackSummary.extract(traceback.walk_stack(None), limit=60,
+                                                        lookup_lines=False)
+              if is_user_file(f.filename)]
+    return "".join(traceback.format_list(frames[::-1][-12:]))
+

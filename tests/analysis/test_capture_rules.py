@@ -1,0 +1,78 @@
+"""fxpasses.analysis.capture_rules: one verdict per node from the rows of one table, read from the
+aten ops the node ran under fake tensors (never from its name)."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fxpasses import trace
+from fxpasses.analysis.capture_rules import ROWS, launches_kernels, verdict
+from fxpasses.analysis.meta import annotate
+from fxpasses.analysis.ops import node_facts
+
+
+def helper(x):
+    return x * 3  # a user function declared a leaf: its effects are not ops fxpasses sees
+
+
+class EveryKind(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(3)
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x, mask):
+        a = F.normalize(self.lin(x), dim=-1)          # a functional composite: capturable
+        b = x.view(-1)                                 # a view: capturable, launches nothing
+        c = x[mask]                                    # boolean mask: reads the mask on the host
+        d = c.abs()                                    # downstream of it: data-dependent shape
+        e = self.norm(x)                               # batch norm (train): writes its statistics
+        f = F.one_hot(mask.long())                     # one_hot without classes: .item() inside
+        g = torch.rand_like(x)                         # random
+        h = helper(x)
+        return a.sum() + b.sum() + d.sum() + e.sum() + f.sum() + g.sum() + h.sum()
+
+
+def _verdicts():
+    x = torch.randn(6, 3)
+    mask = x[:, 0] > 0
+    from fxpasses import LeafPolicy
+    gm = trace(EveryKind(), (x, mask), policy=LeafPolicy(leaf_functions=(helper,)))
+    annotate(gm, [x, mask])
+    return gm, {n: verdict(n, ("cpu",)) for n in gm.graph.nodes}
+
+
+def _of(gm, verdicts, predicate):
+    (node,) = [n for n in gm.graph.nodes if predicate(n)]
+    return node, verdicts[node][0], verdicts[node][1].name
+
+
+def test_each_kind_of_node_gets_its_row():
+    gm, verdicts = _verdicts()
+    expect = {
+        (lambda n: n.target is F.normalize): (True, None),
+        (lambda n: n.target == "view"): (True, None),
+        (lambda n: n.target == "abs"): (False, "dynamic-shape"),
+        (lambda n: n.target is F.batch_norm): (False, "op-in-place"),  # traced through: its statistics
+        (lambda n: n.target is F.one_hot): (False, "host-sync"),
+        (lambda n: n.target is torch.rand_like): (False, "op-random"),
+        (lambda n: n.target is helper): (False, "op-unknown"),
+    }
+    for predicate, (capturable, code) in expect.items():
+        node, v, row = _of(gm, verdicts, predicate)
+        assert (v.capturable, v.code) == (capturable, code), (node.name, row)
+    selection = [n for n in gm.graph.nodes if verdicts[n][0].code == "host-sync"
+                 and n.target is not F.one_hot]
+    assert len(selection) == 1 and node_facts(selection[0]).host_read
+
+
+def test_views_launch_nothing_and_ops_do():
+    gm, _ = _verdicts()
+    view = next(n for n in gm.graph.nodes if n.target == "view")
+    normalize = next(n for n in gm.graph.nodes if n.target is F.normalize)
+    assert not launches_kernels(view) and launches_kernels(normalize)
+
+
+def test_the_table_ends_with_the_capturable_row_and_barriers_have_codes():
+    assert ROWS[-1].capturable and all(not r.capturable for r in ROWS[:-1])
+    assert all(r.code for r in ROWS if r.barrier)

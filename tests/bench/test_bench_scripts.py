@@ -1,0 +1,57 @@
+"""The scripts in bench/ answer --help and run on a CPU with tiny settings, writing their JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ("bench.py", "interleaved.py", "flow_pairing.py")
+
+
+def run(script: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    return subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], env=env,
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help(script):
+    done = run(script, "--help")
+    assert done.returncode == 0 and "usage:" in done.stdout, done.stderr
+
+
+@pytest.mark.slow
+def test_tiny_cpu_runs_write_their_results(tmp_path):
+    done = run("bench.py", "--device", "cpu", "--batch", "1", "--arms", "eager,pair",
+               "--steps", "2", "--warmup", "0", "--rotate", "1", "--no-profile",
+               "--out", str(tmp_path / "bench"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "bench" / "results.json").read_text())["rows"]
+    assert [r["arm"] for r in rows] == ["eager", "pair"] and all(r["ok"] for r in rows)
+    assert rows[1]["linear_calls"] * 2 == rows[0]["linear_calls"]
+
+    done = run("interleaved.py", "--device", "cpu", "--batch", "1", "--image-size", "64",
+               "--rounds", "2", "--rotate", "0", "--arms", "pair", "--out", str(tmp_path / "il"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    arms = json.loads((tmp_path / "il" / "interleaved.json").read_text())["arms"]
+    assert set(arms) == {"eager", "pair"} and arms["eager"]["ratio"] == 1.0
+    assert arms["pair"]["optimized_calls"] + sum(arms["pair"]["native_calls"].values()) == 2 + 2 + 1 + 1
+
+    done = run("interleaved.py", "--loss", "wild", "--device", "cpu", "--batch", "1",
+               "--image-size", "64", "--rounds", "1", "--arms", "pair", "--out", str(tmp_path / "w"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    arms = json.loads((tmp_path / "w" / "interleaved.json").read_text())["arms"]
+    assert arms["pair"]["specializations"] >= 1 and arms["pair"]["optimized_calls"] >= 1
+
+    done = run("flow_pairing.py", "--device", "cpu", "--batch", "1", "--steps", "2",
+               "--out", str(tmp_path / "flow"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    (result,) = json.loads((tmp_path / "flow" / "flow_pairing.json").read_text())["results"]
+    assert result["pass_applied"] == [True] and "eager" in result and "cuda_graph" not in result

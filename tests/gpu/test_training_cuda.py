@@ -1,0 +1,152 @@
+"""On a CUDA device: PoseNetwork replayed as CUDA graphs, composed with the optimized loss.
+
+Arms against native (eager network, native loss), each on its own copy of one network:
+``graphed`` (:func:`graph_network`: ``torch.cuda.make_graphed_callables``; native loss),
+``optimized`` (eager network; ``PairRLE`` + ``CaptureLoss`` with real CUDA graphs) and ``both``.
+Measured, not assumed: the relative difference of the loss, the worst relative L2 difference of
+the gradient of every network parameter (the flow's apart), per step, in fp32 and under bf16
+autocast; written to ``$FXPASSES_MEASURE_DIR/training_cuda_differences.json`` when that variable
+is set. Gradient tests compare at equal parameters; the training test runs five AdamW steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+from fxpasses import optimize
+from fxpasses.passes import CaptureLoss, PairRLE
+from fxpasses.workloads.pose import (DualBranchPoseLoss, PoseNetwork, forward_backward,
+                                     graph_network, make_image_batch, train_step)
+
+pytestmark = pytest.mark.cuda
+MEASURED: dict[str, dict] = {}
+BATCH, IMAGE = 4, 256
+PRECISIONS = {"fp32": None, "bf16-autocast": torch.bfloat16}
+GRAD_LIMIT = {"fp32": (1e-4, 1e-3), "bf16-autocast": (3e-2, 3e-2)}  # (loss rel, grad rel L2)
+TRAIN_LIMIT = {"fp32": (1e-3, 1e-3), "bf16-autocast": (5e-2, 5e-2)}  # (loss rel, param rel L2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _write_measurements():
+    yield
+    folder = os.environ.get("FXPASSES_MEASURE_DIR")
+    if folder and MEASURED:
+        with open(os.path.join(folder, "training_cuda_differences.json"), "w") as f:
+            json.dump(MEASURED, f, indent=1, sort_keys=True)
+
+
+def _batch(seed: int):
+    return make_image_batch(BATCH, seed=seed, image_size=IMAGE, device="cuda")
+
+
+def _base() -> PoseNetwork:
+    torch.manual_seed(0)
+    return PoseNetwork().cuda()
+
+
+def _arm(base: PoseNetwork, arm: str, autocast):
+    network = copy.deepcopy(base)
+    loss = DualBranchPoseLoss(flow=network.model[-1].flow_model).cuda()
+    if arm in ("optimized", "both"):
+        loss = optimize(loss, passes=[PairRLE(), CaptureLoss()])
+    if arm in ("graphed", "both"):
+        graph_network(network, _batch(99).images, autocast=autocast)
+        assert "forward" in vars(network)  # the instance's forward is the graphed one
+    return network, loss
+
+
+def _rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm().clamp(min=1e-30)).item()
+
+
+def _grad_differences(native_net, network) -> tuple[float, float, list[str]]:
+    """Worst rel L2 gradient difference over non-flow and over flow parameters; missing grads."""
+    worst, worst_flow, missing = 0.0, 0.0, []
+    want = dict(native_net.named_parameters())
+    for name, p in network.named_parameters():
+        if p.grad is None or want[name].grad is None:
+            missing.append(name)
+            continue
+        assert torch.isfinite(p.grad).all(), name
+        d = _rel_l2(p.grad, want[name].grad)
+        if ".flow_model." in name:
+            worst_flow = max(worst_flow, d)
+        else:
+            worst = max(worst, d)
+    return worst, worst_flow, missing
+
+
+def _assert_loss_ran_optimized(loss) -> None:
+    stats = getattr(loss, "stats", None)
+    if stats is None:
+        return
+    assert not stats.native and not stats.exceptions, stats.render()
+    replays = [v.get("replayed", 0) for k, v in stats.sites.items() if "capture" in k]
+    assert replays and min(replays) >= 1, stats.render()
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("arm", ["graphed", "optimized", "both"])
+def test_gradients_into_the_replayed_network_equal_native(arm, precision):
+    autocast = PRECISIONS[precision]
+    base = _base()
+    native_net, native_loss = _arm(base, "native", autocast)
+    network, loss = _arm(base, arm, autocast)
+    rows = []
+    for seed in range(4):  # equal parameters: gradients only, no optimizer step
+        batch = _batch(seed)
+        for net in (native_net, network):
+            net.zero_grad(set_to_none=True)
+        want = forward_backward(native_net, native_loss, batch, autocast=autocast)
+        got = forward_backward(network, loss, batch, autocast=autocast)
+        grad, flow_grad, missing = _grad_differences(native_net, network)
+        flow_norm = sum(p.grad.double().norm().item() for p in network.model[-1].flow_model.parameters()
+                        if p.grad is not None)
+        rows.append({"loss_rel_diff": abs((got.double() - want.double()) / want.double()).item(),
+                     "grad_rel_l2_diff": grad, "flow_grad_rel_l2_diff": flow_grad,
+                     "missing_grads": missing, "flow_grad_norm": flow_norm})
+    MEASURED[f"gradients {arm} {precision}"] = {
+        "per_batch": rows, "stats": getattr(loss, "stats", None) and loss.stats.as_dict()}
+    _assert_loss_ran_optimized(loss)
+    loss_limit, grad_limit = GRAD_LIMIT[precision]
+    for row in rows:
+        assert not row["missing_grads"], row
+        assert row["flow_grad_norm"] > 0, row  # the flow, which lives in the network, is trained
+        assert row["loss_rel_diff"] < loss_limit, rows
+        assert row["grad_rel_l2_diff"] < grad_limit and row["flow_grad_rel_l2_diff"] < grad_limit, rows
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_five_adamw_steps_replayed_and_captured_against_native(precision):
+    autocast = PRECISIONS[precision]
+    base = _base()
+    arms = {name: _arm(base, name, autocast) for name in ("native", "both")}
+    optimizers = {name: torch.optim.AdamW(net.parameters(), lr=1e-3) for name, (net, _) in arms.items()}
+    rows = []
+    for step in range(5):
+        batch = _batch(100 + step)
+        totals = {name: train_step(net, loss, optimizers[name], batch, autocast=autocast)
+                  for name, (net, loss) in arms.items()}
+        (native_net, _), (network, _) = arms["native"], arms["both"]
+        grad, flow_grad, missing = _grad_differences(native_net, network)
+        native_params = dict(native_net.named_parameters())
+        rows.append({
+            "loss_rel_diff": abs((totals["both"].double() - totals["native"].double())
+                                 / totals["native"].double()).item(),
+            "grad_rel_l2_diff": grad, "flow_grad_rel_l2_diff": flow_grad, "missing_grads": missing,
+            "param_rel_l2_diff": max(_rel_l2(p, native_params[n]) for n, p in network.named_parameters()),
+            "flow_param_rel_l2_diff": max(_rel_l2(p, native_params[n]) for n, p in network.named_parameters()
+                                          if ".flow_model." in n)})
+    loss = arms["both"][1]
+    MEASURED[f"training both {precision}"] = {"per_step": rows, "stats": loss.stats.as_dict()}
+    _assert_loss_ran_optimized(loss)
+    loss_limit, param_limit = TRAIN_LIMIT[precision]
+    for row in rows:
+        assert not row["missing_grads"], row
+        assert row["loss_rel_diff"] < loss_limit, rows
+        assert row["param_rel_l2_diff"] < param_limit and row["flow_param_rel_l2_diff"] < param_limit, rows

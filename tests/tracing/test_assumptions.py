@@ -1,0 +1,240 @@
+"""Every value a trace reads is an assumption: a change anywhere the trace read never gives a
+stale result (the loss is traced again), and floats read as arithmetic are inputs (no new trace).
+
+Each reproduction changes one thing after the first optimized call and compares the next call
+with the native loss: a submodule's attribute, an attribute behind a property, a dict of gains, a
+plain tensor attribute, a flag on the flow, a mutable config object passed as an argument, a
+global read by a function loss, a hook added to a function loss's flow, a rebound flow.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from fxpasses import optimize
+from fxpasses.passes import PairRLE
+
+
+class Flow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner, self.outer = nn.Linear(2, 8), nn.Linear(8, 1)
+        self.residual = True
+
+    def log_prob(self, x):
+        out = self.outer(torch.tanh(self.inner(x))).squeeze(-1)
+        return out - x.abs().sum(-1) if self.residual else out
+
+
+class Assigner(nn.Module):
+    def __init__(self, topk: int):
+        super().__init__()
+        self.topk = topk
+
+    def forward(self, scores):
+        return scores.topk(self.topk, dim=-1).values.sum(-1)
+
+
+class Criterion:
+    """A plain criterion with every kind of state a public loss has."""
+
+    def __init__(self, flow: nn.Module):
+        self.flow = flow
+        self.assign = Assigner(topk=2)
+        self.gains = {"flow": 1.0, "top": 0.5}
+        self.sigmas = torch.tensor([1.0, 2.0])
+        self._scale = 2.0
+        self.weight = 0.8
+
+    @property
+    def scale(self):
+        return self._scale
+
+    def __call__(self, a, b, cfg=None):
+        top = self.assign(a).mean() * self.gains["top"]
+        rows = -self.flow.log_prob(a / self.sigmas).mean() - self.flow.log_prob(b / self.sigmas).mean()
+        extra = cfg.extra if cfg is not None else 0.0
+        return self.weight * rows * self.gains["flow"] + top * self.scale + extra
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(6, 2, generator=g), torch.randn(4, 2, generator=g)
+
+
+def _changes(criterion):
+    yield "a submodule attribute", lambda: setattr(criterion.assign, "topk", 1)
+    yield "an attribute behind a property", lambda: setattr(criterion, "_scale", 3.0)
+    yield "a dict of gains", lambda: criterion.gains.__setitem__("top", 2.0)
+    yield "a plain tensor attribute, rebound", lambda: setattr(criterion, "sigmas", torch.tensor([3.0, 0.5]))
+    yield "a plain tensor attribute, in place", lambda: criterion.sigmas.mul_(2.0)
+    yield "a flag on the flow", lambda: setattr(criterion.flow, "residual", False)
+    yield "the flow rebound", lambda: setattr(criterion, "flow", Flow().double().float())
+
+
+@pytest.mark.parametrize("change", [name for name, _ in _changes(Criterion(Flow()))])
+def test_a_changed_value_the_trace_read_is_never_stale(change):
+    criterion = Criterion(Flow())
+    fast = optimize(criterion, passes=[PairRLE()])
+    a, b = _inputs()
+    assert torch.allclose(fast(a, b), criterion(a, b))
+    dict(_changes(criterion))[change]()
+    a, b = _inputs(1)
+    assert torch.allclose(fast(a, b), criterion(a, b), rtol=1e-6, atol=1e-6), change
+    assert fast.stats.native == {}
+
+
+def test_a_mutable_config_passed_as_an_argument_is_read_on_each_call():
+    criterion = Criterion(Flow())
+    fast = optimize(criterion)
+    cfg = types.SimpleNamespace(extra=0.25)
+    a, b = _inputs()
+    fast(a, b, cfg)
+    cfg.extra = 1.5
+    assert torch.allclose(fast(a, b, cfg), criterion(a, b, cfg))
+    other = types.SimpleNamespace(extra=-2.0)
+    assert torch.allclose(fast(a, b, other), criterion(a, b, other))
+
+
+def test_floats_are_inputs_twenty_changes_one_specialization():
+    criterion = Criterion(Flow())
+    fast = optimize(criterion, passes=[PairRLE()])
+    a, b = _inputs()
+    for epoch in range(20):  # a branch weight decayed every epoch, as public end-to-end losses do
+        criterion.weight = 0.8 * 0.9 ** epoch
+        assert torch.allclose(fast(a, b), criterion(a, b))
+    assert len(fast.specializations) == 1 and fast.stats.optimized == 20
+
+
+GAIN = 2.0
+FLOW = Flow()
+
+
+def function_loss(a, b):
+    return GAIN * (FLOW.log_prob(a).mean() + FLOW.log_prob(b).mean())
+
+
+def test_a_global_read_by_a_function_loss_is_guarded():
+    global GAIN
+    fast = optimize(function_loss, passes=[PairRLE()])
+    a, b = _inputs()
+    fast(a, b)
+    GAIN = 5.0
+    try:
+        assert torch.allclose(fast(a, b), function_loss(a, b))
+    finally:
+        GAIN = 2.0
+
+
+def test_a_hook_on_a_function_losss_flow_sends_calls_native():
+    fast = optimize(function_loss, passes=[PairRLE()])
+    a, b = _inputs()
+    fast(a, b)
+    seen = []
+    handle = FLOW.register_forward_pre_hook(lambda *args: seen.append(1))
+    try:
+        assert torch.allclose(fast(a, b), function_loss(a, b))
+        assert fast.stats.native["hook-added"] == 1
+    finally:
+        handle.remove()
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.flow = Flow()
+        self.gain = 3.0
+
+    def compute_loss(self, a, b):
+        return self.gain * (self.flow.log_prob(a).mean() - self.flow.log_prob(b).mean())
+
+
+def test_a_bound_method_is_a_loss():
+    model = Model()
+    fast = optimize(model.compute_loss, passes=[PairRLE()])
+    a, b = _inputs()
+    assert torch.allclose(fast(a, b), model.compute_loss(a, b))
+    assert fast.stats.optimized == 1
+    assert [c for c in fast.certificates if c.pass_name == "PairRLE" and c.applied]
+
+
+def test_a_class_is_a_clear_type_error():
+    with pytest.raises(TypeError, match="loss instance.*Model"):
+        optimize(Model)
+
+
+def test_the_certificate_lists_every_assumption_with_its_line_and_value():
+    criterion = Criterion(Flow())
+    fast = optimize(criterion)
+    fast(*_inputs())
+    (trace_cert,) = [c for c in fast.certificates if c.pass_name == "trace"]
+    reads = {g.evidence["reads"]: g for g in trace_cert.guards if "reads" in g.evidence}
+    assert reads["loss.assign.topk"].evidence["value"] == "2"
+    assert reads["loss.weight"].evidence["kind"] == "float"
+    assert reads["loss.gains"].evidence["kind"] == "contents"
+    assert all(g.evidence.get("location", "").startswith(__file__) for g in reads.values()
+               if g.evidence["reads"].startswith("loss."))
+    assert "loss.assign.topk" in fast.explain()
+
+
+class Branchy(nn.Module):
+    """A decision on a value, as public losses take them: ``if mask.any():``."""
+
+    def __init__(self):
+        super().__init__()
+        self.flow = Flow()
+        self.touched = torch.zeros(())
+
+    def forward(self, x):
+        if (x > 0).any():
+            return self.flow.log_prob(x).mean()
+        return x.sum() * 0.0
+
+
+def test_a_decision_that_goes_the_other_way_runs_natively_then_gets_its_own_trace():
+    loss = Branchy()
+    fast = optimize(loss)
+    positive, negative = torch.ones(3, 2), -torch.ones(3, 2)
+    fast(positive)
+    # abandoned: no visible effect, native result, counted with its line
+    assert torch.equal(fast(negative), loss(negative))
+    assert fast.stats.native == {"guard-failed": 1}
+    (where,) = fast.stats.abandoned
+    assert where.startswith("guard-failed at ") and where.endswith(
+        f"test_assumptions.py:{Branchy.forward.__code__.co_firstlineno + 1}")
+    assert torch.equal(fast(negative), loss(negative))  # failed again: traced on this call
+    assert len(fast.specializations) == 2 and fast.stats.abandoned[where] == 2
+    for x in (positive, negative, positive, negative):  # each path finds its trace
+        assert torch.equal(fast(x), loss(x))
+    assert fast.stats.native == {"guard-failed": 1} and fast.stats.optimized == 6
+
+
+def test_decisions_that_alternate_still_get_their_own_trace():
+    """Abandoned calls count since the last trace, not in a row: alternating paths both trace."""
+    loss = Branchy()
+    fast = optimize(loss)
+    positive, negative = torch.ones(3, 2), -torch.ones(3, 2)
+    for x in (positive, negative, positive, negative, positive, negative):
+        assert torch.equal(fast(x), loss(x))
+    assert len(fast.specializations) == 2 and fast.stats.native == {"guard-failed": 1}
+
+
+def test_a_first_call_under_a_profiler_runs_natively_and_keeps_the_profiler():
+    loss, x = Branchy(), torch.ones(3, 2)
+    fast = optimize(loss)
+    profiler = cProfile.Profile()
+    with profiler:
+        assert torch.equal(fast(x), loss(x))
+    assert fast.stats.native == {"profiler-active": 1} and not fast.specializations
+    assert any(f[2] == "forward" for f in pstats.Stats(profiler).stats)  # it saw the loss run
+    fast(x)  # outside the profiler: traced
+    with profiler:  # a specialization made before runs under a profiler
+        assert torch.equal(fast(x), loss(x))
+    assert fast.stats.optimized == 2
