@@ -51,8 +51,14 @@ class _OpRecorder(TorchDispatchMode):
         self.host |= facts.value_on_host
         out = func(*args, **kwargs)
         if facts.data_dependent and not facts.value_on_host:  # a shape known only from data?
-            self.host |= is_dynamic(out)
+            # fake kernels (nonzero, masked_select, boolean indexing) answer statically when an
+            # input is empty: nothing to read. With data they would not: the shape is data's
+            self.host |= is_dynamic(out) or _has_empty_tensor((args, kwargs))
         return out
+
+
+def _has_empty_tensor(values: Any) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.numel() == 0 for t in pytree.tree_leaves(values))
 
 
 class _PartialFakeTensorProp(FakeTensorProp):

@@ -4,7 +4,9 @@ native loss. Each test fails while its defect is present (issue 9) and passes on
 
 * parameters read inside a captured region get no gradient (an ``nn.Linear``; the shared flow
   once PairRLE's paired call is fused into a region, with and without zero tracing rows; and
-  with inputs that do not require grad, where backward then raises);
+  with inputs that do not require grad, where backward then raises); a region input whose
+  outputs nothing differentiates got zeros, not None;
+* a boolean selection traced on zero rows was captured, its row count baked into recordings;
 * outputs the caller keeps are overwritten by the next call (a bucketed paired call's
   log-probabilities; a region's output returned through an identity leaf function, ``atleast_1d``
   or ``swapaxes``);
@@ -142,6 +144,58 @@ def test_pairing_gives_no_gradient_to_rows_whose_log_probs_are_detached():
     loss = _float64(DetachedBranch)
     fast = optimize(loss, passes=[PairRLE()])
     assert_equivalent(loss, fast, (_rows(5, 1), _rows(3, 2)), rtol=RTOL, atol=ATOL)
+
+
+def logged(x):
+    """Declared a leaf function: logs a value (no gradient flows back through it)."""
+    return x.detach().sum()
+
+
+class HalfLogged(nn.Module):
+    """One region computes both branches; the second branch's value is only logged."""
+
+    def forward(self, a, b):
+        u = torch.tanh(a) * 2
+        v = torch.tanh(b) * 3
+        return (u * u).sum(), logged(v)
+
+
+def test_region_inputs_whose_outputs_get_no_gradient_get_none():
+    """Found by random losses: the replayed backward zero-filled the gradient of a region output
+    nothing differentiated, so ``b`` got a zero gradient where native leaves None."""
+    fast = optimize(HalfLogged(), passes=[_capture(min_region_ops=1)], leaf_functions=[logged])
+    for seed in range(3):  # record, then replay
+        a, b = _rows(4, seed), _rows(3, seed + 5)
+        fast(a, b)[0].backward()
+        assert a.grad is not None and b.grad is None
+    assert _applied(fast, "CaptureLoss") >= 1
+    assert_equivalent(HalfLogged(), fast, (_rows(4, 9), _rows(3, 10)), rtol=RTOL, atol=ATOL)
+
+
+class SelectedRows(nn.Module):
+    """The flow on the rows a boolean mask selects."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flow = Flow()
+
+    def forward(self, x, m):
+        return self.flow.log_prob(x[m]).sum()
+
+
+def test_a_selection_traced_on_zero_rows_is_not_captured():
+    """Found by random losses: traced with zero rows, the boolean selection's shape came out
+    static (fake kernels answer an empty input statically), so it was captured; a replay then
+    returned as many rows as the recording's mask selected: a silently wrong loss."""
+    loss = _float64(SelectedRows)
+    fast = optimize(_float64(SelectedRows), passes=[_capture(min_region_ops=1)])
+    fast(_rows(0, 0), torch.zeros(0, dtype=torch.bool))
+    for seed, mask in enumerate([[True, True], [False, True], [True, False]]):
+        args = (_rows(2, seed + 1), torch.tensor(mask))
+        assert_equivalent(loss, fast, args, rtol=RTOL, atol=ATOL)
+        expected, got = loss(*args), fast(*args)
+        assert torch.allclose(got, expected, rtol=RTOL, atol=ATOL), (got, expected)
+        got.backward()
 
 
 # -- 2. outputs the caller keeps ----------------------------------------------------------------
