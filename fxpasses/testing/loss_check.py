@@ -21,7 +21,10 @@ None). An exception in an arm is a failure, except in a second-order or stale-ba
 an error is the allowed *loud refusal* (the arm's protocol stops there; it is reported). An
 exception in the native module means the generator built an invalid case: :class:`InvalidCase`.
 
-The differentiated objective is :func:`~.oracle.weighted_objective` of the output leaves.
+The differentiated objective is :func:`~.oracle.weighted_objective` of the output leaves. A call
+that runs natively (a failed guard, a loss that raised on the optimized path...) or a pass that
+finds no site is not a failure: it is counted in the arm's :func:`coverage` (``native: <reason>``,
+``<pass> refused``); only the observations are compared.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ after later calls, and second-order / stale-backward gradients equal to native's
 * CI: ``CI_CASES`` cases, derandomized (the same cases on every run), no shrinking (a failure
   prints its whole case; tests/passes/test_capture_regressions.py keeps minimal ones). About
   0.45 CPU-seconds per case on this project's 2-core CPU machine: 100 cases, ~45 s.
-* ``slow``, opt-in (``FXPASSES_SWEEP=1``; the default ``pytest`` run includes slow tests):
-  10,000 cases, with shrinking. The census (``python -m fxpasses.testing.census``) checks
+* ``slow`` and opt-in (``FXPASSES_SWEEP=1 python -m pytest -m slow``; ``-m slow`` alone skips
+  it): 10,000 cases, with shrinking. The census (``python -m fxpasses.testing.census``) checks
   random losses without stopping at the first failure and counts failures by class; its
   10,000-case run is in bench/RESULTS.md ("Random losses").
 
