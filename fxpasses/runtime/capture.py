@@ -23,10 +23,11 @@ memory is free, else the region runs eagerly for this call, counted by reason:
 * ``concurrent-call``: another thread is inside this region;
 * ``record-budget`` and ``capture-failed``.
 
-Gradients handed to autograd are cloned out of graph memory. A backward of a replay that a later
-replay overwrote (``backward(retain_graph=True)`` twice around a new forward) raises
-:class:`StaleReplayError`. A backward with ``create_graph=True`` (second-order gradients) is
-recomputed eagerly from the saved inputs, so it is differentiable, counted as
+Gradients handed to autograd are cloned out of graph memory; an input that only outputs without
+a gradient depend on gets None, as natively (not the zeros a replay computes). A backward of a
+replay that a later replay overwrote (``backward(retain_graph=True)`` twice around a new forward)
+raises :class:`StaleReplayError`. A backward with ``create_graph=True`` (second-order gradients)
+is recomputed eagerly from the saved inputs, so it is differentiable, counted as
 ``double-backward-eager``.
 """
 
