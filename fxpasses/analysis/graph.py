@@ -12,6 +12,10 @@ from typing import Iterable
 import networkx as nx
 import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .meta import value
+from .ops import node_facts
 
 
 def to_digraph(graph: fx.Graph) -> nx.DiGraph:
@@ -53,3 +57,38 @@ def grad_modes(graph: fx.Graph) -> dict[fx.Node, bool]:
             mode = bool(node.args[0])
         modes[node] = mode
     return modes
+
+
+def gradient_may_reach_output(node: fx.Node) -> bool:
+    """Whether a gradient of the graph's outputs may flow back into ``node``'s value.
+
+    False only when every path from ``node`` to the output passes through an op that stops
+    gradients: ``detach``, or a result that holds no floating tensor (a comparison, ``argmax``,
+    an integer cast, ``.item()``). Anything the analysis cannot see through answers True: a node
+    without complete shape-propagation facts, one that is not torch's own code (it may keep the
+    value, e.g. as an attribute), one that writes to an input (the value may reach another tensor).
+    """
+    stack, seen = list(node.users), set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "output":
+            return True
+        facts = node_facts(n)
+        if facts is None or not facts.complete or not facts.torch_code or facts.writes_input:
+            return True
+        if _stops_gradient(n, value(n)):
+            continue
+        stack.extend(n.users)
+    return False
+
+
+def _stops_gradient(node: fx.Node, val: object) -> bool:
+    """``node`` is a detach, or its known result holds no floating tensor (nor a symbolic number)."""
+    if node.target in ("detach", torch.detach, torch.Tensor.detach):
+        return True
+    leaves = pytree.tree_leaves(val)
+    known = val is not None and all(isinstance(t, (torch.Tensor, bool, int, float)) for t in leaves)
+    return known and not any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in leaves)

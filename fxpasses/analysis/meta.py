@@ -51,15 +51,24 @@ class _OpRecorder(TorchDispatchMode):
         self.host |= facts.value_on_host
         out = func(*args, **kwargs)
         if facts.data_dependent and not facts.value_on_host:  # a shape known only from data?
-            self.host |= bool(_size_symbols(out) - _size_symbols((args, kwargs)))
+            # a shape made from data: a size symbol the inputs lack (nonzero, a boolean mask;
+            # ``table[index]`` makes none); fake kernels answer statically when an input is
+            # empty, where with data they would not: such a shape is data's too
+            self.host |= bool(_size_symbols(out) - _size_symbols((args, kwargs))) or \
+                _has_empty_tensor((args, kwargs))
         return out
 
 
 def _size_symbols(val: Any) -> set:
-    """Unbacked symbols in the sizes of ``val``'s tensors: an op whose output has one its inputs
-    lack (nonzero, a boolean mask) made a shape from data; ``table[index]`` did not."""
+    """Unbacked symbols in the sizes of ``val``'s tensors."""
     return {s for t in pytree.tree_leaves(val) if isinstance(t, torch.Tensor)
             for s in free_unbacked_symbols(tuple(t.shape))}
+
+
+def _has_empty_tensor(values: Any) -> bool:
+    """A tensor with a size known to be 0 (a data-dependent size is not compared: that would guard)."""
+    return any(isinstance(t, torch.Tensor) and any(type(d) is int and d == 0 for d in t.shape)
+               for t in pytree.tree_leaves(values))
 
 
 class _PartialFakeTensorProp(FakeTensorProp):

@@ -23,7 +23,8 @@ import torch.fx as fx
 from torch import nn
 
 from ..analysis.order import conflict
-from ..analysis.graph import dependent_pairs, downstream, grad_modes, to_digraph
+from ..analysis.graph import (dependent_pairs, downstream, grad_modes, gradient_may_reach_output,
+                              to_digraph)
 from ..analysis.meta import is_dynamic, value
 from ..analysis.rows import analyze_rows
 from ..analysis.witness import pairing_witness, witness_holds
@@ -117,8 +118,9 @@ class PairCalls:
                 if len(s.calls) > 1:
                     cert = self._decide(gm, s)
                     if cert.applied:
-                        new_nodes = self._rewrite(gm, s, cert.id)
-                        cert = dataclasses.replace(cert, effect={**cert.effect, "new_nodes": new_nodes})
+                        new_nodes, detached = self._rewrite(gm, s, cert.id)
+                        cert = dataclasses.replace(cert, effect={**cert.effect, "new_nodes": new_nodes,
+                                                                 "rows_detached": detached})
                         modified = True
                     certificates.append(cert)
         return PassResult(gm, modified, certificates)
@@ -274,20 +276,37 @@ class PairCalls:
         return [meta, shape, Check("row-independent", analysis.ok, analysis.evidence, analysis.code)], analysis
 
     # -- the rewrite ----------------------------------------------------------------------
-    def _rewrite(self, gm: fx.GraphModule, s: CallGroup, proof: str) -> tuple[str, ...]:
-        """Replace the calls by one PairedCall and getitems; returns the new nodes' names."""
+    def _rewrite(self, gm: fx.GraphModule, s: CallGroup, proof: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Replace the calls by one PairedCall and getitems; returns the new nodes' names and the
+        calls whose rows enter detached.
+
+        A call whose result no gradient reaches gives its rows none natively (``x.grad`` stays
+        None); stacked with the other branches' rows they would get a zero gradient, so they
+        enter the stacked call detached (the same values; nothing flows back through them).
+        """
         graph = gm.graph
         g = to_digraph(graph)
         moved, _ = self._reordering(gm, s, g)
         order = {n: i for i, n in enumerate(graph.nodes)}
         last = max(s.calls, key=order.__getitem__)
+        detached = tuple(c.name for c in s.calls if not gradient_may_reach_output(c))
         site = PairedCall(f"pair_{s.path.replace('.', '_')}_{s.method}", s.method)
         with graph.inserting_after(last):
             module_node = graph.get_attr(s.path)
-        with graph.inserting_after(module_node):
-            paired = graph.call_function(site, (module_node, *[s.rows(c) for c in s.calls]))
+        anchor, rows, new_nodes = module_node, [], [module_node.name]
+        for call in s.calls:
+            row = s.rows(call)
+            if call.name in detached:
+                with graph.inserting_after(anchor):
+                    row = anchor = graph.call_method("detach", (row,))
+                row.meta = {k: v for k, v in s.rows(call).meta.items() if k == "val"}
+                new_nodes.append(row.name)
+            rows.append(row)
+        with graph.inserting_after(anchor):
+            paired = graph.call_function(site, (module_node, *rows))
         prove(paired, RowIndependentCall(proof, s.path, s.method))
-        anchor, new_nodes = paired, [module_node.name, paired.name]
+        anchor = paired
+        new_nodes.append(paired.name)
         for i, call in enumerate(s.calls):
             with graph.inserting_after(anchor):
                 part = graph.call_function(operator.getitem, (paired, i))
@@ -303,7 +322,7 @@ class PairCalls:
             graph.erase_node(call)
             if owner is not None and not owner.users:
                 graph.erase_node(owner)
-        return tuple(new_nodes)
+        return tuple(new_nodes), detached
 
 
 def _autocast_off() -> contextlib.ExitStack:

@@ -29,10 +29,11 @@ memory is free, else the region runs eagerly for this call, counted by reason:
 * ``concurrent-call``: another thread is inside this region;
 * ``record-budget`` and ``capture-failed``.
 
-Gradients handed to autograd are cloned out of graph memory. A backward of a replay that a later
-replay overwrote (``backward(retain_graph=True)`` twice around a new forward) raises
-:class:`StaleReplayError`. A backward with ``create_graph=True`` (second-order gradients) is
-recomputed eagerly from the saved inputs, so it is differentiable, counted as
+Gradients handed to autograd are cloned out of graph memory; an input that only outputs without
+a gradient depend on gets None, as natively (not the zeros a replay computes). A backward of a
+replay that a later replay overwrote (``backward(retain_graph=True)`` twice around a new forward)
+raises :class:`StaleReplayError`. A backward with ``create_graph=True`` (second-order gradients)
+is recomputed eagerly from the saved inputs, so it is differentiable, counted as
 ``double-backward-eager``.
 """
 
@@ -114,6 +115,8 @@ class Recording:
     grad_inputs: list[torch.Tensor | None]  # static gradients of the inputs
     identity: frozenset[int]
     call: Callable[..., Any]  # the recorded function, on the flat arguments
+    # input position -> positions of the outputs whose gradient reaches it (None: not known)
+    sources: dict[int, frozenset[int]] | None = None
     memory: frozenset[int] = frozenset()  # data pointers of the static storages
     _storages: list[tuple[StorageWeakRef, int]] = field(default_factory=list)
 
@@ -172,8 +175,14 @@ class Recording:
                 static.zero_() if g is None else static.copy_(g)
         self.backward.replay()
         grads_in = dict(zip(self.grad_input_index, self.grad_inputs))
-        return [None if grads_in.get(i) is None else grads_in[i].clone()
+        arrived = {i for i, g in by_output.items() if g is not None}
+        return [None if grads_in.get(i) is None or not self._reached(i, arrived) else grads_in[i].clone()
                 for i, s in enumerate(self.inputs) if isinstance(s, torch.Tensor)]
+
+    def _reached(self, i: int, arrived: set[int]) -> bool:
+        """Whether input ``i`` depends on an output whose gradient arrived (natively, an input
+        that only outputs without gradient depend on gets None, not zeros)."""
+        return self.sources is None or not self.sources[i].isdisjoint(arrived)
 
 
 class _Replay(torch.autograd.Function):
@@ -185,6 +194,7 @@ class _Replay(torch.autograd.Function):
         recording.load(tensors)
         recording.forward.replay()
         ctx.region, ctx.recording = region, recording
+        ctx.set_materialize_grads(False)  # an output no gradient reaches arrives as None
         ctx.generation = region.began(ctx)
         ctx.save_for_backward(*tensors)  # read only by a create_graph backward
         outputs = recording.tensor_outputs()
@@ -263,10 +273,37 @@ class GraphRecorder:
             grad_inputs = list(self._capturing(backward, pool, lambda: torch.autograd.grad(
                 [outputs[i] for i in grad_output_index], [inputs[i] for i in grad_input_index],
                 grad_outputs, allow_unused=True)))
+        sources = _sources(outputs, grad_output_index, inputs, grad_input_index, grad_inputs)
         outputs = [o.detach() if isinstance(o, torch.Tensor) else o for o in outputs]
         return Recording(inputs, outputs, out_spec, forward, backward, grad_input_index,
                          grad_output_index if backward is not None else [], grad_outputs,
-                         grad_inputs, identity, fn)
+                         grad_inputs, identity, fn, sources)
+
+
+def _sources(outputs: list[Any], grad_output_index: list[int], inputs: list[Any],
+             grad_input_index: list[int], grad_inputs: list[Any]) -> dict[int, frozenset[int]] | None:
+    """For each input that receives a gradient, the outputs whose autograd graph reaches it (a
+    walk of the recorded forward's graph to the inputs' ``AccumulateGrad`` nodes). None when it
+    cannot be told: an input with a history of its own, or a walk that disagrees with the recorded
+    backward (an input it finds no path to, yet given a gradient)."""
+    if not grad_inputs or any(inputs[i].grad_fn is not None for i in grad_input_index):
+        return None
+    position = {id(inputs[i]): i for i in grad_input_index}
+    found: dict[int, set[int]] = {i: set() for i in grad_input_index}
+    for j in grad_output_index:
+        stack, seen = [outputs[j].grad_fn], set()
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            variable = getattr(node, "variable", None)
+            if variable is not None and id(variable) in position:
+                found[position[id(variable)]].add(j)
+            stack.extend(next_node for next_node, _ in node.next_functions)
+    if any(g is not None and not found[i] for i, g in zip(grad_input_index, grad_inputs)):
+        return None
+    return {i: frozenset(found[i]) for i in grad_input_index}
 
 
 def _forward_backward(fn: Callable, inputs: list[Any], grad_input_index: list[int]) -> None:
@@ -452,16 +489,42 @@ class CapturedRegion(RuntimeOp):
 
     def differentiable_gradients(self, recording: Recording, saved: Sequence[torch.Tensor],
                                  grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Input gradients computed eagerly with a graph (for second-order gradients)."""
+        """Input gradients computed eagerly with a graph (for second-order gradients).
+
+        The region is recomputed on fresh aliases of its inputs, parameters read in place
+        included (``torch.func.functional_call`` puts them in the modules for the call), and
+        differentiated with respect to those aliases: differentiated with respect to the inputs
+        themselves, a gradient would also flow through the history of an input computed from
+        another (``x`` and ``y = f(x)`` both inputs) and be counted twice.
+        """
         self.count("double-backward-eager")
+        aliases = [t.view_as(t) if t.requires_grad else t for t in saved]
+        by_id = {id(t): a for t, a in zip(saved, aliases) if t.requires_grad}
+        holder = _Recompute([m for m in (self.fn, *recording.inputs) if isinstance(m, nn.Module)],
+                            lambda: recording.call(*recording.arguments(aliases)))
+        state = {name: by_id[id(t)] for name, t in (*holder.named_parameters(remove_duplicate=False),
+                                                    *holder.named_buffers(remove_duplicate=False))
+                 if id(t) in by_id}
         with torch.enable_grad():
-            outputs = [o for o in pytree.tree_leaves(recording.call(*recording.arguments(saved)))
+            outputs = [o for o in pytree.tree_leaves(torch.func.functional_call(holder, state, ()))
                        if isinstance(o, torch.Tensor)]
         pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
-        wanted = [i for i, t in enumerate(saved) if t.requires_grad]
+        wanted = [i for i, t in enumerate(aliases) if t.requires_grad]
         if not pairs or not wanted:
             return [None] * len(saved)
-        found = torch.autograd.grad([o for o, _ in pairs], [saved[i] for i in wanted],
+        found = torch.autograd.grad([o for o, _ in pairs], [aliases[i] for i in wanted],
                                     [g for _, g in pairs], create_graph=True, allow_unused=True)
         by_position = dict(zip(wanted, found))
         return [by_position.get(i) for i in range(len(saved))]
+
+
+class _Recompute(nn.Module):
+    """Holds a region's modules so that ``functional_call`` can swap their state for a call."""
+
+    def __init__(self, modules: Sequence[nn.Module], run: Callable[[], Any]):
+        super().__init__()
+        self.held = nn.ModuleList(modules)
+        self.run = run
+
+    def forward(self) -> Any:
+        return self.run()

@@ -9,13 +9,16 @@ in float64 on the CPU, and compares:
 * the gradient of every parameter, by name. A parameter outside the autograd graph (gradient
   None) differs from one with a zero gradient: DDP needs every parameter used.
 
-The scalar that is differentiated is ``sum_i (out_i * w_i).sum()`` over the floating output
-leaves, with fixed random weights ``w_i`` (seeded by position), so every output's gradient path
-is exercised. Preparation: the callable and the inputs are deep-copied together (modules they
-share stay shared); the copied modules (the callable itself if it is a Module, else the Modules
-among its attributes) and the floating input tensors move to CPU float64; inputs that required
-grad become fresh leaves. A plain function is not copied: modules it reaches through globals or
-closures are used as they are. Each call runs under ``torch.manual_seed(seed)`` in a forked RNG.
+The scalar that is differentiated (:func:`weighted_objective`) is ``sum_i (out_i * w_i).sum()``
+over the floating output leaves, with fixed random weights ``w_i`` (seeded by position), so every
+output's gradient path is exercised. Preparation: the callable and the inputs are deep-copied
+together (modules they share stay shared); the copied modules (the callable itself if it is a
+Module, else the Modules among its attributes) and the floating input tensors move to CPU
+float64; inputs that required grad become fresh leaves. A plain function is not copied: modules it
+reaches through globals or closures are used as they are. Each call runs under
+``torch.manual_seed(seed)`` in a forked RNG. A copied :class:`~fxpasses.optimize.OptimizedLoss` is
+re-armed (``reoptimize()``: its guards hold the original's object ids, which would send every call
+of the copy to the native loss) and so is traced afresh, in float64.
 
 A pass is ``|cand - ref| <= atol + rtol * |ref|`` elementwise; the report's ``worst`` is the item
 with the largest ratio ``|cand - ref| / (atol + rtol * |ref|)``.
@@ -32,6 +35,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
+
+from ..optimize import OptimizedLoss
 
 
 @dataclass(frozen=True)
@@ -110,7 +115,7 @@ def compare(reference: Callable, candidate: Callable, args: tuple = (), kwargs: 
         return EquivalenceReport((item,), rtol, atol)
     paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(
         pytree.tree_unflatten(ref.outputs, ref.out_spec))[0]]
-    items = [_compare_leaf(f"output {path}", r, c, rtol, atol)
+    items = [compare_leaf(f"output {path}", r, c, rtol, atol)
              for path, r, c in zip(paths, ref.outputs, cand.outputs)]
     items += _compare_grads("grad", ref.input_grads, cand.input_grads, rtol, atol)
     if parameters:
@@ -132,6 +137,8 @@ def _run(fn: Callable, args: tuple, kwargs: dict, seed: int) -> _Run:
     modules = _modules_of(fn)
     for module in modules.values():
         module.to(device="cpu", dtype=torch.float64)
+    if isinstance(fn, OptimizedLoss):  # its guards hold the original's object ids: re-arm the copy
+        fn.reoptimize()
     (args, kwargs), leaves = _to_float64_leaves((args, kwargs))
     params = {f"{prefix}{name}": p for prefix, m in modules.items()
               for name, p in m.named_parameters()}
@@ -203,14 +210,21 @@ def _modules_of(fn: Any) -> dict[str, nn.Module]:
     return {f"{k}.": v for k, v in attributes.items() if isinstance(v, nn.Module)}
 
 
-def _gradients(outputs: list[Any], targets: list[Tensor]) -> list[Tensor | None]:
+def weighted_objective(outputs: list[Any]) -> Tensor | None:
+    """``sum_i (out_i * w_i).sum()`` over the floating output leaves that require grad, with
+    fixed random weights ``w_i`` seeded by leaf position; None when no leaf requires grad."""
     objective = None
     for position, out in enumerate(outputs):
         if isinstance(out, Tensor) and out.is_floating_point() and out.requires_grad:
             weight = torch.randn(out.shape, dtype=out.dtype,
                                  generator=torch.Generator().manual_seed(position))
-            term = (out * weight).sum()
+            term = (out * weight.to(out.device)).sum()
             objective = term if objective is None else objective + term
+    return objective
+
+
+def _gradients(outputs: list[Any], targets: list[Tensor]) -> list[Tensor | None]:
+    objective = weighted_objective(outputs)
     if objective is None or not targets:
         return [None] * len(targets)
     return list(torch.autograd.grad(objective, targets, allow_unused=True))
@@ -220,7 +234,7 @@ def _compare_grads(prefix: str, ref: dict[str, Tensor | None], cand: dict[str, T
                    rtol: float, atol: float) -> list[Comparison]:
     items = []
     for name in list(ref) + [k for k in cand if k not in ref]:
-        items.append(_compare_leaf(f"{prefix} {name}", ref.get(name, _ABSENT),
+        items.append(compare_leaf(f"{prefix} {name}", ref.get(name, _ABSENT),
                                    cand.get(name, _ABSENT), rtol, atol))
     return items
 
@@ -234,7 +248,9 @@ def _describe(value: Any) -> str:
     return "absent" if value is _ABSENT else type(value).__name__
 
 
-def _compare_leaf(where: str, ref: Any, cand: Any, rtol: float, atol: float) -> Comparison:
+def compare_leaf(where: str, ref: Any, cand: Any, rtol: float, atol: float) -> Comparison:
+    """One item compared: tensors elementwise (NaN matches only NaN), None only with None (a
+    missing gradient), Python scalars by value, anything else by ``==``."""
     if isinstance(ref, Tensor) and isinstance(cand, Tensor):
         return _compare_tensors(where, ref, cand, rtol, atol)
     if ref is None and cand is None:  # a gradient neither computes: the input is unused by both

@@ -148,6 +148,33 @@ def test_pose_loss_outputs_and_tensor_alpha():
     assert "grad args[0].o2o.sigmas" in failed and "grad args[0].o2m.sigmas" not in failed
 
 
+class _TanhToSin:
+    """A pass that changes numbers: every ``torch.tanh`` becomes ``torch.sin``."""
+
+    name = "TanhToSin"
+
+    def run(self, gm):
+        from fxpasses.pipeline import PassResult
+
+        nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.tanh]
+        for node in nodes:
+            node.target = torch.sin
+        return PassResult(gm, bool(nodes))
+
+
+def test_an_optimized_loss_is_compared_on_its_optimized_path():
+    """The copy of an OptimizedLoss must not fall back to its native loss (its guards hold the
+    object ids of the original's submodules): a pass that changes numbers is caught."""
+    from fxpasses import optimize
+
+    torch.manual_seed(0)
+    model = Tiny()
+    fast = optimize(model, passes=[_TanhToSin()])
+    report = compare(model, fast, (_x(),))
+    assert not report.ok and "output ['out']" in {c.where for c in report.failures}
+    assert fast.stats.calls == 0  # the original was not called
+
+
 def test_comparing_an_optimized_loss_warns_nothing(two_branch_loss, two_branch_inputs):
     """The oracle copies the candidate; an OptimizedLoss that ran once holds pytree specs, whose
     deep copy torch 2.13 warns about (FutureWarning on LeafSpec): only the loss and its options

@@ -1,0 +1,205 @@
+"""A hypothesis strategy of random small losses, and a census that runs thousands of them.
+
+``random_losses()`` draws a :class:`LossCase`: a :class:`~.loss_programs.Program` built from the
+op table (:data:`~.loss_programs.OP_TABLE`), a parameter seed, two or three calls' inputs (row
+counts per branch, zero and unequal ones included; empty, full and random masks; NaN and inf only in
+rows a mask excludes) and how the caller drives it (the *schedule* and whether it asks for
+second-order gradients). :func:`~.loss_check.check_case` runs it against every pass combination.
+
+How a program is drawn (every step a hypothesis draw, so it shrinks): the inputs (rows and a mask
+per branch, then optional extra rows, targets without gradient, masks and poisoned rows); up to
+two boolean selections; a *prelude* of random instructions; zero to three calls of the shared flow
+(the calls PairRLE pairs), each on any (r, dim) register, often two branches' different
+selections; an *epilogue*; the registers returned besides the loss (often a flow's log-probs),
+each possibly through an aliasing op (a view, ``atleast_1d``, an identity leaf function).
+Every register that no instruction reads and that is not returned is summed into the loss (the
+checker differentiates every returned value), so every op reaches a gradient.
+A random instruction draws a kind, then an op of that kind, then its arguments, from those the
+typing rules admit: a prefix of a program is a program, so shrinking drops instructions freely.
+
+Schedules: ``sequential`` (forward, backward, next call), ``interleaved`` (every forward, then
+every backward), ``retain`` (call 0's backward with ``retain_graph=True``, call 1 forward and
+backward, then call 0's backward again: a stale backward).
+
+``python -m fxpasses.testing.census --cases 10000`` runs the census: cases checked, failures by
+class, pass coverage and time per case, with progress on stderr.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Sequence
+
+from hypothesis import strategies as st
+
+from .loss_programs import (ALIASING_OPS, KINDS, MASK_PATTERNS, OP_TABLE, OPS, Arg, CallInputs,
+                            InputSpec, Instruction, Op, Program, ProgramLoss, Ty)
+
+SCHEDULES = ("sequential", "interleaved", "retain")
+GROUPS = ("a", "b")
+
+
+@dataclass(frozen=True)
+class LossCase:
+    """A program, its parameters' seed, the calls' inputs and how the caller drives it."""
+
+    program: Program
+    seed: int
+    calls: tuple[CallInputs, ...]
+    schedule: str = "sequential"
+    second_order: bool = False
+
+    def module(self) -> ProgramLoss:
+        return ProgramLoss(self.program, self.seed)
+
+    def __str__(self) -> str:
+        calls = "\n".join(f"  call {k}: rows {dict(c.rows)}, masks {list(c.patterns)}, seed {c.seed}"
+                          for k, c in enumerate(self.calls))
+        return (f"{self.program}\nparameters seed {self.seed}; schedule {self.schedule}"
+                f"{'; second-order gradients' if self.second_order else ''}\n{calls}")
+
+    __repr__ = __str__
+
+
+class ProgramBuilder:
+    """A program under construction; each op's admissible argument tuples are found lazily."""
+
+    def __init__(self, dim: int, inputs: Sequence[InputSpec]):
+        self.dim = dim
+        self.inputs = tuple(inputs)
+        self.types: list[Ty] = [s.ty(dim) for s in inputs]
+        self.instructions: list[Instruction] = []
+        self.read: set[int] = set()
+        self._rules = {op.name: op.rule_for(dim) for op in OP_TABLE}
+        self._args = [Arg(r, t) for r, t in enumerate(self.types)]
+        self._choices: dict[str, list[tuple[int, ...]]] = {op.name: [] for op in OP_TABLE}
+        self._seen = {op.name: 0 for op in OP_TABLE}  # registers already looked at, per op
+
+    def _result(self, name: str, args: tuple[int, ...]) -> Ty | None:
+        return self._rules[name](*(self._args[a] for a in args))
+
+    def _scan(self, name: str, *, until_found: bool) -> list[tuple[int, ...]]:
+        """Extend op ``name``'s admissible tuples register by register (all, or until one)."""
+        found, arity = self._choices[name], OPS[name].arity
+        while self._seen[name] < len(self.types) and not (until_found and found):
+            new = self._seen[name]
+            found.extend(args for args in _tuples_using(new, arity)
+                         if self._result(name, args) is not None)
+            self._seen[name] = new + 1
+        return found
+
+    def choices(self, name: str) -> list[tuple[int, ...]]:
+        """Every admissible argument tuple of op ``name``, earlier registers first."""
+        return self._scan(name, until_found=False)
+
+    def admits(self, name: str) -> bool:
+        """Whether op ``name`` has an admissible argument tuple (looks no further than needed)."""
+        return bool(self._scan(name, until_found=True))
+
+    def add(self, name: str, args: tuple[int, ...]) -> int:
+        """Append ``name(*args)``; returns the new register."""
+        result = self._result(name, args)
+        if result is None:
+            raise ValueError(f"{name}{args} does not type-check on {[str(self.types[a]) for a in args]}")
+        self.instructions.append(Instruction(name, args, tuple(self.types[a] for a in args), result))
+        self.types.append(result)
+        self._args.append(Arg(len(self.types) - 1, result))
+        self.read.update(args)
+        return len(self.types) - 1
+
+    def sinks(self) -> list[int]:
+        """Computed registers no instruction reads, that arithmetic may read."""
+        start = len(self.inputs)
+        return [r for r in range(start, len(self.types))
+                if r not in self.read and self.types[r].clean]
+
+    def finish(self, kept: Sequence[int] = (), *, weighted: bool = False,
+               as_dict: bool = True) -> Program:
+        """The program whose loss sums every sink (``sum_all`` of each, the first one times the
+        learnable loss weight if ``weighted``), also returning the registers ``kept``."""
+        sinks = [s for s in self.sinks() if s not in kept] or [0]  # nothing computed: the first rows
+        terms = [r if self.types[r].rank == 0 else self.add("sum_all", (r,)) for r in sinks]
+        if weighted:
+            terms[0] = self.add("loss_weight", (terms[0],))
+        loss = terms[0]
+        for term in terms[1:]:
+            loss = self.add("add", (loss, term))
+        return Program(self.dim, self.inputs, tuple(self.instructions), loss, tuple(kept), as_dict)
+
+
+def _tuples_using(new: int, arity: int) -> list[tuple[int, ...]]:
+    """Argument tuples over registers ``0..new`` that use ``new`` (earlier registers first)."""
+    return [args for args in itertools.product(range(new + 1), repeat=arity) if new in args]
+
+
+_EXTRA_INPUTS = tuple(InputSpec(kind, group) for kind in ("rows", "target", "mask", "poisoned")
+                      for group in GROUPS)
+
+
+@st.composite
+def input_specs(draw: st.DrawFn, max_extra: int = 3) -> tuple[InputSpec, ...]:
+    """Rows and a mask per branch, then extra rows, targets (rows without gradient), masks or
+    poisoned rows (by their branch's mask)."""
+    specs = [InputSpec("rows", g) for g in GROUPS] + [InputSpec("mask", g) for g in GROUPS]
+    for extra in draw(st.lists(st.sampled_from(_EXTRA_INPUTS), max_size=max_extra)):
+        mask = specs.index(InputSpec("mask", extra.group)) if extra.kind == "poisoned" else None
+        specs.append(InputSpec(extra.kind, extra.group, mask))
+    return tuple(specs)
+
+
+def _draw_instruction(draw: st.DrawFn, builder: ProgramBuilder, ops: Sequence[Op]) -> None:
+    """Append one instruction: a kind, then an op of that kind, then its arguments."""
+    ops = [op for op in ops if builder.admits(op.name)]
+    if not ops:
+        return
+    kind = draw(st.sampled_from(tuple(dict.fromkeys(op.kind for op in ops))))
+    op = draw(st.sampled_from([o for o in ops if o.kind == kind]))
+    builder.add(op.name, draw(st.sampled_from(builder.choices(op.name))))
+
+
+@st.composite
+def loss_programs(draw: st.DrawFn, *, dims: Sequence[int] = (2, 3), max_selections: int = 2,
+                  max_prelude: int = 3, max_flow_calls: int = 3, max_epilogue: int = 3,
+                  max_kept: int = 2, kinds: Sequence[str] = KINDS) -> Program:
+    """A well-typed program (see the module docstring); ``kinds`` restricts the random ops."""
+    builder = ProgramBuilder(draw(st.sampled_from(tuple(dims))), draw(input_specs()))
+    ops = [op for op in OP_TABLE if op.kind in kinds]
+    phases = ((max_selections, [OPS["select"]] if "select" in kinds else []), (max_prelude, ops),
+              (max_flow_calls, [OPS["log_prob"]] if "flow" in kinds else []), (max_epilogue, ops))
+    for most, phase_ops in phases:
+        for _ in range(draw(st.integers(0, most)) if phase_ops else 0):
+            _draw_instruction(draw, builder, phase_ops)
+    body = [r for r in range(len(builder.inputs), len(builder.types)) if builder.types[r].poison is None]
+    flows = [len(builder.inputs) + i for i, ins in enumerate(builder.instructions) if ins.op == "log_prob"]
+    chosen = draw(st.lists(st.sampled_from(flows), max_size=1)) if flows else []  # log-probs, often
+    if body:
+        chosen += draw(st.lists(st.sampled_from(body), max_size=max_kept, unique=True))
+    kept = []
+    for reg in dict.fromkeys(chosen):
+        wrappers = [w for w in ALIASING_OPS if (reg,) in builder.choices(w)]
+        wrapper = draw(st.sampled_from([None, *wrappers]))
+        kept.append(reg if wrapper is None else builder.add(wrapper, (reg,)))
+    return builder.finish(kept, weighted=draw(st.booleans()), as_dict=draw(st.booleans()))
+
+
+@st.composite
+def call_inputs(draw: st.DrawFn, program: Program, max_rows: int = 6) -> CallInputs:
+    """One call's row counts per branch (independent, zero included), mask patterns and seed."""
+    rows = tuple((g, draw(st.integers(0, max_rows))) for g in GROUPS)
+    masks = sum(spec.kind == "mask" for spec in program.inputs)
+    patterns = tuple(draw(st.sampled_from(MASK_PATTERNS)) for _ in range(masks))
+    return CallInputs(rows, patterns, draw(st.integers(0, 2**16)))
+
+
+@st.composite
+def random_losses(draw: st.DrawFn, *, programs: st.SearchStrategy[Program] | None = None,
+                  calls: tuple[int, int] = (2, 3),
+                  schedules: Sequence[str] = SCHEDULES) -> LossCase:
+    """A :class:`LossCase`: a program, a parameter seed, 2-3 calls, a schedule, second order or not."""
+    program = draw(programs if programs is not None else loss_programs())
+    seed = draw(st.integers(0, 2**16))
+    count = draw(st.integers(*calls))
+    inputs = tuple(draw(call_inputs(program)) for _ in range(count))
+    schedule = draw(st.sampled_from(tuple(schedules)))
+    return LossCase(program, seed, inputs, schedule, draw(st.booleans()))
