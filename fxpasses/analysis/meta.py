@@ -50,6 +50,7 @@ class _OpRecorder(TorchDispatchMode):
         self.computes |= facts.computes
         self.host |= facts.value_on_host
         out = func(*args, **kwargs)
+        self.host |= _copies_from_the_host((args, kwargs, out))
         if facts.data_dependent and not facts.value_on_host:  # a shape known only from data?
             # a shape made from data: a size symbol the inputs lack (nonzero, a boolean mask;
             # ``table[index]`` makes none); fake kernels answer statically when an input is
@@ -63,6 +64,15 @@ def _size_symbols(val: Any) -> set:
     """Unbacked symbols in the sizes of ``val``'s tensors."""
     return {s for t in pytree.tree_leaves(val) if isinstance(t, torch.Tensor)
             for s in free_unbacked_symbols(tuple(t.shape))}
+
+
+def _copies_from_the_host(values: Any) -> bool:
+    """Host memory meets another device's in one op's inputs and output (``x[[1, 0]]`` on a GPU
+    makes its index on the CPU and copies it): a copy from the host, which a CUDA graph cannot
+    capture. A 0-dim CPU tensor is a scalar argument, not a copy."""
+    devices = {t.device.type for t in pytree.tree_leaves(values)
+               if isinstance(t, torch.Tensor) and t.dim() > 0}
+    return "cpu" in devices and len(devices) > 1
 
 
 def _has_empty_tensor(values: Any) -> bool:

@@ -76,3 +76,16 @@ def test_views_launch_nothing_and_ops_do():
 def test_the_table_ends_with_the_capturable_row_and_barriers_have_codes():
     assert ROWS[-1].capturable and all(not r.capturable for r in ROWS[:-1])
     assert all(r.code for r in ROWS if r.barrier)
+
+
+
+def test_host_memory_meeting_another_device_in_one_op_is_a_host_copy():
+    # ``x[[1, 0, 1]]`` on a GPU makes its index on the CPU and copies it inside one node: a CUDA
+    # graph cannot capture that copy. (A CPU-only build cannot make CUDA fakes: the rule is
+    # checked on the values the op sees; the meta device stands in for the GPU.)
+    from fxpasses.analysis.meta import _copies_from_the_host
+    cpu, meta = torch.zeros(3), torch.empty(4, 3, device="meta")
+    assert _copies_from_the_host(([meta, cpu], {}, meta))
+    assert _copies_from_the_host(((cpu,), {}, torch.empty(3, device="meta")))  # a copy to it
+    assert not _copies_from_the_host(((meta, torch.tensor(2.0)), {}, meta))  # a scalar argument
+    assert not _copies_from_the_host(((cpu, cpu), {}, cpu))
