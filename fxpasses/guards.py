@@ -98,6 +98,9 @@ class LossRoots(Roots):
 
     modules: Sequence[nn.Module] = ()
     classes: Sequence[type] = ()
+    # per object facts of this call, shared by every LossRoots of the call (the whole-loss
+    # check and each specialization's read the same modules: each is walked once)
+    per_object: dict = field(default_factory=dict)
     _cache: dict = field(default_factory=dict)
 
     def component(self, name: str) -> Any:
@@ -105,12 +108,26 @@ class LossRoots(Roots):
             self._cache[name] = _COMPONENTS[name](self)
         return self._cache[name]
 
+    def each(self, fact: Callable[[Any], Any], objects: Iterable[Any]) -> tuple:
+        """``fact(o)`` for each object, computed once per call."""
+        out = []
+        for o in objects:
+            key = (fact, id(o))
+            if key not in self.per_object:
+                self.per_object[key] = fact(o)
+            out.append(self.per_object[key])
+        return tuple(out)
+
+
+def _child_ids(m: nn.Module) -> tuple:
+    return tuple(map(id, m._modules.values()))
+
 
 _COMPONENTS: dict[str, Callable[[LossRoots], Any]] = {
-    "hooks": lambda r: (global_hook_keys(), tuple(module_hook_keys(m) for m in r.modules)),
-    "methods": lambda r: ((_instance_methods(r.loss), *(_instance_methods(m) for m in r.modules)),
-                          tuple(_class_methods(c) for c in r.classes)),
-    "modules": lambda r: tuple(tuple(map(id, m._modules.values())) for m in r.modules),
+    "hooks": lambda r: (global_hook_keys(), r.each(module_hook_keys, r.modules)),
+    "methods": lambda r: (r.each(_instance_methods, (r.loss, *r.modules)),
+                          r.each(_class_methods, r.classes)),
+    "modules": lambda r: r.each(_child_ids, r.modules),
     "modes": lambda r: tuple(m.training for m in r.modules),
     "grad-mode": lambda r: torch.is_grad_enabled(),
     "autocast": lambda r: ambient_state()[1:],

@@ -137,9 +137,10 @@ class OptimizedLoss(nn.Module):
             return self._native(args, kwargs, "grad-mode-changed")
         start = time.perf_counter()
         leaves, spec = flatten_call(args, kwargs)
+        per_object: dict = {}  # facts of the loss's objects, read once for every check below
         failed = first_failure(self._whole, LossRoots(self._loss, leaves, self._guarded_modules,
-                                                      self._classes))
-        candidates = self._candidates(leaves, spec) if failed is None else []
+                                                      self._classes, per_object))
+        candidates = self._candidates(leaves, spec, per_object) if failed is None else []
         self._stats.guard_seconds += time.perf_counter() - start
         if failed is not None:
             return self._native(args, kwargs, failed.code)
@@ -174,14 +175,15 @@ class OptimizedLoss(nn.Module):
                 return result
         return _ABANDONED
 
-    def _candidates(self, leaves: list[Any], spec: Any) -> list[Specialization]:
+    def _candidates(self, leaves: list[Any], spec: Any,
+                    per_object: dict | None = None) -> list[Specialization]:
         """The specializations that cover the call and whose assumptions hold, most recently
         useful first; when none does, the first failed assumption is counted."""
         found, failed = [], None
         for special in self._specializations:
             if not special.covers(leaves, spec):
                 continue
-            bad = special.failing(self._loss, leaves) if special.disabled is None else None
+            bad = special.failing(self._loss, leaves, per_object) if special.disabled is None else None
             if bad is None:
                 found.append(special)
             else:

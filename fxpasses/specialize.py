@@ -48,12 +48,14 @@ class Specialization:
     def covers(self, leaves: list[Any], spec: Any) -> bool:
         return self.signature.matches(leaves, spec)
 
-    def roots(self, loss: Any, leaves: list[Any]) -> LossRoots:
-        return LossRoots(loss, leaves, self.modules, self.classes)
+    def roots(self, loss: Any, leaves: list[Any], per_object: dict | None = None) -> LossRoots:
+        return LossRoots(loss, leaves, self.modules, self.classes,
+                         per_object if per_object is not None else {})
 
-    def failing(self, loss: Any, leaves: list[Any]) -> Assumption | None:
-        """The first assumption that does not hold for this call, or None."""
-        return first_failure(self.assumptions, self.roots(loss, leaves))
+    def failing(self, loss: Any, leaves: list[Any], per_object: dict | None = None) -> Assumption | None:
+        """The first assumption that does not hold for this call, or None (``per_object``: the
+        call's shared per-object facts, see :class:`~fxpasses.guards.LossRoots`)."""
+        return first_failure(self.assumptions, self.roots(loss, leaves, per_object))
 
 
 def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pass],
