@@ -17,8 +17,7 @@ Module, else the Modules among its attributes) and the floating input tensors mo
 float64; inputs that required grad become fresh leaves. A plain function is not copied: modules it
 reaches through globals or closures are used as they are. Each call runs under
 ``torch.manual_seed(seed)`` in a forked RNG. A copied :class:`~fxpasses.optimize.OptimizedLoss` is
-re-armed (``reoptimize()``: its guards hold the original's object ids, which would send every call
-of the copy to the native loss) and so is traced afresh, in float64.
+built afresh (its pickling state is the loss and its options), so it traces again, in float64.
 
 A pass is ``|cand - ref| <= atol + rtol * |ref|`` elementwise; the report's ``worst`` is the item
 with the largest ratio ``|cand - ref| / (atol + rtol * |ref|)``.
@@ -35,8 +34,6 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
-
-from ..optimize import OptimizedLoss
 
 
 @dataclass(frozen=True)
@@ -137,8 +134,6 @@ def _run(fn: Callable, args: tuple, kwargs: dict, seed: int) -> _Run:
     modules = _modules_of(fn)
     for module in modules.values():
         module.to(device="cpu", dtype=torch.float64)
-    if isinstance(fn, OptimizedLoss):  # its guards hold the original's object ids: re-arm the copy
-        fn.reoptimize()
     (args, kwargs), leaves = _to_float64_leaves((args, kwargs))
     params = {f"{prefix}{name}": p for prefix, m in modules.items()
               for name, p in m.named_parameters()}
