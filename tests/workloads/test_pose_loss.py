@@ -210,3 +210,22 @@ def test_realistic_640_px_batch_of_16():
     for name, tensor in _predictions(inputs).items():
         assert torch.isfinite(tensor.grad).all() and tensor.grad.any(), name
     assert all(torch.isfinite(p.grad).all() and p.grad.any() for p in loss.parameters())
+
+
+def test_a_batch_without_any_target_rows_scores_like_one_whose_rows_are_all_padding():
+    from fxpasses import optimize
+    from fxpasses.passes import PairRLE
+
+    batch = make_batch(2, seed=0, image_size=128, max_objects=3, dtype=torch.float64)
+    t = batch.targets
+    none = dataclasses.replace(t, boxes=t.boxes[:, :0], classes=t.classes[:, :0],
+                               keypoints=t.keypoints[:, :0], visible=t.visible[:, :0],
+                               valid=t.valid[:, :0])
+    padding = dataclasses.replace(t, valid=torch.zeros_like(t.valid))
+    loss = DualBranchPoseLoss().double()
+    without = loss(dataclasses.replace(batch, targets=none))
+    assert torch.isfinite(without.total)
+    torch.testing.assert_close(without.total, loss(dataclasses.replace(batch, targets=padding)).total)
+    fast = optimize(loss, passes=[PairRLE()])
+    torch.testing.assert_close(fast(dataclasses.replace(batch, targets=none)).total, without.total,
+                               rtol=0, atol=0)

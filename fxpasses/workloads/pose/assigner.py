@@ -47,6 +47,8 @@ class TaskAlignedAssigner(nn.Module):
     def forward(self, scores: Tensor, boxes: Tensor, anchors: Tensor,
                 targets: PoseTargets) -> Assignment:
         """scores (B, A, C) probabilities, boxes (B, A, 4) xyxy, anchors (A, 2)."""
+        if targets.boxes.shape[1] == 0:  # no target rows at all (not even padding)
+            return _nothing_assigned(scores)
         valid = targets.valid.bool()
         gt_boxes = torch.where(valid[..., None], targets.boxes, 0.0)  # padding may hold NaN
         gt_classes = torch.where(valid, targets.classes, 0)
@@ -90,3 +92,11 @@ class TaskAlignedAssigner(nn.Module):
         best_overlap = (overlaps * positive).amax(-1, keepdim=True)
         norm = (metric * best_overlap / (best_metric + self.eps)).amax(1)  # (B, A)
         return Assignment(foreground, gt_index, boxes, one_hot * norm[..., None])
+
+
+def _nothing_assigned(scores: Tensor) -> Assignment:
+    """The assignment of a batch without ground truths: no anchor is foreground."""
+    batch, anchors = scores.shape[:2]
+    return Assignment(scores.new_zeros(batch, anchors, dtype=torch.bool),
+                      scores.new_zeros(batch, anchors, dtype=torch.long),
+                      scores.new_zeros(batch, anchors, 4), torch.zeros_like(scores))
