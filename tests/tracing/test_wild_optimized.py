@@ -68,6 +68,13 @@ def _batch(seed: int, **options):
     return public_format(make_batch(2, seed=seed, **options))
 
 
+OLD_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 10)
+
+
+@pytest.mark.xfail(OLD_TORCH, strict=True, reason=(
+    "torch 2.9's fake kernel of an in-place op on a data-dependent size (clamp_ at wild.py:155) "
+    "guards on it: shape propagation stops there, so PairRLE refuses (the loss still runs its "
+    "traced graph, unpaired, with native values)"))
 def test_pair_rle_halves_the_flow_linear_calls_of_the_public_loss():
     criterion = _criterion(torch.float32)
     fast = optimize(criterion, passes=[PairRLE()])
