@@ -423,12 +423,19 @@ class CapturedRegion(RuntimeOp):
         """(reason to run eagerly or None, the recording to replay, the flat inputs)."""
         if self.failure is not None:
             return "capture-failed", None, []
-        passed = {id(a) for a in args}
-        state = [t for t in module_state([m for m in (self.fn, *args) if isinstance(m, nn.Module)])
+        # containers among the arguments (a tuple a region passes on) are flattened: each
+        # tensor in them is an input of its own (copied, differentiated), never a constant
+        leaves, spec = pytree.tree_flatten(list(args))
+        starts = [0]
+        for a in args:
+            starts.append(starts[-1] + len(pytree.tree_leaves(a)))
+        passed = {id(a) for a in leaves}
+        state = [t for t in module_state([m for m in (self.fn, *leaves) if isinstance(m, nn.Module)])
                  if id(t) not in passed]
-        flat = [*args, *state]
-        identity = self.identity | frozenset(range(len(args), len(flat)))
-        key = signature(flat, identity)
+        flat = [*leaves, *state]
+        identity = frozenset(k for i in self.identity for k in range(starts[i], starts[i + 1])) \
+            | frozenset(range(len(leaves), len(flat)))
+        key = (repr(spec), signature(flat, identity))
         recording = self.recordings.get(key)
         if recording is None:
             if len(self.recordings) >= self.max_recordings:
@@ -436,7 +443,7 @@ class CapturedRegion(RuntimeOp):
             if self._pending is not None:
                 return "replay-pending-backward", None, flat
             try:
-                recording = self._record(flat, len(args), identity)
+                recording = self._record(flat, len(leaves), identity, spec)
             except Exception as exc:  # never lose the step: this region runs eagerly from now on
                 self.failure = f"{type(exc).__name__}: {exc}"[:500]
                 return "capture-failed", None, flat
@@ -448,11 +455,13 @@ class CapturedRegion(RuntimeOp):
             return "outputs-alive", None, flat
         return None, recording, flat
 
-    def _record(self, flat: list[Any], n_args: int, identity: frozenset[int]) -> Recording:
+    def _record(self, flat: list[Any], n_args: int, identity: frozenset[int], spec: Any) -> Recording:
         if self._pool is None:
             self._pool = self.recorder.new_pool()
         modules = [m for m in (self.fn, *flat[:n_args]) if isinstance(m, nn.Module)]
-        call = _reading_state(self.fn, n_args, modules, flat[n_args:])
+        fn = self.fn
+        call = _reading_state(lambda *leaves: fn(*pytree.tree_unflatten(list(leaves), spec)), n_args,
+                              modules, flat[n_args:])
         recording = self.recorder.record(call, flat, self._pool, identity)
         recording.track_memory()
         return recording

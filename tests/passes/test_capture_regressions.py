@@ -13,7 +13,10 @@ native loss. Each test fails while its defect is present (issue 9) and passes on
 * a gradient penalty (``create_graph=True``) through a region is silently wrong; through two
   regions, the second fed by the first's output changed in place, it counted a path twice;
 * ``backward(retain_graph=True)``, then a later call, then that backward again: silently wrong;
-* PairRLE (alone): rows whose log-probabilities are only detached get a zero gradient, not None;
+* PairRLE (alone): rows whose log-probabilities are only detached get a zero gradient, not None,
+  also when the value passes an in-place op on memory computed from it;
+* a region argument that is a tuple of tensors (a split passed on to a later region) was kept as
+  a constant of the recording: no gradient flowed through it;
 * an optimized loss that calls a leaf function is never freed, nor its captured regions (their
   recordings, static buffers and, on a GPU, CUDA graphs and memory pools): the code torch.fx
   generates registers its globals in torch.fx's global registry of wrapped functions.
@@ -369,3 +372,55 @@ def test_a_dropped_optimized_loss_that_calls_a_leaf_function_frees_its_captured_
     del fast
     gc.collect()
     assert [r() for r in regions if r() is not None] == []  # kept alive by torch.fx's wrap registry
+
+
+class ChangedInPlaceThenDetached(nn.Module):
+    """One branch's log-probabilities are scaled in place, then only logged (detached)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flow = Flow()
+
+    def forward(self, a, b):
+        scaled = self.flow.log_prob(a) * 2
+        scaled.mul_(self.flow.log_prob(a).detach())
+        return -self.flow.log_prob(b).mean(), scaled[1:].detach()
+
+
+def test_pairing_sees_through_an_in_place_op_on_memory_made_below_the_call():
+    """Census (seed 1): an in-place op on a value computed from the call's result stopped the
+    walk that decides whether a gradient reaches the rows, so they got zeros, natively None."""
+    loss = _float64(ChangedInPlaceThenDetached)
+    fast = optimize(loss, passes=[PairRLE()])
+    assert_equivalent(loss, fast, (_rows(5, 1), _rows(3, 2)), rtol=RTOL, atol=ATOL)
+
+
+class SplitAcrossRegions(nn.Module):
+    """A region's result split in two: one part leaves through an eager selection, the other is
+    used by a later region (which then took the split's tuple as one argument)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x, mask):
+        y = torch.tanh(self.lin(torch.cat([x, x * 2])))
+        a, b = y.split([x.shape[0], x.shape[0]])
+        return (b * 3).sum() + a[mask].sum()
+
+
+def test_a_tuple_passed_between_regions_is_differentiated_element_by_element():
+    """Census (seed 1): a region argument that was a tuple of tensors was kept as a constant of
+    the recording: no gradient flowed through it (silently wrong input and parameter gradients)."""
+    loss = _float64(SplitAcrossRegions)
+    fast = optimize(loss, passes=[_capture(min_region_ops=1)])
+    for seed in range(3):
+        x = _rows(5, seed, dim=3)
+        mask = torch.rand(5, generator=torch.Generator().manual_seed(seed)) > 0.5
+        wrt = [x, *loss.parameters()]
+        got = torch.autograd.grad(fast(x, mask), wrt)
+        want = torch.autograd.grad(loss(x, mask), wrt)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=RTOL, atol=ATOL)
+    replays = [v.get("replayed", 0) for k, v in fast.stats.sites.items() if "capture_region" in k]
+    assert len(replays) >= 2 and min(replays) >= 1, fast.stats.render()
