@@ -501,21 +501,15 @@ class CapturedRegion(RuntimeOp):
         """Input gradients computed eagerly with a graph (for second-order gradients).
 
         The region is recomputed on fresh aliases of its inputs, parameters read in place
-        included (``torch.func.functional_call`` puts them in the modules for the call), and
-        differentiated with respect to those aliases: differentiated with respect to the inputs
-        themselves, a gradient would also flow through the history of an input computed from
-        another (``x`` and ``y = f(x)`` both inputs) and be counted twice.
+        included (the recording's call puts a parameter's alias in its place on the module, as
+        for recording), and differentiated with respect to those aliases: differentiated with
+        respect to the inputs themselves, a gradient would also flow through the history of an
+        input computed from another (``x`` and ``y = f(x)`` both inputs) and be counted twice.
         """
         self.count("double-backward-eager")
         aliases = [t.view_as(t) if t.requires_grad else t for t in saved]
-        by_id = {id(t): a for t, a in zip(saved, aliases) if t.requires_grad}
-        holder = _Recompute([m for m in (self.fn, *recording.inputs) if isinstance(m, nn.Module)],
-                            lambda: recording.call(*recording.arguments(aliases)))
-        state = {name: by_id[id(t)] for name, t in (*holder.named_parameters(remove_duplicate=False),
-                                                    *holder.named_buffers(remove_duplicate=False))
-                 if id(t) in by_id}
         with torch.enable_grad():
-            outputs = [o for o in pytree.tree_leaves(torch.func.functional_call(holder, state, ()))
+            outputs = [o for o in pytree.tree_leaves(recording.call(*recording.arguments(aliases)))
                        if isinstance(o, torch.Tensor)]
         pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
         wanted = [i for i, t in enumerate(aliases) if t.requires_grad]
@@ -525,15 +519,3 @@ class CapturedRegion(RuntimeOp):
                                     [g for _, g in pairs], create_graph=True, allow_unused=True)
         by_position = dict(zip(wanted, found))
         return [by_position.get(i) for i in range(len(saved))]
-
-
-class _Recompute(nn.Module):
-    """Holds a region's modules so that ``functional_call`` can swap their state for a call."""
-
-    def __init__(self, modules: Sequence[nn.Module], run: Callable[[], Any]):
-        super().__init__()
-        self.held = nn.ModuleList(modules)
-        self.run = run
-
-    def forward(self) -> Any:
-        return self.run()
