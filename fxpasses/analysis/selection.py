@@ -271,9 +271,11 @@ def meta_value(node: fx.Node) -> Any:
         return None
 
 
-def _example(val: Any, sizes: dict, generator: torch.Generator) -> Any:
-    """A CPU tensor like ``val`` with the row counts of ``sizes``: floats uniform in
-    [0.5, 1.5), bools random, integers zero (always a valid index)."""
+def example_value(val: Any, sizes: dict, generator: torch.Generator,
+                  leading: tuple[int, ...] = (), floating: torch.dtype | None = None) -> Any:
+    """A CPU value like ``val`` with the row counts of ``sizes`` (and ``leading`` as its first
+    dims, if given): floats uniform in [0.5, 1.5) (in ``floating`` if given), bools random,
+    integers zero (always a valid index); a device is the CPU, a size a number."""
     if isinstance(val, torch.device):
         return torch.device("cpu")
     if isinstance(val, torch.SymInt):
@@ -281,8 +283,10 @@ def _example(val: Any, sizes: dict, generator: torch.Generator) -> Any:
     if not isinstance(val, torch.Tensor):
         return val
     shape = [concrete_size(s, sizes) for s in val.shape]
+    shape[:len(leading)] = leading
     if val.dtype.is_floating_point:
-        return torch.rand(shape, generator=generator, dtype=torch.float64).to(val.dtype) + 0.5
+        x = torch.rand(shape, generator=generator, dtype=torch.float64)
+        return x.to(floating or val.dtype) + 0.5
     if val.dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=generator).bool()
     return torch.zeros(shape, dtype=val.dtype)
@@ -330,12 +334,12 @@ def _trace_region(gm: fx.GraphModule, region: _Region, space: Space) -> tuple[Fu
     rows = [0 if inputs[i] in producers else None for i, _ in tensors]
     taken = {int(s) for i, k in tensors for s in flat[i][0][k].shape if isinstance(s, int)}
     taken |= {s for t in [*module.parameters(), *module.buffers()] for s in t.shape}
-    constants = [[_example(leaf, {}, torch.Generator()) for leaf in leaves] for leaves, _ in flat]
+    constants = [[example_value(leaf, {}, torch.Generator()) for leaf in leaves] for leaves, _ in flat]
 
     def inputs_at(count: int) -> list[torch.Tensor]:
         generator = torch.Generator().manual_seed(count)
         sizes = dict.fromkeys(space.symbols, count)
-        return [_example(flat[i][0][k], sizes, generator) for i, k in tensors]
+        return [example_value(flat[i][0][k], sizes, generator) for i, k in tensors]
 
     def run(state: fx.GraphModule, *xs: torch.Tensor) -> tuple:
         leaves = [list(c) for c in constants]

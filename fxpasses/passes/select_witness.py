@@ -27,8 +27,8 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..analysis.meta import value
-from ..analysis.selection import (SpaceAnalysis, concrete_size, meta_value, subgraph,
-                                  symbols_of)
+from ..analysis.selection import (SpaceAnalysis, concrete_size, example_value, meta_value,
+                                  subgraph, symbols_of)
 from ..certificates import Witness
 from ..pipeline import copy_graph_module
 from ..runtime import RuntimeOp
@@ -152,26 +152,15 @@ def _input(node: fx.Node, masks: dict, sources: dict, sizes: dict,
     val = meta_value(node)
     if isinstance(val, torch.dtype) and val.is_floating_point:
         return torch.float64
-    if isinstance(val, torch.device):
-        return torch.device("cpu")
-    if isinstance(val, torch.SymInt):
-        return concrete_size(val, sizes)
-    if not isinstance(val, torch.Tensor):
-        return val
-    shape = [concrete_size(s, sizes) for s in val.shape]
-    mask = masks.get(sources.get(node.name))
-    if mask is not None:  # the selected dims as the (shrunk) mask's
-        shape[:mask.dim()] = mask.shape
-    if val.dtype.is_floating_point:
-        x = torch.rand(shape, generator=generator, dtype=torch.float64) + 0.5
-        if mask is not None:  # unselected positions must never matter
-            poison = torch.tensor(_POISON, dtype=torch.float64)[torch.arange(x[~mask].numel()) % 3]
-            x[~mask] = poison.view(-1, *x.shape[mask.dim():]) if x.dim() > mask.dim() \
-                else poison
-        return x.requires_grad_(True)  # every floating input: its gradient is compared
-    if val.dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=generator).bool()
-    return torch.zeros(shape, dtype=val.dtype)
+    mask = masks.get(sources.get(node.name))  # the selected dims as the (shrunk) mask's
+    x = example_value(val, sizes, generator, tuple(mask.shape) if mask is not None else (),
+                      torch.float64)
+    if not (isinstance(x, torch.Tensor) and x.is_floating_point()):
+        return x
+    if mask is not None:  # unselected positions must never matter
+        poison = torch.tensor(_POISON, dtype=torch.float64)[torch.arange(x[~mask].numel()) % 3]
+        x[~mask] = poison.view(-1, *x.shape[mask.dim():]) if x.dim() > mask.dim() else poison
+    return x.requires_grad_(True)  # every floating input: its gradient is compared
 
 
 def _run(module: fx.GraphModule, inputs: list[Any], seed: int) -> tuple[list[Any], list[Any]]:
