@@ -40,6 +40,7 @@ from torch.fx.node import map_arg
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from ..certificates.codes import lookup, note
 from ..locations import exception_location, node_source
 from .row_rules import (OpCall, RowRefusal, RowValue, data_dependent, functional_counterpart,
                         rule_for)
@@ -61,6 +62,15 @@ _CONTRACTING = frozenset(getattr(torch.ops.aten, name) for name in (
     "linear", "mm", "bmm", "matmul", "addmm", "baddbmm", "mv", "dot"))
 
 
+def _note_codes(code: str | None, evidence: dict) -> None:
+    """Register the reported code and every finding's code as having occurred (a test session
+    shows each registered code is exercised, see :func:`fxpasses.certificates.codes.observe`)."""
+    for name in [code, *(f.get("code") for f in evidence.get("findings", ()))]:
+        if name is not None:
+            lookup(name)
+            note(name)
+
+
 @dataclass(frozen=True)
 class RowAnalysis:
     """Whether ``method`` maps rows to rows, with the evidence (JSON data) and the linear calls."""
@@ -69,6 +79,9 @@ class RowAnalysis:
     code: str | None  # None when ok; else a registry code (rows-*)
     evidence: dict
     linear_calls: int  # aten.linear calls in one traced call
+
+    def __post_init__(self) -> None:
+        _note_codes(self.code, self.evidence)
 
 
 def analyze_rows(module: nn.Module, method: str, example: torch.Tensor, *,
@@ -118,6 +131,9 @@ class FunctionRows:
     code: str | None
     evidence: dict
     outputs: tuple
+
+    def __post_init__(self) -> None:
+        _note_codes(self.code, self.evidence)
 
 
 def analyze_function_rows(fn: Any, inputs_at: Any, input_rows: Sequence[int | None],
