@@ -11,18 +11,25 @@ guards are (``torch/_dynamo/guards.py``): one table, a source per assumption, a 
 
 Values that steer control flow or shapes are guarded; a float read only as arithmetic is not a
 guard but an input, read on every call (kind ``float`` only checks it is still a float).
+
+Cost: the whole-loss facts are read once per call for the loss's modules (a specialization
+guards only the modules its trace reached beyond those); hooks, the costliest to read, are read
+only when a hook handle was made since they last held (every ``register_*hook`` makes one; with
+no hook recorded, none can be removed). Measured in bench/RESULTS.md.
 """
 
 from __future__ import annotations
 
 import enum
 import types
+from collections import OrderedDict
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 from torch.nn.modules import module as module_mod
+from torch.utils.hooks import RemovableHandle
 
 from .certificates import Guard
 from .tracing.sources import Roots, Source
@@ -41,7 +48,9 @@ def global_hook_keys() -> tuple:
 
 
 def module_hook_keys(m: nn.Module) -> tuple:
-    return tuple(tuple(getattr(m, name, None) or ()) for name in _MODULE_HOOK_DICTS)
+    d = m.__dict__
+    return (tuple(d.get("_forward_hooks") or ()), tuple(d.get("_forward_pre_hooks") or ()),
+            tuple(d.get("_backward_hooks") or ()), tuple(d.get("_backward_pre_hooks") or ()))
 
 
 def count_hooks(modules: Iterable[nn.Module]) -> dict[str, int]:
@@ -57,14 +66,20 @@ def count_global_hooks() -> dict[str, int]:
     return {name.strip("_"): len(getattr(module_mod, name, {})) for name in _GLOBAL_HOOK_DICTS}
 
 
+# instance attribute types that are never methods: skipped before the (slower) callable() test
+_NOT_METHODS = frozenset({dict, OrderedDict, set, list, tuple, bool, int, float, str,
+                          type(None), torch.Tensor, nn.Parameter, types.SimpleNamespace})
+
+
 def _instance_methods(m: object) -> tuple:
-    return tuple((k, id(v)) for k, v in vars(m).items()
-                 if callable(v) and not isinstance(v, (nn.Module, torch.Tensor, type)))
+    return tuple([(k, id(v)) for k, v in vars(m).items()
+                  if type(v) not in _NOT_METHODS and callable(v)
+                  and not isinstance(v, (nn.Module, torch.Tensor, type))])
 
 
 def _class_methods(cls: type) -> tuple:
-    return tuple((k, id(v)) for k, v in vars(cls).items()
-                 if callable(v) or isinstance(v, (staticmethod, classmethod, property)))
+    return tuple([(k, id(v)) for k, v in vars(cls).items()
+                  if callable(v) or isinstance(v, (staticmethod, classmethod, property))])
 
 
 def user_classes(objects: Iterable[object]) -> list[type]:
@@ -94,13 +109,10 @@ def ambient_state() -> tuple:
 
 @dataclass
 class LossRoots(Roots):
-    """Roots of one call, plus the loss's modules and user classes (for whole-loss kinds)."""
+    """Roots of one call, plus the modules and user classes the whole-loss kinds read."""
 
     modules: Sequence[nn.Module] = ()
     classes: Sequence[type] = ()
-    # per object facts of this call, shared by every LossRoots of the call (the whole-loss
-    # check and each specialization's read the same modules: each is walked once)
-    per_object: dict = field(default_factory=dict)
     _cache: dict = field(default_factory=dict)
 
     def component(self, name: str) -> Any:
@@ -108,27 +120,13 @@ class LossRoots(Roots):
             self._cache[name] = _COMPONENTS[name](self)
         return self._cache[name]
 
-    def each(self, fact: Callable[[Any], Any], objects: Iterable[Any]) -> tuple:
-        """``fact(o)`` for each object, computed once per call."""
-        out = []
-        for o in objects:
-            key = (fact, id(o))
-            if key not in self.per_object:
-                self.per_object[key] = fact(o)
-            out.append(self.per_object[key])
-        return tuple(out)
-
-
-def _child_ids(m: nn.Module) -> tuple:
-    return tuple(map(id, m._modules.values()))
-
 
 _COMPONENTS: dict[str, Callable[[LossRoots], Any]] = {
-    "hooks": lambda r: (global_hook_keys(), r.each(module_hook_keys, r.modules)),
-    "methods": lambda r: (r.each(_instance_methods, (r.loss, *r.modules)),
-                          r.each(_class_methods, r.classes)),
-    "modules": lambda r: r.each(_child_ids, r.modules),
-    "modes": lambda r: tuple(m.training for m in r.modules),
+    "hooks": lambda r: (global_hook_keys(), tuple([module_hook_keys(m) for m in r.modules])),
+    "methods": lambda r: (tuple([_instance_methods(o) for o in (r.loss, *r.modules)]),
+                          tuple([_class_methods(c) for c in r.classes])),
+    "modules": lambda r: tuple([tuple(map(id, m._modules.values())) for m in r.modules]),
+    "modes": lambda r: tuple([m.training for m in r.modules]),
     "grad-mode": lambda r: torch.is_grad_enabled(),
     "autocast": lambda r: ambient_state()[1:],
 }
@@ -170,12 +168,16 @@ def is_container(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class GuardKind:
-    """One row: the code counted when it fails, its description, how it compares."""
+    """One row: the code counted when it fails, its description, how it compares; and, for a
+    value that is costly to read, a global counter that moves whenever it can change (see
+    :meth:`Assumption.holds`) and the recorded values for which the counter is enough."""
 
     name: str
     code: str
     description: str  # "{source}" and "{value}" are filled in
     same: Callable[[Any, Any], bool]  # (value now, value recorded) -> still holds
+    counter: Callable[[], int] | None = None
+    counter_suffices: Callable[[Any], bool] = lambda expected: False
 
 
 def _same_constant(now: Any, expected: Any) -> bool:
@@ -200,7 +202,11 @@ GUARD_KINDS: dict[str, GuardKind] = {k.name: k for k in (
     GuardKind("absent", "assumption-changed", "{source} does not exist",
               lambda now, expected: now is MISSING),
     GuardKind("hooks", "hook-added", "no module or global hook registered since optimization",
-              lambda now, expected: now == expected),
+              lambda now, expected: now == expected,
+              # every register_*hook makes a RemovableHandle, which takes the next id; with no
+              # hook recorded there is none to remove, so an unmoved id means none was added
+              counter=lambda: RemovableHandle.next_id,
+              counter_suffices=lambda expected: not any(map(any, (expected[0], *expected[1])))),
     GuardKind("methods", "method-replaced",
               "no method replaced on an instance or class since optimization",
               lambda now, expected: now == expected),
@@ -226,6 +232,8 @@ class Assumption:
     expected: Any = field(compare=False)
     location: str = ""
     shown: str = ""
+    # the kind's counter when this assumption last held in full (empty: never, or not usable)
+    counter_seen: list = field(default_factory=list, compare=False, repr=False)
 
     def now(self, roots: LossRoots) -> Any:
         if self.source is None:
@@ -236,7 +244,19 @@ class Assumption:
             return MISSING
 
     def holds(self, roots: LossRoots) -> bool:
-        return GUARD_KINDS[self.kind].same(self.now(roots), self.expected)
+        """Whether the value now is the value recorded. A kind with a counter reads the value
+        only when the counter moved since it last held in full (the counter is read first, so
+        a change made meanwhile moves it again)."""
+        kind = GUARD_KINDS[self.kind]
+        if kind.counter is None:
+            return kind.same(self.now(roots), self.expected)
+        count = kind.counter()
+        if self.counter_seen and self.counter_seen[0] == count:
+            return True
+        ok = kind.same(self.now(roots), self.expected)
+        if ok and kind.counter_suffices(self.expected):
+            self.counter_seen[:] = [count]
+        return ok
 
     @property
     def code(self) -> str:

@@ -6,7 +6,8 @@ Each call of an OptimizedLoss:
    hooks, methods, submodules, modes); a failure sends the call to the native loss;
 2. finds a *specialization* whose input signature matches the call and whose assumptions hold
    (every value its trace read from the loss's state: ``loss.assign_o2m.topk``, the dict of
-   gains, the flow's identity...). None holds: the loss is traced again on this call, within
+   gains, the flow's identity...), most recently useful first, each checked only when its turn
+   comes. None holds: the loss is traced again on this call, within
    ``max_specializations`` (the assumption that failed is counted as the reason); a trace that
    fails is a refusal certificate and calls of that structure run natively;
 3. runs the rewritten graph. A guard node that fails (a data-dependent decision went the other
@@ -51,7 +52,8 @@ from .stats import RecordedException, RunStats
 from .trace import LeafPolicy
 
 _RETRACE_AFTER = 2  # the 2nd call since the last trace that every trace abandons is traced
-_ABANDONED = object()
+_ABANDONED = object()  # every specialization that could run the call abandoned it
+_NONE_HOLDS = object()  # no specialization covers the call with its assumptions holding
 _WHOLE_LOSS_KINDS = ("hooks", "methods", "modules", "modes")
 
 
@@ -137,20 +139,18 @@ class OptimizedLoss(nn.Module):
             return self._native(args, kwargs, "grad-mode-changed")
         start = time.perf_counter()
         leaves, spec = flatten_call(args, kwargs)
-        per_object: dict = {}  # facts of the loss's objects, read once for every check below
         failed = first_failure(self._whole, LossRoots(self._loss, leaves, self._guarded_modules,
-                                                      self._classes, per_object))
-        candidates = self._candidates(leaves, spec, per_object) if failed is None else []
+                                                      self._classes))
         self._stats.guard_seconds += time.perf_counter() - start
         if failed is not None:
             return self._native(args, kwargs, failed.code)
-        if not candidates:
+        self._retrace_helps = True
+        result = self._first_result(self._specializations, args, kwargs, leaves, spec)
+        if result is _NONE_HOLDS:
             special = self._specialize(args, kwargs)
             if special is None:
                 return self._native(args, kwargs, self._refusal)
-            candidates = [special]
-        self._retrace_helps = True
-        result = self._first_result(candidates, args, kwargs, leaves)
+            result = self._first_result([special], args, kwargs, leaves)
         if result is not _ABANDONED:
             return result
         self._abandoned_since_trace += 1  # every trace's decisions failed on this call
@@ -162,36 +162,40 @@ class OptimizedLoss(nn.Module):
                     return result
         return self._native(args, kwargs, self._abandon_code)
 
-    def _first_result(self, candidates: list[Specialization], args: tuple, kwargs: dict,
-                      leaves: list[Any]) -> Any:
-        """The result of the first candidate (most recently useful first) that does not
-        abandon the call; a disabled one answers natively with its reason."""
-        for special in candidates:
+    def _first_result(self, specializations: list[Specialization], args: tuple, kwargs: dict,
+                      leaves: list[Any], spec: Any = None) -> Any:
+        """The result of the first specialization (most recently useful first) that covers the
+        call, whose assumptions hold, and that does not abandon it; a disabled one answers
+        natively with its reason. Each is checked only when its turn comes. ``spec``: the call's
+        structure, to check (None: ``specializations`` were just made for this call).
+        ``_NONE_HOLDS`` when none covers the call with its assumptions holding (the first
+        assumption that failed is counted), ``_ABANDONED`` when every one that did abandoned it."""
+        failed, tried = None, False
+        for special in list(specializations):
+            if spec is not None:
+                start = time.perf_counter()
+                covers = special.covers(leaves, spec)
+                bad = special.failing(self._loss, leaves) if covers and special.disabled is None \
+                    else None
+                self._stats.guard_seconds += time.perf_counter() - start
+                if not covers:
+                    continue
+                if bad is not None:
+                    failed = failed or bad
+                    continue
+            tried = True
             self._current = special
             if special.disabled is not None:
                 return self._native(args, kwargs, special.disabled)
             result = self._run(special, args, kwargs, leaves)
             if result is not _ABANDONED:
                 return result
-        return _ABANDONED
-
-    def _candidates(self, leaves: list[Any], spec: Any,
-                    per_object: dict | None = None) -> list[Specialization]:
-        """The specializations that cover the call and whose assumptions hold, most recently
-        useful first; when none does, the first failed assumption is counted."""
-        found, failed = [], None
-        for special in self._specializations:
-            if not special.covers(leaves, spec):
-                continue
-            bad = special.failing(self._loss, leaves, per_object) if special.disabled is None else None
-            if bad is None:
-                found.append(special)
-            else:
-                failed = failed or bad
-        if not found and failed is not None:
+        if tried:
+            return _ABANDONED
+        if failed is not None:
             self._stats.retraced[f"{failed.source} ({failed.location})"] += 1
             note(failed.code)
-        return found
+        return _NONE_HOLDS
 
     def _specialize(self, args: tuple, kwargs: dict) -> Specialization | None:
         if not self._tracing.acquire(blocking=False):  # another thread is optimizing
@@ -207,7 +211,8 @@ class OptimizedLoss(nn.Module):
                 return None
             with isolated():
                 special = build(self._loss, args, kwargs, len(self._specializations),
-                                self._passes, self._policy)
+                                self._passes, self._policy,
+                                LossRoots(self._loss, (), self._guarded_modules, self._classes))
             self._specializations.insert(0, special)
             self._abandoned_since_trace = 0
             return special

@@ -48,19 +48,21 @@ class Specialization:
     def covers(self, leaves: list[Any], spec: Any) -> bool:
         return self.signature.matches(leaves, spec)
 
-    def roots(self, loss: Any, leaves: list[Any], per_object: dict | None = None) -> LossRoots:
-        return LossRoots(loss, leaves, self.modules, self.classes,
-                         per_object if per_object is not None else {})
+    def roots(self, loss: Any, leaves: list[Any]) -> LossRoots:
+        return LossRoots(loss, leaves, self.modules, self.classes)
 
-    def failing(self, loss: Any, leaves: list[Any], per_object: dict | None = None) -> Assumption | None:
-        """The first assumption that does not hold for this call, or None (``per_object``: the
-        call's shared per-object facts, see :class:`~fxpasses.guards.LossRoots`)."""
-        return first_failure(self.assumptions, self.roots(loss, leaves, per_object))
+    def failing(self, loss: Any, leaves: list[Any]) -> Assumption | None:
+        """The first assumption that does not hold for this call, or None."""
+        return first_failure(self.assumptions, self.roots(loss, leaves))
 
 
 def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pass],
-          policy: LeafPolicy) -> Specialization:
-    """Trace, certify and optimize (see the module docstring); failures are recorded on it."""
+          policy: LeafPolicy, guarded: LossRoots) -> Specialization:
+    """Trace, certify and optimize (see the module docstring); failures are recorded on it.
+
+    ``guarded``: the modules and classes whose hooks, methods, submodules and modes the caller
+    checks on every call, as they were when this trace was made (the loss-wide check); this
+    specialization guards those of the modules and classes its trace reached beyond them."""
     special = Specialization(index, CallSignature.of_call(args, kwargs, positional_names(loss)))
     start = time.perf_counter()
     try:
@@ -74,12 +76,16 @@ def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pas
     info: TraceInfo = gm.meta["fxpasses"]
     leaves, _ = flatten_call(args, kwargs)
     special.info, special.signature = info, info.signature
-    special.modules = info.modules
-    special.classes = tuple(user_classes([loss, *info.modules]))
+    covered = {id(m) for m in guarded.modules}
+    special.modules = tuple(m for m in info.modules if id(m) not in covered)
+    special.classes = tuple(c for c in user_classes([loss, *info.modules])
+                            if c not in guarded.classes)
     roots = special.roots(loss, leaves)
-    whole = tuple(a for a in whole_loss_assumptions(roots) if a.kind in _PER_TRACE_KINDS)
+    kinds = _PER_TRACE_KINDS if special.modules or special.classes else ("autocast",)
+    whole = tuple(a for a in whole_loss_assumptions(roots) if a.kind in kinds)
     special.assumptions = info.assumptions + whole
-    certificate = dataclasses.replace(_trace_certificate(loss, info, special.assumptions),
+    certificate = dataclasses.replace(_trace_certificate(loss, info, special.assumptions,
+                                                         len(info.modules) - len(special.modules)),
                                       graph_fingerprint=fingerprint(gm))
     special.certificates.append(certificate)
     if not certificate.applied:
@@ -95,13 +101,16 @@ def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pas
     return special
 
 
-def _trace_certificate(loss: Any, info: TraceInfo, assumptions: Sequence[Assumption]) -> Certificate:
-    """The trace's own certificate: what it recorded, and every assumption as a guard."""
+def _trace_certificate(loss: Any, info: TraceInfo, assumptions: Sequence[Assumption],
+                       loss_wide: int) -> Certificate:
+    """The trace's own certificate: what it recorded, and every assumption as a guard
+    (``loss_wide``: modules reached whose hooks, methods and modes the loss-wide guards check)."""
     writes = info.writes_before_guards
     checks = [
         Check("concrete-trace", True, {"tracer": "fxpasses concrete tracer", "nodes": info.nodes,
                                        "assumptions": len(assumptions), "guard_nodes": len(info.guards),
-                                       "modules_reached": len(info.modules)}),
+                                       "modules_reached": len(info.modules),
+                                       "modules_guarded_loss_wide": loss_wide}),
         Check("abandon-without-effect", not writes, {
             "writes_before_guards": writes,
             "why": "a call whose guard fails is abandoned and runs natively: nothing visible may "

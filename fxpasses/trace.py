@@ -236,7 +236,7 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
     finally:
         tracker.restore()
     gm = fx.GraphModule(root, rec.graph, class_name=f"Traced{type(loss_fn).__name__}")
-    modules = dict.fromkeys([*root.modules(), *tracker.modules()])
+    modules = dict.fromkeys([*(m for m in root.modules() if m is not root), *tracker.modules()])
     gm.meta[META_KEY] = TraceInfo(signature, spec, tuple(tracker.assumptions.values()),
                                   tuple(rec.guards), rec.writes_before_guards(), tuple(modules),
                                   len(rec.graph.nodes))

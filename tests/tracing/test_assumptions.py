@@ -146,6 +146,53 @@ def test_a_hook_on_a_function_losss_flow_sends_calls_native():
         handle.remove()
 
 
+class NamespaceHeld:
+    """A criterion whose flow sits inside a plain namespace: no loss-wide guard covers it, so
+    the trace that reaches it guards its hooks, methods and modes itself."""
+
+    def __init__(self, flow: nn.Module):
+        self.parts = types.SimpleNamespace(flow=flow)
+
+    def __call__(self, a, b):
+        return self.parts.flow.log_prob(a).mean() + self.parts.flow.log_prob(b).mean()
+
+
+@pytest.mark.parametrize("change", ["hook", "method", "mode"])
+def test_a_module_only_the_trace_reached_is_guarded_by_the_trace(change):
+    flow = Flow()
+    criterion = NamespaceHeld(flow)
+    fast = optimize(criterion, passes=[PairRLE()])
+    a, b = _inputs()
+    fast(a, b)
+    trace_check = fast.certificates[0].checks[0]
+    assert trace_check.evidence["modules_reached"] > trace_check.evidence["modules_guarded_loss_wide"]
+    seen = []
+    if change == "hook":
+        flow.outer.register_forward_hook(lambda *args: seen.append(1))
+    elif change == "method":
+        flow.log_prob = lambda x: Flow.log_prob(flow, x) * 2.0
+    else:
+        flow.inner.eval()
+    native_before = sum(fast.stats.native.values()) + sum(fast.stats.retraced.values())
+    assert torch.allclose(fast(a, b), criterion(a, b))
+    assert sum(fast.stats.native.values()) + sum(fast.stats.retraced.values()) > native_before
+    if change == "hook":
+        assert seen
+
+
+def test_a_module_losss_trace_leaves_module_facts_to_the_loss_wide_guards():
+    model = ModelLoss()
+    fast = optimize(model, passes=[PairRLE()])
+    a, b = _inputs()
+    fast(a, b)
+    trace_check = fast.certificates[0].checks[0]
+    assert trace_check.evidence["modules_guarded_loss_wide"] == trace_check.evidence["modules_reached"]
+    assert {a.kind for a in fast.specializations[0].assumptions}.isdisjoint({"hooks", "methods", "modes"})
+    model.flow.inner.register_forward_pre_hook(lambda *args: None)
+    assert torch.allclose(fast(a, b), model(a, b))
+    assert fast.stats.native["hook-added"] == 1
+
+
 class Model(nn.Module):
     def __init__(self):
         super().__init__()
@@ -154,6 +201,11 @@ class Model(nn.Module):
 
     def compute_loss(self, a, b):
         return self.gain * (self.flow.log_prob(a).mean() - self.flow.log_prob(b).mean())
+
+
+class ModelLoss(Model):
+    def forward(self, a, b):
+        return self.compute_loss(a, b)
 
 
 def test_a_bound_method_is_a_loss():
@@ -238,3 +290,50 @@ def test_a_first_call_under_a_profiler_runs_natively_and_keeps_the_profiler():
     with profiler:  # a specialization made before runs under a profiler
         assert torch.equal(fast(x), loss(x))
     assert fast.stats.optimized == 2
+
+
+def test_hooks_are_checked_in_full_when_any_hook_handle_was_made():
+    """The hook guard reads every module's hooks only when a hook handle was made since it last
+    held: an unrelated handle costs one full check, a hook on the loss is still seen, and a hook
+    present at optimization that is removed later is seen too (no counter can show a removal)."""
+    model = ModelLoss()
+    fast = optimize(model, passes=[PairRLE()])
+    a, b = _inputs()
+    fast(a, b)
+    torch.ones(2, requires_grad=True).register_hook(lambda g: g)  # moves the handle counter
+    fast(a, b)
+    assert fast.stats.native == {} and fast.stats.optimized == 2
+    handle = model.flow.outer.register_forward_hook(lambda *args: None)
+    fast(a, b)
+    assert fast.stats.native == {"hook-added": 1}
+    handle.remove()
+    fast(a, b)
+    assert fast.stats.optimized == 3
+
+    hooked = ModelLoss()
+    handle = hooked.flow.outer.register_forward_hook(lambda *args: None)
+    fast = optimize(hooked, passes=[PairRLE()])
+    fast(a, b)
+    fast(a, b)
+    handle.remove()
+    assert torch.allclose(fast(a, b), hooked(a, b))
+    assert fast.stats.native == {"hook-added": 1}
+
+
+def test_a_specialization_is_checked_only_when_its_turn_comes(monkeypatch):
+    """With two traces, a call the most recently useful one runs checks that one alone."""
+    from fxpasses.specialize import Specialization
+    loss = Branchy()
+    fast = optimize(loss)
+    positive, negative = torch.ones(3, 2), -torch.ones(3, 2)
+    for x in (positive, negative, negative, negative):
+        fast(x)
+    assert len(fast.specializations) == 2
+    checked = []
+    original = Specialization.failing
+    monkeypatch.setattr(Specialization, "failing",
+                        lambda self, *args: checked.append(self.index) or original(self, *args))
+    assert torch.equal(fast(negative), loss(negative))
+    assert len(checked) == 1
+    assert torch.equal(fast(positive), loss(positive))  # the first abandons: the second is checked
+    assert len(checked) == 3
