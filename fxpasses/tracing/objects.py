@@ -18,6 +18,10 @@ dict, list, ...     the container + a ``contents`` assumption (its items by valu
 missing attribute   ``getattr(obj, name, default)``: an ``absent`` assumption
 ==================  ========================================================================
 
+A tracked module's children are tracked too, at ``<module source>.<child name>``: a module
+reached through ``nn.Sequential`` or ``ModuleList`` iteration (no attribute read names it) has
+its reads recorded like any other (replacing a child is the whole-loss ``modules`` guard's).
+
 A write (``self.bs = ...``) becomes a ``WriteAttribute`` node, later reads of it in the same call
 return the written value, and the original value is restored when the trace ends. Globals that
 user functions executed during the trace refer to are recorded too (:meth:`ObjectTracker.globals_of`).
@@ -99,6 +103,11 @@ class ObjectTracker:
             if source.root != ("loss",) or source.path:  # the loss module is not its own child
                 self.recorder.module_path(obj, _hint(source))
             self.on_module(obj)
+            # children reached without an attribute read (nn.Sequential, ModuleList iteration)
+            # still have their reads recorded; replacing one is the "modules" guard's to see
+            for name, child in obj._modules.items():
+                if child is not None:
+                    self.track(child, source.attr(name))
 
     def _reader(self, source: Source) -> tuple[ReadSource, tuple]:
         """A ReadSource for ``source`` and its node inputs (the argument placeholder, if any)."""

@@ -146,6 +146,45 @@ def test_a_hook_on_a_function_losss_flow_sends_calls_native():
         handle.remove()
 
 
+class Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.k, self.w = 2, 0.5
+
+    def forward(self, x):
+        return x * self.k + self.w
+
+
+class Contained(nn.Module):
+    """Modules reached through containers, with no attribute read naming them."""
+
+    def __init__(self):
+        super().__init__()
+        self.seq = nn.Sequential(nn.Linear(2, 2), Scale())
+        self.stages = nn.ModuleList([Scale(), Scale()])
+
+    def forward(self, a, b):
+        out = self.seq(a).square().mean()
+        for stage in self.stages:
+            b = stage(b)
+        return out + b.mean()
+
+
+@pytest.mark.parametrize("change", ["sequential-int", "sequential-float", "list-int", "list-float"])
+def test_a_value_read_by_a_module_inside_a_container_is_never_stale(change):
+    loss = Contained()
+    fast = optimize(loss)
+    a, b = _inputs()
+    assert torch.allclose(fast(a, b), loss(a, b))
+    target = loss.seq[1] if change.startswith("sequential") else loss.stages[1]
+    if change.endswith("int"):
+        target.k = 5
+    else:
+        target.w = 3.0
+    assert torch.allclose(fast(a, b), loss(a, b))
+    assert fast.stats.native == {} and len(fast.specializations) == (2 if change.endswith("int") else 1)
+
+
 class NamespaceHeld:
     """A criterion whose flow sits inside a plain namespace: no loss-wide guard covers it, so
     the trace that reaches it guards its hooks, methods and modes itself."""
