@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import enum
 import types
-from collections import OrderedDict
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Callable, Iterable, Sequence
 
@@ -66,15 +65,35 @@ def count_global_hooks() -> dict[str, int]:
     return {name.strip("_"): len(getattr(module_mod, name, {})) for name in _GLOBAL_HOOK_DICTS}
 
 
-# instance attribute types that are never methods: skipped before the (slower) callable() test
-_NOT_METHODS = frozenset({dict, OrderedDict, set, list, tuple, bool, int, float, str,
-                          type(None), torch.Tensor, nn.Parameter, types.SimpleNamespace})
+def _instance_methods(o: object) -> tuple:
+    """The callables stored on an object (a plain object's: read in full)."""
+    return tuple([(k, id(v)) for k, v in vars(o).items()
+                  if callable(v) and not isinstance(v, (nn.Module, torch.Tensor, type))])
 
 
-def _instance_methods(m: object) -> tuple:
-    return tuple([(k, id(v)) for k, v in vars(m).items()
-                  if type(v) not in _NOT_METHODS and callable(v)
-                  and not isinstance(v, (nn.Module, torch.Tensor, type))])
+_CLASS_METHOD_NAMES: dict[type, frozenset] = {}
+
+
+def _method_names(cls: type) -> frozenset:
+    """Names of the callables and descriptors ``cls`` and its bases define (cached per class)."""
+    names = _CLASS_METHOD_NAMES.get(cls)
+    if names is None:
+        names = frozenset(name for klass in cls.__mro__ for name, v in vars(klass).items()
+                          if callable(v) or isinstance(v, (staticmethod, classmethod, property)))
+        _CLASS_METHOD_NAMES[cls] = names
+    return names
+
+
+def _module_overrides(m: nn.Module) -> tuple:
+    """What on a module instance can change which code its call runs: attributes that shadow a
+    method of its class (``m.forward = ...``), and ``m.compile()``'s compiled call. Other
+    callables stored on a module matter only if the trace read them, and those reads are
+    guarded one by one (``identity``); reading only these keeps the check to a set
+    intersection per module instead of a walk of every attribute."""
+    d = m.__dict__
+    names = _method_names(type(m))
+    shadowing = () if names.isdisjoint(d) else tuple((k, id(d[k])) for k in d if k in names)
+    return shadowing, id(d.get("_compiled_call_impl"))
 
 
 def _class_methods(cls: type) -> tuple:
@@ -123,7 +142,8 @@ class LossRoots(Roots):
 
 _COMPONENTS: dict[str, Callable[[LossRoots], Any]] = {
     "hooks": lambda r: (global_hook_keys(), tuple([module_hook_keys(m) for m in r.modules])),
-    "methods": lambda r: (tuple([_instance_methods(o) for o in (r.loss, *r.modules)]),
+    "methods": lambda r: (_instance_methods(r.loss) if not isinstance(r.loss, nn.Module) else (),
+                          tuple([_module_overrides(m) for m in r.modules]),
                           tuple([_class_methods(c) for c in r.classes])),
     "modules": lambda r: tuple([tuple(map(id, m._modules.values())) for m in r.modules]),
     "modes": lambda r: tuple([m.training for m in r.modules]),

@@ -2,8 +2,9 @@
 
 Each call of an OptimizedLoss:
 
-1. checks grad mode and the whole-loss assumptions recorded at optimization (:mod:`fxpasses.guards`:
-   hooks, methods, submodules, modes); a failure sends the call to the native loss;
+1. checks grad mode and the whole-loss assumptions (:mod:`fxpasses.guards`: hooks, methods,
+   submodules, modes of the loss and of every module a trace depends on, as each trace saw
+   them); a failure sends the call to the native loss;
 2. finds a *specialization* whose input signature matches the call and whose assumptions hold
    (every value its trace read from the loss's state: ``loss.assign_o2m.topk``, the dict of
    gains, the flow's identity...), most recently useful first, each checked only when its turn
@@ -23,7 +24,6 @@ Each call of an OptimizedLoss:
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 import sys
 import threading
@@ -57,33 +57,6 @@ _NONE_HOLDS = object()  # no specialization covers the call with its assumptions
 _WHOLE_LOSS_KINDS = ("hooks", "methods", "modules", "modes")
 
 
-def _modules_of(loss_fn: Any) -> list[nn.Module]:
-    """The modules a loss holds: its own, or those of the objects, globals and closure it holds."""
-    if isinstance(loss_fn, nn.Module):
-        return list(loss_fn.modules())
-    holders: list[Any] = []
-    if inspect.ismethod(loss_fn):
-        holders.append(loss_fn.__self__)
-        loss_fn = loss_fn.__func__
-    if inspect.isfunction(loss_fn):
-        code = loss_fn.__code__
-        holders += [loss_fn.__globals__[n] for n in code.co_names if n in loss_fn.__globals__]
-        for cell in loss_fn.__closure__ or ():
-            try:
-                holders.append(cell.cell_contents)
-            except ValueError:
-                continue
-    else:
-        holders.append(loss_fn)
-    found: dict[int, nn.Module] = {}
-    for holder in holders:
-        values = [holder] if isinstance(holder, nn.Module) else list(getattr(holder, "__dict__", {}).values())
-        for value in values:
-            if isinstance(value, nn.Module):
-                found.update({id(m): m for m in value.modules()})
-    return list(found.values())
-
-
 class OptimizedLoss(nn.Module):
     """A loss whose traced graph was rewritten by passes. Same call signature as the original.
 
@@ -95,7 +68,6 @@ class OptimizedLoss(nn.Module):
                  max_specializations: int):
         super().__init__()
         object.__setattr__(self, "_loss", loss_fn)
-        modules = _modules_of(loss_fn)
         if isinstance(loss_fn, nn.Module):
             self._parameters = loss_fn._parameters
             self._buffers = loss_fn._buffers
@@ -108,9 +80,7 @@ class OptimizedLoss(nn.Module):
         self._passes = tuple(passes)
         self._policy = policy
         self._max_specializations = max_specializations
-        self._guarded_modules = modules
-        self._classes = user_classes([loss_fn, *modules])
-        self._whole = self._whole_loss()
+        self._whole = self._whole_loss([])
         self._specializations: list[Specialization] = []
         self._stats = RunStats()
         self._current: Specialization | None = None
@@ -120,7 +90,13 @@ class OptimizedLoss(nn.Module):
         self._abandon_code = "guard-failed"
         self._retrace_helps = True  # no abandon of this call said a new trace would abandon too
 
-    def _whole_loss(self) -> tuple[Assumption, ...]:
+    def _whole_loss(self, modules: Sequence[nn.Module]) -> tuple[Assumption, ...]:
+        """The whole-loss guards over the loss and ``modules``, recorded now. ``modules``: those
+        the traces so far depend on (a module no trace reads cannot change what one computes);
+        each new trace adds its own, recorded as it saw them (this call passed the guards)."""
+        own = [self._loss] if isinstance(self._loss, nn.Module) else []
+        self._guarded_modules = list({id(m): m for m in (*own, *modules)}.values())
+        self._classes = user_classes([self._loss, *self._guarded_modules])
         roots = LossRoots(self._loss, (), self._guarded_modules, self._classes)
         return tuple(a for a in whole_loss_assumptions(roots) if a.kind in _WHOLE_LOSS_KINDS)
 
@@ -211,8 +187,9 @@ class OptimizedLoss(nn.Module):
                 return None
             with isolated():
                 special = build(self._loss, args, kwargs, len(self._specializations),
-                                self._passes, self._policy,
-                                LossRoots(self._loss, (), self._guarded_modules, self._classes))
+                                self._passes, self._policy)
+            if special.info is not None:
+                self._whole = self._whole_loss([*self._guarded_modules, *special.info.modules])
             self._specializations.insert(0, special)
             self._abandoned_since_trace = 0
             return special
@@ -285,7 +262,7 @@ class OptimizedLoss(nn.Module):
 
     def reoptimize(self) -> None:
         """Accept the loss's current hooks, methods and modes; drop every specialization."""
-        self._whole = self._whole_loss()
+        self._whole = self._whole_loss([])
         self._specializations.clear()
         self._current = None
 

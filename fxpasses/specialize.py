@@ -16,16 +16,15 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch.fx as fx
-from torch import nn
 
 from .certificates import Certificate, Check, Guard, Site
-from .guards import Assumption, LossRoots, first_failure, user_classes, whole_loss_assumptions
+from .guards import Assumption, LossRoots, first_failure, whole_loss_assumptions
 from .log import logger
 from .pipeline import Pass, PipelineRun, fingerprint, run_pipeline
 from .signature import CallSignature, flatten_call
 from .trace import LeafPolicy, TraceFailure, TraceInfo, positional_names, trace
 
-_PER_TRACE_KINDS = ("hooks", "methods", "modules", "modes", "autocast")
+_PER_TRACE_KINDS = ("autocast",)
 
 
 @dataclass
@@ -35,8 +34,6 @@ class Specialization:
     index: int
     signature: CallSignature
     assumptions: tuple[Assumption, ...] = ()
-    modules: tuple[nn.Module, ...] = ()
-    classes: tuple[type, ...] = ()
     info: TraceInfo | None = None
     graph_module: fx.GraphModule | None = None
     run: PipelineRun | None = None
@@ -49,7 +46,7 @@ class Specialization:
         return self.signature.matches(leaves, spec)
 
     def roots(self, loss: Any, leaves: list[Any]) -> LossRoots:
-        return LossRoots(loss, leaves, self.modules, self.classes)
+        return LossRoots(loss, leaves)
 
     def failing(self, loss: Any, leaves: list[Any]) -> Assumption | None:
         """The first assumption that does not hold for this call, or None."""
@@ -57,12 +54,10 @@ class Specialization:
 
 
 def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pass],
-          policy: LeafPolicy, guarded: LossRoots) -> Specialization:
+          policy: LeafPolicy) -> Specialization:
     """Trace, certify and optimize (see the module docstring); failures are recorded on it.
-
-    ``guarded``: the modules and classes whose hooks, methods, submodules and modes the caller
-    checks on every call, as they were when this trace was made (the loss-wide check); this
-    specialization guards those of the modules and classes its trace reached beyond them."""
+    The hooks, methods, submodules and modes of the modules the trace depends on
+    (``info.modules``) are the caller's whole-loss guards."""
     special = Specialization(index, CallSignature.of_call(args, kwargs, positional_names(loss)))
     start = time.perf_counter()
     try:
@@ -76,16 +71,10 @@ def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pas
     info: TraceInfo = gm.meta["fxpasses"]
     leaves, _ = flatten_call(args, kwargs)
     special.info, special.signature = info, info.signature
-    covered = {id(m) for m in guarded.modules}
-    special.modules = tuple(m for m in info.modules if id(m) not in covered)
-    special.classes = tuple(c for c in user_classes([loss, *info.modules])
-                            if c not in guarded.classes)
-    roots = special.roots(loss, leaves)
-    kinds = _PER_TRACE_KINDS if special.modules or special.classes else ("autocast",)
-    whole = tuple(a for a in whole_loss_assumptions(roots) if a.kind in kinds)
-    special.assumptions = info.assumptions + whole
-    certificate = dataclasses.replace(_trace_certificate(loss, info, special.assumptions,
-                                                         len(info.modules) - len(special.modules)),
+    ambient = tuple(a for a in whole_loss_assumptions(special.roots(loss, leaves))
+                    if a.kind in _PER_TRACE_KINDS)
+    special.assumptions = info.assumptions + ambient
+    certificate = dataclasses.replace(_trace_certificate(loss, info, special.assumptions),
                                       graph_fingerprint=fingerprint(gm))
     special.certificates.append(certificate)
     if not certificate.applied:
@@ -101,16 +90,15 @@ def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pas
     return special
 
 
-def _trace_certificate(loss: Any, info: TraceInfo, assumptions: Sequence[Assumption],
-                       loss_wide: int) -> Certificate:
-    """The trace's own certificate: what it recorded, and every assumption as a guard
-    (``loss_wide``: modules reached whose hooks, methods and modes the loss-wide guards check)."""
+def _trace_certificate(loss: Any, info: TraceInfo, assumptions: Sequence[Assumption]) -> Certificate:
+    """The trace's own certificate: what it recorded, and every assumption as a guard."""
     writes = info.writes_before_guards
     checks = [
         Check("concrete-trace", True, {"tracer": "fxpasses concrete tracer", "nodes": info.nodes,
                                        "assumptions": len(assumptions), "guard_nodes": len(info.guards),
-                                       "modules_reached": len(info.modules),
-                                       "modules_guarded_loss_wide": loss_wide}),
+                                       "modules_depended_on": len(info.modules),
+                                       "their_guards": "whole-loss (hooks, methods, "
+                                                       "submodules, modes)"}),
         Check("abandon-without-effect", not writes, {
             "writes_before_guards": writes,
             "why": "a call whose guard fails is abandoned and runs natively: nothing visible may "

@@ -78,7 +78,9 @@ class TraceInfo:
     assumptions: tuple[Assumption, ...]
     guards: tuple[tuple[str, str], ...]
     writes_before_guards: tuple[str, ...]
-    modules: tuple[nn.Module, ...]  # every module the trace reached (their hooks and modes matter)
+    # the modules the trace depends on (their hooks, methods and modes matter): those the traced
+    # code read an attribute of, and those called as one node, with their submodules
+    modules: tuple[nn.Module, ...]
     nodes: int
 
     def unflatten_output(self, flat: Any) -> Any:
@@ -236,7 +238,8 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
     finally:
         tracker.restore()
     gm = fx.GraphModule(root, rec.graph, class_name=f"Traced{type(loss_fn).__name__}")
-    modules = dict.fromkeys([*(m for m in root.modules() if m is not root), *tracker.modules()])
+    modules = dict.fromkeys([*tracker.used_modules(),
+                             *(m for opaque in rec.opaque_modules.values() for m in opaque.modules())])
     gm.meta[META_KEY] = TraceInfo(signature, spec, tuple(tracker.assumptions.values()),
                                   tuple(rec.guards), rec.writes_before_guards(), tuple(modules),
                                   len(rec.graph.nodes))

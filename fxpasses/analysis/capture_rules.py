@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 import torch
 import torch.fx as fx
 
+from ..certificates.codes import lookup, note
 from ..runtime import RuntimeOp
 from .meta import is_dynamic, tensors_in, value
 from .ops import NodeFacts, node_facts
@@ -26,6 +27,11 @@ class Verdict:
     op: str
     barrier: bool = False  # may not be reordered across (side effects or unknown)
     detail: str = ""
+
+    def __post_init__(self) -> None:
+        if self.code is not None:  # a registered code, noted as occurring (see codes.observe)
+            lookup(self.code)
+            note(self.code)
 
 
 @dataclass(frozen=True)

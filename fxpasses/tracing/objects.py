@@ -87,6 +87,7 @@ class ObjectTracker:
         self._restore: list[tuple[Any, str, Any]] = []
         self._patched: list[tuple[type, str, Any]] = []
         self._seen_code: set[Any] = set()
+        self._used: dict[int, nn.Module] = {}  # modules the traced code read an attribute of
 
     # -- sources ----------------------------------------------------------------------------------
     def track(self, obj: Any, source: Source, placeholder: fx.Node | None = None) -> None:
@@ -137,6 +138,8 @@ class ObjectTracker:
         entry = self._sources.get(id(obj))
         if entry is None or entry[1] is not obj:
             return value  # an object made during this trace
+        if isinstance(obj, nn.Module):
+            self._used[id(obj)] = obj
         if (id(obj), name) in self._written:
             return self._written[(id(obj), name)]
         return self.adopt(value, entry[0].attr(name), instance=name in getattr(obj, "__dict__", {}))
@@ -246,9 +249,10 @@ class ObjectTracker:
             self._assume("identity", source, value, type(value).__qualname__)
             self.track(value, source)
 
-    def modules(self) -> list[nn.Module]:
-        """Every module whose attributes the trace followed."""
-        return [obj for _, obj, _ in self._sources.values() if isinstance(obj, nn.Module)]
+    def used_modules(self) -> list[nn.Module]:
+        """Every module the traced code read an attribute of (``forward`` included, which a
+        module's call reads): those whose hooks, methods and modes the trace depends on."""
+        return list(self._used.values())
 
     # -- the hooks --------------------------------------------------------------------------------
     def _patch_class(self, cls: type) -> None:

@@ -100,6 +100,7 @@ def _opaque_method(rec: Recorder, module: nn.Module, name: str, bound: Callable,
         if rec.paused or active_recorder() is not rec or not _traced_in((args, kwargs)):
             return bound(*args, **kwargs)
         path = rec.module_path(module)
+        rec.opaque_modules.setdefault(id(module), module)
         if kind == "call_module":
             return rec.opaque_call("call_module", path, bound, args, kwargs)
         return rec.opaque_call("call_method", name, bound, args, kwargs,

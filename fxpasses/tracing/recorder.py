@@ -68,6 +68,7 @@ class Recorder:
         self.graph = fx.Graph()
         self.root = root
         self.paused = False  # user code runs outside the trace (an opaque call)
+        self.opaque_modules: dict[int, nn.Module] = {}  # modules called as one node
         self.busy = False  # inside a torch call being recorded: the recorder's own calls are plain
         self.guards: list[tuple[str, str]] = []  # (kind, location) of guard nodes, in order
         self._events: list[tuple[str, str]] = []  # ("guard" | "write", location), in order

@@ -8,7 +8,7 @@ from fxpasses.certificates.codes import REGISTRY, note, observe
 from fxpasses.runtime import RuntimeOp
 
 
-def test_codes_that_occur_are_observed():
+def test_codes_that_occur_are_observed(codes_not_counted):
     seen = observe()
     seen.discard("pair-single-call")
     seen.discard("hook-added")
