@@ -12,10 +12,12 @@ guards are (``torch/_dynamo/guards.py``): one table, a source per assumption, a 
 Values that steer control flow or shapes are guarded; a float read only as arithmetic is not a
 guard but an input, read on every call (kind ``float`` only checks it is still a float).
 
-Cost: the whole-loss facts are read once per call for the loss's modules (a specialization
-guards only the modules its trace reached beyond those); hooks, the costliest to read, are read
-only when a hook handle was made since they last held (every ``register_*hook`` makes one; with
-no hook recorded, none can be removed). Measured in bench/RESULTS.md.
+Cost: the whole-loss facts are read once per call, for the loss and the modules its traces
+depend on (not every module it holds); hooks are read only when a hook handle was made since
+they last held (every ``register_*hook`` makes one; with no hook recorded, none can be removed);
+a module's methods are checked by what shadows its class's methods; a specialization's own
+assumptions are checked by one generated function (:mod:`fxpasses.guard_code`). Measured in
+bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -198,6 +200,9 @@ class GuardKind:
     same: Callable[[Any, Any], bool]  # (value now, value recorded) -> still holds
     counter: Callable[[], int] | None = None
     counter_suffices: Callable[[Any], bool] = lambda expected: False
+    # ``same`` as a Python expression over {v} (the value now) and {e} (the value recorded),
+    # calling only GUARD_HELPERS; the generated checks (fxpasses.guard_code) use it
+    inline: str | None = None
 
 
 def _same_constant(now: Any, expected: Any) -> bool:
@@ -209,16 +214,18 @@ def _same_tensor(now: Any, expected: Any) -> bool:
 
 
 GUARD_KINDS: dict[str, GuardKind] = {k.name: k for k in (
-    GuardKind("constant", "assumption-changed", "{source} is {value}", _same_constant),
+    GuardKind("constant", "assumption-changed", "{source} is {value}", _same_constant,
+              inline="type({v}) is type({e}) and bool({v} == {e})"),
     GuardKind("identity", "assumption-changed", "{source} is the same object ({value})",
-              lambda now, expected: now is expected),
+              lambda now, expected: now is expected, inline="{v} is {e}"),
     GuardKind("contents", "assumption-changed", "{source} holds the same contents ({value})",
-              lambda now, expected: snapshot(now) == expected),
+              lambda now, expected: snapshot(now) == expected, inline="snapshot({v}) == {e}"),
     GuardKind("tensor", "assumption-changed",
-              "{source} is a tensor of {value}, read on every call", _same_tensor),
+              "{source} is a tensor of {value}, read on every call", _same_tensor,
+              inline="same_tensor({v}, {e})"),
     GuardKind("float", "assumption-changed",
               "{source} is a float, read on every call (an input, not a constant)",
-              lambda now, expected: type(now) is float),
+              lambda now, expected: type(now) is float, inline="type({v}) is float"),
     GuardKind("absent", "assumption-changed", "{source} does not exist",
               lambda now, expected: now is MISSING),
     GuardKind("hooks", "hook-added", "no module or global hook registered since optimization",
@@ -240,6 +247,9 @@ GUARD_KINDS: dict[str, GuardKind] = {k.name: k for k in (
     GuardKind("autocast", "autocast-changed", "autocast enabled/dtype (cuda and cpu) as at tracing",
               lambda now, expected: now == expected),
 )}
+
+
+GUARD_HELPERS = {"snapshot": snapshot, "same_tensor": _same_tensor}
 
 
 @dataclass(frozen=True)

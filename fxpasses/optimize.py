@@ -24,6 +24,7 @@ Each call of an OptimizedLoss:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 import threading
@@ -114,51 +115,53 @@ class OptimizedLoss(nn.Module):
         if not torch.is_grad_enabled():
             return self._native(args, kwargs, "grad-mode-changed")
         start = time.perf_counter()
-        leaves, spec = flatten_call(args, kwargs)
-        failed = first_failure(self._whole, LossRoots(self._loss, leaves, self._guarded_modules,
+        failed = first_failure(self._whole, LossRoots(self._loss, (), self._guarded_modules,
                                                       self._classes))
         self._stats.guard_seconds += time.perf_counter() - start
         if failed is not None:
             return self._native(args, kwargs, failed.code)
+        flat = functools.cache(lambda: flatten_call(args, kwargs))  # pytree, only if needed
         self._retrace_helps = True
-        result = self._first_result(self._specializations, args, kwargs, leaves, spec)
+        result = self._first_result(self._specializations, args, kwargs, flat)
         if result is _NONE_HOLDS:
             special = self._specialize(args, kwargs)
             if special is None:
                 return self._native(args, kwargs, self._refusal)
-            result = self._first_result([special], args, kwargs, leaves)
+            result = self._first_result([special], args, kwargs, flat, check=False)
         if result is not _ABANDONED:
             return result
         self._abandoned_since_trace += 1  # every trace's decisions failed on this call
         if self._retrace_helps and self._abandoned_since_trace >= _RETRACE_AFTER:  # its own trace
             special = self._specialize(args, kwargs)
             if special is not None:
-                result = self._first_result([special], args, kwargs, leaves)
+                result = self._first_result([special], args, kwargs, flat, check=False)
                 if result is not _ABANDONED:
                     return result
         return self._native(args, kwargs, self._abandon_code)
 
     def _first_result(self, specializations: list[Specialization], args: tuple, kwargs: dict,
-                      leaves: list[Any], spec: Any = None) -> Any:
+                      flat: Callable[[], tuple[list[Any], Any]], check: bool = True) -> Any:
         """The result of the first specialization (most recently useful first) that covers the
         call, whose assumptions hold, and that does not abandon it; a disabled one answers
-        natively with its reason. Each is checked only when its turn comes. ``spec``: the call's
-        structure, to check (None: ``specializations`` were just made for this call).
-        ``_NONE_HOLDS`` when none covers the call with its assumptions holding (the first
-        assumption that failed is counted), ``_ABANDONED`` when every one that did abandoned it."""
+        natively with its reason. Each is checked only when its turn comes (``check=False``:
+        ``specializations`` were just made for this call). ``_NONE_HOLDS`` when none covers
+        the call with its assumptions holding (the first assumption that failed is counted),
+        ``_ABANDONED`` when every one that did abandoned it."""
         failed, tried = None, False
         for special in list(specializations):
-            if spec is not None:
+            if check:
                 start = time.perf_counter()
-                covers = special.covers(leaves, spec)
-                bad = special.failing(self._loss, leaves) if covers and special.disabled is None \
-                    else None
+                leaves = special.leaves_of(args, kwargs, flat)
+                bad = special.failing(self._loss, leaves) \
+                    if leaves is not None and special.disabled is None else None
                 self._stats.guard_seconds += time.perf_counter() - start
-                if not covers:
+                if leaves is None:
                     continue
                 if bad is not None:
                     failed = failed or bad
                     continue
+            else:
+                leaves = flat()[0]
             tried = True
             self._current = special
             if special.disabled is not None:

@@ -11,12 +11,15 @@ that split, so a call can be matched to its trace and flattened into graph input
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils import _pytree as pytree
+
+from .signature_code import UNDECIDED, compile_matcher
 
 _CONSTANTS = (bool, int, str, bytes, type(None), enum.Enum, torch.dtype, torch.device)
 
@@ -96,6 +99,23 @@ class CallSignature:
         if any(leaf_kind(leaves[i]) != kind for i, kind in zip(self.input_slots, self.input_kinds)):
             return False
         return all(_same_constant(leaves[i], value) for i, value in self.constants)
+
+    @functools.cached_property
+    def _matcher(self) -> Callable[[tuple, dict], Any] | None:
+        return compile_matcher(self.in_spec, dict(zip(self.input_slots, self.input_kinds)),
+                               dict(self.constants), _same_constant, leaf_kind)
+
+    def leaves_of(self, args: tuple, kwargs: dict,
+                  flat: Callable[[], tuple[list[Any], Any]]) -> list[Any] | None:
+        """The call's leaves when it matches this signature (:meth:`matches`), else None: by
+        the generated matcher (:mod:`fxpasses.signature_code`), or by ``flat()`` (the call
+        flattened with pytree) where it cannot decide."""
+        match = self._matcher
+        leaves = match(args, kwargs) if match is not None else UNDECIDED
+        if leaves is UNDECIDED:
+            leaves, spec = flat()
+            return leaves if self.matches(leaves, spec) else None
+        return leaves
 
     def inputs(self, leaves: list[Any]) -> list[Any]:
         """The graph's inputs of a call (tensors, floats, objects), in placeholder order."""

@@ -13,11 +13,12 @@ import dataclasses
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch.fx as fx
 
 from .certificates import Certificate, Check, Guard, Site
+from .guard_code import compile_check
 from .guards import Assumption, LossRoots, first_failure, whole_loss_assumptions
 from .log import logger
 from .pipeline import Pass, PipelineRun, fingerprint, run_pipeline
@@ -41,15 +42,25 @@ class Specialization:
     disabled: str | None = None  # a reason code once this specialization must not run
     seconds: dict[str, float] = field(default_factory=dict)
     abandoned: Counter = field(default_factory=Counter)  # guard location -> calls abandoned there
+    check: Callable[[Any, Sequence[Any]], int] | None = None  # generated from the assumptions
 
-    def covers(self, leaves: list[Any], spec: Any) -> bool:
-        return self.signature.matches(leaves, spec)
+    def leaves_of(self, args: tuple, kwargs: dict,
+                  flat: Callable[[], tuple[list[Any], Any]]) -> list[Any] | None:
+        """The call's leaves if this specialization's signature covers it, else None."""
+        return self.signature.leaves_of(args, kwargs, flat)
 
     def roots(self, loss: Any, leaves: list[Any]) -> LossRoots:
         return LossRoots(loss, leaves)
 
     def failing(self, loss: Any, leaves: list[Any]) -> Assumption | None:
-        """The first assumption that does not hold for this call, or None."""
+        """The first assumption that does not hold for this call, or None: by the generated
+        check; where one of its reads raised, by the exact path (a failed read is MISSING)."""
+        if self.check is not None:
+            index = self.check(loss, leaves)
+            if index == -1:
+                return None
+            if index >= 0:
+                return self.assumptions[index]
         return first_failure(self.assumptions, self.roots(loss, leaves))
 
 
@@ -74,6 +85,7 @@ def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pas
     ambient = tuple(a for a in whole_loss_assumptions(special.roots(loss, leaves))
                     if a.kind in _PER_TRACE_KINDS)
     special.assumptions = info.assumptions + ambient
+    special.check = compile_check(special.assumptions)
     certificate = dataclasses.replace(_trace_certificate(loss, info, special.assumptions),
                                       graph_fingerprint=fingerprint(gm))
     special.certificates.append(certificate)
