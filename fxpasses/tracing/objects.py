@@ -14,7 +14,8 @@ other tensor        a ``ReadSource`` node (read on every call) + a ``tensor`` as
 float               a ``ReadSource`` node: an *input*, never a constant + a ``float`` assumption
 int, bool, str...   the value + a ``constant`` assumption (it may steer control flow or shapes)
 module, object      the object + an ``identity`` assumption; its own reads are tracked in turn
-dict, list, ...     the container + a ``contents`` assumption (its items by value or identity)
+dict, list, ...     the container + a ``contents`` assumption (its items by value or identity);
+                    the objects in it are tracked (in globals and closure cells too)
 missing attribute   ``getattr(obj, name, default)``: an ``absent`` assumption
 ==================  ========================================================================
 
@@ -176,11 +177,7 @@ class ObjectTracker:
                 self._assume("identity", source, value, getattr(value, "__qualname__", repr(value)))
             return value
         if is_container(value):
-            self._assume("contents", source, snapshot(value), _shown(value))
-            for key, item in _items(value):
-                if not isinstance(item, (torch.Tensor, *_CONSTANTS, float)) and not is_container(item):
-                    self.track(item, source.item(key) if not isinstance(value, types.SimpleNamespace)
-                               else source.attr(key))
+            self._container(value, source)
             return value
         self._assume("identity", source, value, type(value).__qualname__)
         self.track(value, source)
@@ -244,10 +241,19 @@ class ObjectTracker:
         elif isinstance(value, torch.Tensor):
             self._assume("identity", source, value, f"tensor {tuple(value.shape)}")
         elif is_container(value):
-            self._assume("contents", source, snapshot(value), _shown(value))
+            self._container(value, source)
         elif not callable(value) or isinstance(value, nn.Module):
             self._assume("identity", source, value, type(value).__qualname__)
             self.track(value, source)
+
+    def _container(self, value: Any, source: Source) -> None:
+        """A container read: its contents guarded (items by value or identity), and the objects
+        and modules in it tracked, so that what the trace reads from them is recorded too."""
+        self._assume("contents", source, snapshot(value), _shown(value))
+        for key, item in _items(value):
+            if not isinstance(item, (torch.Tensor, *_CONSTANTS, float)) and not is_container(item):
+                self.track(item, source.item(key) if not isinstance(value, types.SimpleNamespace)
+                           else source.attr(key))
 
     def used_modules(self) -> list[nn.Module]:
         """Every module the traced code read an attribute of (``forward`` included, which a

@@ -420,3 +420,39 @@ def test_a_write_before_a_decision_is_refused_and_runs_natively():
     assert trace_cert.codes == ("trace-write-before-guard",)
     assert fast.stats.native == {"trace-write-before-guard": 1}
     assert loss.calls.item() == 2  # once natively inside fast(), once by the direct call
+
+
+PARTS = {"scale": Scale()}
+
+
+def loss_through_a_global_dict(a, b):
+    return PARTS["scale"](a).square().mean() + b.mean()
+
+
+def _loss_through_a_closure_list():
+    parts = [Scale()]
+
+    def loss(a, b):
+        return parts[0](a).square().mean() + b.mean()
+
+    return loss, parts
+
+
+@pytest.mark.parametrize("holder", ["global-dict", "closure-list"])
+@pytest.mark.parametrize("change", ["int", "float"])
+def test_a_value_read_by_a_module_in_a_global_or_closure_container_is_never_stale(holder, change):
+    if holder == "global-dict":
+        PARTS["scale"] = Scale()
+        loss, scale = loss_through_a_global_dict, PARTS["scale"]
+    else:
+        loss, parts = _loss_through_a_closure_list()
+        scale = parts[0]
+    fast = optimize(loss)
+    a, b = _inputs()
+    assert torch.allclose(fast(a, b), loss(a, b))
+    if change == "int":
+        scale.k = 5
+    else:
+        scale.w = 3.0
+    assert torch.allclose(fast(a, b), loss(a, b))
+    assert fast.stats.native == {} and len(fast.specializations) == (2 if change == "int" else 1)
