@@ -25,6 +25,7 @@ optimizer step on the original is seen by the traced graph. A trace failure rais
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import types
 from dataclasses import dataclass
@@ -123,6 +124,8 @@ def _loss_root(loss_fn: Any) -> tuple[nn.Module, Any, Any]:
         return root, owner, loss_fn.__func__
     if inspect.isfunction(loss_fn):
         return _LossRoot(), None, loss_fn
+    if isinstance(loss_fn, functools.partial):
+        return _LossRoot(), loss_fn, loss_fn.func if inspect.isfunction(loss_fn.func) else None
     if callable(loss_fn):
         call = getattr(type(loss_fn), "__call__", None)
         return _LossRoot(), loss_fn, call if inspect.isfunction(call) else None
@@ -184,7 +187,10 @@ def _recording(rec: Recorder) -> Iterator[None]:
         _active.pop()
 
 
-def _function_state(tracker: ObjectTracker, function: types.FunctionType | None) -> None:
+def _function_state(tracker: ObjectTracker, function: types.FunctionType | None,
+                    source: Source | None) -> None:
+    """The globals, closure cells and default arguments of the loss's function; ``source``:
+    where the function is read from on a later call (its defaults are read through it)."""
     if function is None:
         return
     tracker.globals_of(function.__code__, function.__globals__)
@@ -194,6 +200,30 @@ def _function_state(tracker: ObjectTracker, function: types.FunctionType | None)
         except ValueError:
             continue
         tracker.adopt_cell(cell, name, value)
+    if source is not None:
+        for i, value in enumerate(function.__defaults__ or ()):
+            tracker.adopt_bound(source.attr("__defaults__").item(i), value)
+        for name, value in (function.__kwdefaults__ or {}).items():
+            tracker.adopt_bound(source.attr("__kwdefaults__").item(name), value)
+
+
+def _bound_state(tracker: ObjectTracker, loss_fn: Any) -> Source | None:
+    """For a ``functools.partial`` loss, its bound arguments; the source its function is read
+    from (None where there is none to read again)."""
+    loss = Source(("loss",))
+    if isinstance(loss_fn, functools.partial):
+        for i, value in enumerate(loss_fn.args):
+            tracker.adopt_bound(loss.attr("args").item(i), value)
+        for name, value in loss_fn.keywords.items():
+            tracker.adopt_bound(loss.attr("keywords").item(name), value)
+        return loss.attr("func")
+    if inspect.isfunction(loss_fn):
+        return loss
+    if inspect.ismethod(loss_fn):
+        return loss.attr(loss_fn.__name__) if getattr(loss_fn.__self__, loss_fn.__name__, None) \
+            == loss_fn else None
+    call = getattr(type(loss_fn), "__call__", None)
+    return loss.attr("__call__") if inspect.isfunction(call) else None
 
 
 def _output(rec: Recorder, out: Any) -> Any:
@@ -226,8 +256,10 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
             rec.index_state(owner, "")  # the loss module's own parameters and buffers
         if owner is not None:
             tracker.track(owner, Source(("loss",)))
+        elif inspect.isfunction(loss_fn):  # read again through the loss (its defaults)
+            tracker.track(loss_fn, Source(("loss",)))
         patcher(root)
-        _function_state(tracker, function)
+        _function_state(tracker, function, _bound_state(tracker, loss_fn))
         with _recording(rec), patched(rec, tracker, patcher, tuple(policy.leaf_functions)), \
                 patcher.buffers_kept():
             out = loss_fn(*args, **kwargs)

@@ -231,6 +231,12 @@ class ObjectTracker:
         """A closure cell of the loss function: guarded like a global."""
         self._outside_value(Source(("cell", cell, name)), value)
 
+    def adopt_bound(self, source: Source, value: Any) -> None:
+        """A value bound to the loss's function before the call (a default argument, an argument
+        or keyword of a ``functools.partial``), readable again at ``source``: guarded like a
+        global."""
+        self._outside_value(source, value)
+
     def _outside_value(self, source: Source, value: Any) -> None:
         """A global or a closure cell: constants, tensors and containers guarded, objects tracked
         (their attribute reads are recorded in turn)."""

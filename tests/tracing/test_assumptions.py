@@ -10,6 +10,7 @@ global read by a function loss, a hook added to a function loss's flow, a reboun
 from __future__ import annotations
 
 import cProfile
+import functools
 import pstats
 import types
 
@@ -456,3 +457,45 @@ def test_a_value_read_by_a_module_in_a_global_or_closure_container_is_never_stal
         scale.w = 3.0
     assert torch.allclose(fast(a, b), loss(a, b))
     assert fast.stats.native == {} and len(fast.specializations) == (2 if change == "int" else 1)
+
+
+DEFAULT_SCALE = Scale()
+
+
+def loss_with_a_default(a, b, scale=DEFAULT_SCALE, gain=2):
+    return gain * scale(a).square().mean() + b.mean()
+
+
+def _scaled(a, b, scale, gain):
+    return gain * scale(a).square().mean() + b.mean()
+
+
+@pytest.mark.parametrize("bound", ["default-argument", "partial-keyword", "partial-argument"])
+@pytest.mark.parametrize("change", ["int", "float", "rebound"])
+def test_a_value_bound_before_the_call_is_never_stale(bound, change):
+    """Default arguments of a loss function and the bound arguments of a functools.partial."""
+    scale = Scale()
+    if bound == "default-argument":
+        loss_with_a_default.__defaults__ = (scale, 2)
+        loss = loss_with_a_default
+    elif bound == "partial-keyword":
+        loss = functools.partial(_scaled, scale=scale, gain=2)
+    else:
+        loss = functools.partial(_scaled, torch.zeros(6, 2), torch.zeros(4, 2), scale)
+    call = (lambda a, b: loss(gain=2)) if bound == "partial-argument" else loss
+    fast = optimize(loss)
+    fast_call = (lambda a, b: fast(gain=2)) if bound == "partial-argument" else fast
+    a, b = _inputs()
+    assert torch.allclose(fast_call(a, b), call(a, b))
+    if change == "int":
+        scale.k = 5
+    elif change == "float":
+        scale.w = 3.0
+    elif bound == "default-argument":
+        loss_with_a_default.__defaults__ = (scale, 7)
+    elif bound == "partial-keyword":
+        loss.keywords["gain"] = 7
+    else:
+        scale.k = 9
+    assert torch.allclose(fast_call(a, b), call(a, b))
+    assert fast.stats.native == {}
