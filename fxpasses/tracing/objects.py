@@ -31,6 +31,7 @@ user functions executed during the trace refer to are recorded too (:meth:`Objec
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import enum
 import os
 import sys
@@ -256,10 +257,16 @@ class ObjectTracker:
         """A container read: its contents guarded (items by value or identity), and the objects
         and modules in it tracked, so that what the trace reads from them is recorded too."""
         self._assume("contents", source, snapshot(value), _shown(value))
+        self._track_items(value, source, depth=4)  # as deep as the snapshot compares
+
+    def _track_items(self, value: Any, source: Source, depth: int) -> None:
         for key, item in _items(value):
-            if not isinstance(item, (torch.Tensor, *_CONSTANTS, float)) and not is_container(item):
-                self.track(item, source.item(key) if not isinstance(value, types.SimpleNamespace)
-                           else source.attr(key))
+            where = source.attr(key) if _by_attribute(value) else source.item(key)
+            if is_container(item):
+                if depth > 1:
+                    self._track_items(item, where, depth - 1)
+            elif not isinstance(item, (torch.Tensor, *_CONSTANTS, float)):
+                self.track(item, where)
 
     def used_modules(self) -> list[nn.Module]:
         """Every module the traced code read an attribute of (``forward`` included, which a
@@ -374,7 +381,14 @@ def _items(value: Any) -> Iterator[tuple[Any, Any]]:
         return iter(vars(value).items())
     if isinstance(value, (list, tuple)):
         return iter(enumerate(value))
+    if dataclasses.is_dataclass(value):
+        return iter((f.name, getattr(value, f.name)) for f in dataclasses.fields(value))
     return iter(())
+
+
+def _by_attribute(value: Any) -> bool:
+    """Whether a container's items are read as attributes (else by key or index)."""
+    return isinstance(value, types.SimpleNamespace) or dataclasses.is_dataclass(value)
 
 
 def _hint(source: Source) -> str:

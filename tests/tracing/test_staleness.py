@@ -1,0 +1,207 @@
+"""No stale values, wherever the loss reaches its state and whatever changes in it.
+
+A module with every kind of setting a loss reads (an int, a float, a flag, a string, a tensor
+attribute, a buffer, a parameter, a list of floats, a dict of settings, a submodule) is reached
+in each way a loss can reach one (an attribute, containers registered or plain, a global, a
+closure, a default argument, a partial, a property, an argument). After the first optimized
+call one setting changes; the next call must equal the native loss, value and gradient. Each
+hole this grid covers was a real silent wrong number once (Sequential children, containers in
+globals, default arguments and partials were not tracked).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from fxpasses import optimize
+
+
+class Knobs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(2, 2)
+        self.k, self.w, self.flag, self.mode = 2, 0.5, True, "sum"
+        self.t = torch.tensor([1.0, 2.0])
+        self.register_buffer("buf", torch.ones(2))
+        self.ws = [0.5, 1.5]
+        self.cfg = {"a": 1.0, "n": 1}
+
+    def forward(self, x):
+        y = self.lin(x) * self.k + self.w
+        if self.flag:
+            y = y * self.t
+        y = y + self.buf * self.ws[0] * self.cfg["a"]
+        y = y[:, : self.cfg["n"] + 1]
+        return y.sum() if self.mode == "sum" else y.mean()
+
+
+def _no_grad(fn):
+    def run(m):
+        with torch.no_grad():
+            fn(m)
+    return run
+
+
+CHANGES = {
+    "int": lambda m: setattr(m, "k", 3),
+    "float": lambda m: setattr(m, "w", 1.25),
+    "flag": lambda m: setattr(m, "flag", False),
+    "string": lambda m: setattr(m, "mode", "mean"),
+    "tensor-rebound": lambda m: setattr(m, "t", torch.tensor([3.0, -1.0])),
+    "tensor-in-place": lambda m: m.t.mul_(2.0),
+    "buffer-in-place": lambda m: m.buf.add_(1.0),
+    "parameter-in-place": _no_grad(lambda m: m.lin.weight.mul_(2.0)),
+    "list-entry": lambda m: m.ws.__setitem__(0, 2.5),
+    "dict-float": lambda m: m.cfg.__setitem__("a", 3.0),
+    "dict-int": lambda m: m.cfg.__setitem__("n", 0),
+    "submodule-replaced": lambda m: setattr(m, "lin", nn.Linear(2, 2)),
+}
+
+
+class Attribute(nn.Module):
+    def __init__(self, knobs):
+        super().__init__()
+        self.knobs = knobs
+
+    def forward(self, x):
+        return self.knobs(x)
+
+
+class InSequential(nn.Module):
+    def __init__(self, knobs):
+        super().__init__()
+        self.seq = nn.Sequential(nn.Identity(), knobs)
+
+    def forward(self, x):
+        return self.seq(x)
+
+
+class InModuleDict(nn.Module):
+    def __init__(self, knobs):
+        super().__init__()
+        self.parts = nn.ModuleDict({"knobs": knobs})
+
+    def forward(self, x):
+        return sum(part(x) for part in self.parts.values())
+
+
+@dataclasses.dataclass
+class Parts:
+    knobs: nn.Module
+
+
+class PlainHolder:
+    """A plain criterion holding the module in a plain list, a dict, a namespace, a dataclass,
+    behind a property and two plain objects deep."""
+
+    def __init__(self, knobs, how):
+        self.how = how
+        self.listed, self.mapped = [knobs], {"knobs": knobs}
+        self.ns, self.parts = types.SimpleNamespace(knobs=knobs), Parts(knobs)
+        self.outer = types.SimpleNamespace(inner=types.SimpleNamespace(knobs=knobs))
+        self._knobs = knobs
+
+    @property
+    def knobs(self):
+        return self._knobs
+
+    def __call__(self, x):
+        return {"list": lambda: self.listed[0], "dict": lambda: self.mapped["knobs"],
+                "namespace": lambda: self.ns.knobs, "dataclass": lambda: self.parts.knobs,
+                "property": lambda: self.knobs,
+                "nested": lambda: self.outer.inner.knobs}[self.how]()(x)
+
+
+class ClassHeld:
+    """The module as a class attribute, read through the instance."""
+
+    shared: nn.Module | None = None
+
+    def __call__(self, x):
+        return self.shared(x)
+
+
+def _class_held(knobs):
+    ClassHeld.shared = knobs
+    return ClassHeld(), None
+
+
+GLOBAL = {"knobs": None}
+
+
+def through_a_global(x):
+    return GLOBAL["knobs"](x)
+
+
+def _closure(knobs):
+    def loss(x):
+        return knobs(x)
+    return loss
+
+
+def _with_default(knobs):
+    def loss(x, knobs=knobs):
+        return knobs(x)
+    return loss
+
+
+def _apply(x, knobs):
+    return knobs(x)
+
+
+def _holders():
+    """name -> (knobs -> (loss, call(loss, x)))"""
+    plain = {f"plain-{how}": (lambda how: lambda k: (PlainHolder(k, how), None))(how)
+             for how in ("list", "dict", "namespace", "dataclass", "property", "nested")}
+
+    def as_global(k):
+        GLOBAL["knobs"] = k
+        return through_a_global, None
+
+    def as_argument(k):
+        return _apply, lambda loss, x: loss(x, k)
+
+    return {"attribute": lambda k: (Attribute(k), None),
+            "sequential": lambda k: (InSequential(k), None),
+            "module-dict": lambda k: (InModuleDict(k), None),
+            **plain,
+            "class-attribute": _class_held,
+            "global-dict": as_global,
+            "closure": lambda k: (_closure(k), None),
+            "default-argument": lambda k: (_with_default(k), None),
+            "partial": lambda k: (functools.partial(_apply, knobs=k), None),
+            "argument": as_argument}
+
+
+HOLDERS = _holders()
+
+
+def _value_and_grad(fn, x):
+    x = x.clone().requires_grad_()
+    out = fn(x)
+    (grad,) = torch.autograd.grad(out, x)
+    return out.detach(), grad
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+@pytest.mark.parametrize("holder", list(HOLDERS))
+def test_a_changed_setting_is_never_stale(holder, change):
+    knobs = Knobs()
+    loss, call = HOLDERS[holder](knobs)
+    call = call or (lambda fn, x: fn(x))
+    fast = optimize(loss)
+    x = torch.randn(5, 2, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        got, want = _value_and_grad(lambda x: call(fast, x), x), _value_and_grad(lambda x: call(loss, x), x)
+        assert all(torch.allclose(g, w) for g, w in zip(got, want))
+    CHANGES[change](knobs)
+    got, want = _value_and_grad(lambda x: call(fast, x), x), _value_and_grad(lambda x: call(loss, x), x)
+    assert all(torch.allclose(g, w) for g, w in zip(got, want)), (holder, change)
+    assert fast.stats.optimized >= 2  # the grid tests optimized calls, not native ones
