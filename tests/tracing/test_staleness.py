@@ -4,7 +4,8 @@ A module with every kind of setting a loss reads (an int, a float, a flag, a str
 attribute, a buffer, a parameter, a list of floats, a dict of settings, a submodule) is reached
 in each way a loss can reach one (an attribute, containers registered or plain, a global, a
 closure, a default argument, a partial, a property, an argument). After the first optimized
-call one setting changes; the next call must equal the native loss, value and gradient. Each
+call one setting changes, or the holder is rebound to another module; the next call must equal
+the native loss, value and gradient. Each
 hole this grid covers was a real silent wrong number once (Sequential children, containers in
 globals, default arguments and partials were not tracked).
 """
@@ -166,7 +167,8 @@ def _holders():
         return through_a_global, None
 
     def as_argument(k):
-        return _apply, lambda loss, x: loss(x, k)
+        box = [k]  # the call passes whatever the box holds
+        return _apply, lambda loss, x: loss(x, box[0]), box
 
     return {"attribute": lambda k: (Attribute(k), None),
             "sequential": lambda k: (InSequential(k), None),
@@ -182,6 +184,25 @@ def _holders():
 
 HOLDERS = _holders()
 
+# how each holder's reference is rebound to another module
+REBIND = {
+    "attribute": lambda loss, new: setattr(loss, "knobs", new),
+    "sequential": lambda loss, new: loss.seq.__setitem__(1, new),
+    "module-dict": lambda loss, new: loss.parts.__setitem__("knobs", new),
+    "plain-list": lambda loss, new: loss.listed.__setitem__(0, new),
+    "plain-dict": lambda loss, new: loss.mapped.__setitem__("knobs", new),
+    "plain-namespace": lambda loss, new: setattr(loss.ns, "knobs", new),
+    "plain-dataclass": lambda loss, new: setattr(loss.parts, "knobs", new),
+    "plain-property": lambda loss, new: setattr(loss, "_knobs", new),
+    "plain-nested": lambda loss, new: setattr(loss.outer.inner, "knobs", new),
+    "class-attribute": lambda loss, new: setattr(ClassHeld, "shared", new),
+    "global-dict": lambda loss, new: GLOBAL.__setitem__("knobs", new),
+    "closure": lambda loss, new: setattr(loss.__closure__[0], "cell_contents", new),
+    "default-argument": lambda loss, new: setattr(loss, "__defaults__", (new,)),
+    "partial": lambda loss, new: loss.keywords.__setitem__("knobs", new),
+    "argument": None,  # the box, below
+}
+
 
 def _value_and_grad(fn, x):
     x = x.clone().requires_grad_()
@@ -194,7 +215,7 @@ def _value_and_grad(fn, x):
 @pytest.mark.parametrize("holder", list(HOLDERS))
 def test_a_changed_setting_is_never_stale(holder, change):
     knobs = Knobs()
-    loss, call = HOLDERS[holder](knobs)
+    loss, call, *_ = HOLDERS[holder](knobs)
     call = call or (lambda fn, x: fn(x))
     fast = optimize(loss)
     x = torch.randn(5, 2, generator=torch.Generator().manual_seed(1))
@@ -205,3 +226,23 @@ def test_a_changed_setting_is_never_stale(holder, change):
     got, want = _value_and_grad(lambda x: call(fast, x), x), _value_and_grad(lambda x: call(loss, x), x)
     assert all(torch.allclose(g, w) for g, w in zip(got, want)), (holder, change)
     assert fast.stats.optimized >= 2  # the grid tests optimized calls, not native ones
+
+
+@pytest.mark.parametrize("holder", list(HOLDERS))
+def test_a_rebound_module_is_never_stale(holder):
+    knobs = Knobs()
+    loss, call, *box = HOLDERS[holder](knobs)
+    call = call or (lambda fn, x: fn(x))
+    fast = optimize(loss)
+    x = torch.randn(5, 2, generator=torch.Generator().manual_seed(1))
+    call(fast, x)
+    other = Knobs()
+    with torch.no_grad():
+        other.lin.weight.mul_(-3.0)
+    other.k = 7
+    if box:
+        box[0][0] = other
+    else:
+        REBIND[holder](loss, other)
+    got, want = _value_and_grad(lambda x: call(fast, x), x), _value_and_grad(lambda x: call(loss, x), x)
+    assert all(torch.allclose(g, w) for g, w in zip(got, want)), holder
