@@ -201,10 +201,7 @@ def _function_state(tracker: ObjectTracker, function: types.FunctionType | None,
             continue
         tracker.adopt_cell(cell, name, value)
     if source is not None:
-        for i, value in enumerate(function.__defaults__ or ()):
-            tracker.adopt_bound(source.attr("__defaults__").item(i), value)
-        for name, value in (function.__kwdefaults__ or {}).items():
-            tracker.adopt_bound(source.attr("__kwdefaults__").item(name), value)
+        tracker.adopt_defaults(function, source)
 
 
 def _bound_state(tracker: ObjectTracker, loss_fn: Any) -> Source | None:

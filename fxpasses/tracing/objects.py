@@ -225,6 +225,35 @@ class ObjectTracker:
             if name in f_globals:
                 self._global(f_globals, name)
 
+    def frame_state(self, frame: types.FrameType) -> None:
+        """What a user function the trace runs reads besides its arguments: its globals, and
+        its default arguments where the function can be read again (a module-level function
+        by its name, a method through its tracked ``self``)."""
+        code = frame.f_code
+        if code in self._seen_code:
+            return
+        self.globals_of(code, frame.f_globals)
+        if code.co_name in frame.f_globals:
+            function = frame.f_globals[code.co_name]
+            source = Source(("global", frame.f_globals, code.co_name))
+        else:
+            owner = frame.f_locals.get("self") if code.co_argcount else None
+            entry = self._sources.get(id(owner))
+            if entry is None or entry[1] is not owner:
+                return
+            function = getattr(type(owner), code.co_name, None)
+            source = entry[0].attr(code.co_name)
+        if getattr(function, "__code__", None) is code:
+            self.adopt_defaults(function, source)
+
+    def adopt_defaults(self, function: Any, source: Source) -> None:
+        """``function``'s default arguments, read again through ``source`` (the function, or a
+        bound method of it): guarded like globals."""
+        for i, value in enumerate(function.__defaults__ or ()):
+            self._outside_value(source.attr("__defaults__").item(i), value)
+        for name, value in (function.__kwdefaults__ or {}).items():
+            self._outside_value(source.attr("__kwdefaults__").item(name), value)
+
     def _global(self, f_globals: dict, name: str) -> None:
         self._outside_value(Source(("global", f_globals, name)), f_globals[name])
 

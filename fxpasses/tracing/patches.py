@@ -179,7 +179,7 @@ def patched(rec: Recorder, tracker: ObjectTracker, patcher: ModulePatcher,
 
     def profile(frame: Any, event: str, arg: Any) -> None:
         if event == "call" and is_user_file(frame.f_code.co_filename) and not rec.paused:
-            tracker.globals_of(frame.f_code, frame.f_globals)
+            tracker.frame_state(frame)
 
     collecting = gc.isenabled()
     gc.disable()  # a collection's callbacks (a test framework's, a profiler's) are not the loss

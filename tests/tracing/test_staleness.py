@@ -3,7 +3,8 @@
 A module with every kind of setting a loss reads (an int, a float, a flag, a string, a tensor
 attribute, a buffer, a parameter, a list of floats, a dict of settings, a submodule) is reached
 in each way a loss can reach one (an attribute, containers registered or plain, a global, a
-closure, a default argument, a partial, a property, an argument). After the first optimized
+closure, a default argument of the loss or of a function or method it calls, a partial, a
+property, an argument). After the first optimized
 call one setting changes, or the holder is rebound to another module; the next call must equal
 the native loss, value and gradient. Each
 hole this grid covers was a real silent wrong number once (Sequential children, containers in
@@ -134,6 +135,34 @@ def _class_held(knobs):
     return ClassHeld(), None
 
 
+def _helper(x, knobs=None):
+    return knobs(x)
+
+
+def through_a_helper_default(x):
+    return _helper(x)
+
+
+class MethodDefault:
+    """The module as the default argument of a method the loss calls."""
+
+    def __call__(self, x):
+        return self.apply(x)
+
+    def apply(self, x, knobs=None):
+        return knobs(x)
+
+
+def _helper_default(knobs):
+    _helper.__defaults__ = (knobs,)
+    return through_a_helper_default, None
+
+
+def _method_default(knobs):
+    MethodDefault.apply.__defaults__ = (knobs,)
+    return MethodDefault(), None
+
+
 GLOBAL = {"knobs": None}
 
 
@@ -179,6 +208,8 @@ def _holders():
             "closure": lambda k: (_closure(k), None),
             "default-argument": lambda k: (_with_default(k), None),
             "partial": lambda k: (functools.partial(_apply, knobs=k), None),
+            "helper-default": _helper_default,
+            "method-default": _method_default,
             "argument": as_argument}
 
 
@@ -200,6 +231,8 @@ REBIND = {
     "closure": lambda loss, new: setattr(loss.__closure__[0], "cell_contents", new),
     "default-argument": lambda loss, new: setattr(loss, "__defaults__", (new,)),
     "partial": lambda loss, new: loss.keywords.__setitem__("knobs", new),
+    "helper-default": lambda loss, new: setattr(_helper, "__defaults__", (new,)),
+    "method-default": lambda loss, new: setattr(MethodDefault.apply, "__defaults__", (new,)),
     "argument": None,  # the box, below
 }
 
