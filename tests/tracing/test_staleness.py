@@ -34,13 +34,17 @@ class Knobs(nn.Module):
         self.register_buffer("buf", torch.ones(2))
         self.ws = [0.5, 1.5]
         self.cfg = {"a": 1.0, "n": 1}
+        self.frac, self.thresh, self.idx = 0.5, 0.25, [0, 1]
 
     def forward(self, x):
-        y = self.lin(x) * self.k + self.w
+        y = self.lin(x)[:, self.idx] * self.k + self.w
         if self.flag:
             y = y * self.t
         y = y + self.buf * self.ws[0] * self.cfg["a"]
         y = y[:, : self.cfg["n"] + 1]
+        y = y[: int(self.frac * 4) + 1] if self.thresh < 1.0 else y * 2.0  # floats steering
+        if self.training:
+            y = y + 1.0
         return y.sum() if self.mode == "sum" else y.mean()
 
 
@@ -64,6 +68,13 @@ CHANGES = {
     "dict-float": lambda m: m.cfg.__setitem__("a", 3.0),
     "dict-int": lambda m: m.cfg.__setitem__("n", 0),
     "submodule-replaced": lambda m: setattr(m, "lin", nn.Linear(2, 2)),
+    "float-steering-a-shape": lambda m: setattr(m, "frac", 1.0),
+    "float-steering-a-branch": lambda m: setattr(m, "thresh", 2.0),
+    "index-list-entry": lambda m: m.idx.__setitem__(1, 0),
+    "parameter-rebound": lambda m: setattr(m.lin, "weight", nn.Parameter(torch.ones(2, 2))),
+    "buffer-rebound": lambda m: setattr(m, "buf", torch.full((2,), 3.0)),
+    "buffer-dtype": lambda m: setattr(m, "buf", torch.ones(2, dtype=torch.float64)),
+    "eval-mode": lambda m: m.eval(),
 }
 
 
