@@ -57,7 +57,7 @@ class ArmTiming:
 def _deciles(values: tuple[float, ...]) -> tuple[float, float]:
     if len(values) < 2:
         return (values[0], values[0]) if values else (float("nan"), float("nan"))
-    deciles = statistics.quantiles(values, n=10)
+    deciles = statistics.quantiles(values, n=10, method="inclusive")  # within the data
     return deciles[0], deciles[-1]
 
 

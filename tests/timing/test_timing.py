@@ -2,7 +2,7 @@
 
 import pytest
 
-from fxpasses.timing import interleave
+from fxpasses.timing import ArmTiming, interleave
 
 
 def test_every_arm_runs_once_per_round_on_that_rounds_input():
@@ -45,3 +45,13 @@ def test_device_sync_waits_only_for_cuda():
 
     assert device_sync("cuda:0") is torch.cuda.synchronize
     assert device_sync(torch.device("cpu"))() is None
+
+
+def test_the_spread_of_a_few_rounds_stays_within_the_rounds():
+    """Three rounds: the deciles are interpolated between the values seen, never beyond them
+    (the default, "exclusive" method once printed a negative p10 of a speed ratio)."""
+    timing = ArmTiming("arm", (30.0, 31.0, 40.0), (0.9, 1.05, 1.24))
+    low, high = timing.ratio_spread()
+    assert 0.9 <= low <= high <= 1.24
+    low, high = timing.time_spread()
+    assert 30.0 <= low <= high <= 40.0
