@@ -65,16 +65,20 @@ _CODES = (
          "A bug in that pass: report it. Its result was discarded."),
     # -- whole-loss guards, checked on every call -----------------------------------------
     Code("hook-added", "guard",
-         "A forward, forward-pre or backward hook was registered after optimization.",
+         "A forward, forward-pre or backward hook was registered (globally, or on the loss or a "
+         "module a trace depends on) after the trace, or one it saw was removed.",
          "Register hooks before optimize(), or call .reoptimize() after registering them."),
     Code("method-replaced", "guard",
-         "A method of a module in the loss was replaced (instance or class) after tracing.",
+         "A method of the loss or of a module a trace depends on was replaced (instance or "
+         "class) after the trace.",
          "Patch methods before optimize(), or call .reoptimize()."),
     Code("module-replaced", "guard",
-         "A submodule of the loss was replaced by another object after optimization.",
+         "A submodule of the loss or of a module a trace depends on was replaced by another "
+         "object after the trace.",
          "Replace modules before optimize(), or call .reoptimize()."),
     Code("mode-changed", "guard",
-         "A module's train/eval mode differs from the one the loss was optimized in.",
+         "The train/eval mode of the loss or of a module a trace depends on differs from the "
+         "one the trace saw.",
          "Expected during validation: eval calls run natively."),
     Code("autocast-changed", "guard",
          "The autocast state (enabled, dtype) differs from the one recorded at tracing.",
