@@ -298,6 +298,14 @@ def note(name: str) -> None:
         _observed.add(name)
 
 
+def occurs(name: str) -> None:
+    """``name``, a registered code (a KeyError names an unknown one), occurred: noted when
+    collecting (see :func:`observe`). What carries a code (a check, a certificate, an analysis
+    result, a verdict) calls this when it is made."""
+    lookup(name)
+    note(name)
+
+
 def lookup(name: str) -> Code:
     """The registered code called ``name``; a KeyError names the unknown code."""
     try:

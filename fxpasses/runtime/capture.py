@@ -40,6 +40,7 @@ is recomputed eagerly from the saved inputs, so it is differentiable, counted as
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -425,17 +426,19 @@ class CapturedRegion(RuntimeOp):
             return "capture-failed", None, []
         # containers among the arguments (a tuple a region passes on) are flattened: each
         # tensor in them is an input of its own (copied, differentiated), never a constant
-        leaves, spec = pytree.tree_flatten(list(args))
-        starts = [0]
-        for a in args:
-            starts.append(starts[-1] + len(pytree.tree_leaves(a)))
+        flattened = [pytree.tree_flatten(a) for a in args]  # each argument once
+        leaves = [leaf for arg_leaves, _ in flattened for leaf in arg_leaves]
+        specs = tuple(spec for _, spec in flattened)
+        starts = list(itertools.accumulate((len(arg_leaves) for arg_leaves, _ in flattened),
+                                           initial=0))
         passed = {id(a) for a in leaves}
         state = [t for t in module_state([m for m in (self.fn, *leaves) if isinstance(m, nn.Module)])
                  if id(t) not in passed]
         flat = [*leaves, *state]
         identity = frozenset(k for i in self.identity for k in range(starts[i], starts[i + 1])) \
             | frozenset(range(len(leaves), len(flat)))
-        key = (repr(spec), signature(flat, identity))
+        key = (tuple(None if spec.is_leaf() else repr(spec) for spec in specs),  # containers only
+               signature(flat, identity))
         recording = self.recordings.get(key)
         if recording is None:
             if len(self.recordings) >= self.max_recordings:
@@ -443,7 +446,7 @@ class CapturedRegion(RuntimeOp):
             if self._pending is not None:
                 return "replay-pending-backward", None, flat
             try:
-                recording = self._record(flat, len(leaves), identity, spec)
+                recording = self._record(flat, starts, identity, specs)
             except Exception as exc:  # never lose the step: this region runs eagerly from now on
                 self.failure = f"{type(exc).__name__}: {exc}"[:500]
                 return "capture-failed", None, flat
@@ -455,13 +458,21 @@ class CapturedRegion(RuntimeOp):
             return "outputs-alive", None, flat
         return None, recording, flat
 
-    def _record(self, flat: list[Any], n_args: int, identity: frozenset[int], spec: Any) -> Recording:
+    def _record(self, flat: list[Any], starts: list[int], identity: frozenset[int],
+                specs: tuple[Any, ...]) -> Recording:
+        """Record ``self.fn`` on the flat arguments: ``starts[i]:starts[i + 1]`` are the leaves
+        of argument ``i`` (structure ``specs[i]``), the rest the module state read."""
         if self._pool is None:
             self._pool = self.recorder.new_pool()
+        n_args = starts[-1]
         modules = [m for m in (self.fn, *flat[:n_args]) if isinstance(m, nn.Module)]
         fn = self.fn
-        call = _reading_state(lambda *leaves: fn(*pytree.tree_unflatten(list(leaves), spec)), n_args,
-                              modules, flat[n_args:])
+
+        def call(*leaves: Any) -> Any:
+            return fn(*(pytree.tree_unflatten(list(leaves[a:b]), spec)
+                        for a, b, spec in zip(starts, starts[1:], specs)))
+
+        call = _reading_state(call, n_args, modules, flat[n_args:])
         recording = self.recorder.record(call, flat, self._pool, identity)
         recording.track_memory()
         return recording

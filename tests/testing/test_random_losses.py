@@ -282,23 +282,27 @@ class _StaticOutputs:
         return PassResult(gm, True)
 
 
-class _TanhFirstOrderOnly(torch.autograd.Function):
-    """tanh whose backward is right but not differentiable (its second order silently vanishes)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        y = torch.tanh(x)
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
+def _first_order_tanh(loud: bool):
+    """tanh whose backward is right but not differentiable: a second-order gradient through it
+    silently vanishes, or (``loud``) raises."""
     def backward(ctx, grad):
         (y,) = ctx.saved_tensors
         return grad * (1 - y.detach() ** 2)
 
+    class Tanh(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            y = torch.tanh(x)
+            ctx.save_for_backward(y)
+            return y
 
-def first_order_tanh(x):
-    return _TanhFirstOrderOnly.apply(x)
+    Tanh.backward = staticmethod(torch.autograd.function.once_differentiable(backward) if loud
+                                 else backward)
+
+    def tanh(x):
+        return Tanh.apply(x)
+
+    return tanh
 
 
 class _ReplaceTanh:
@@ -332,33 +336,16 @@ def test_checker_finds_an_overwritten_kept_output():
 
 def test_checker_finds_a_silent_second_order_difference():
     case = _case([("tanh", (0,)), ("square", (4,))], second_order=True, calls=((3, 2), (4, 1)))
-    silent = check_case(case, arms={"silent": lambda: [_ReplaceTanh(first_order_tanh)]})
+    silent_tanh = _first_order_tanh(loud=False)
+    silent = check_case(case, arms={"silent": lambda: [_ReplaceTanh(silent_tanh)]})
     failures = silent.arms["silent"].failures
     assert failures and all(c.where.startswith(("second-order", "end")) for c in failures)
     assert any(c.where == "second-order call 1 grad input r0" for c in failures)
 
 
 def test_checker_reports_a_loud_second_order_refusal_without_failing():
-    once = torch.autograd.function.once_differentiable
-
-    class Loud(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            y = torch.tanh(x)
-            ctx.save_for_backward(y)
-            return y
-
-        @staticmethod
-        @once
-        def backward(ctx, grad):
-            (y,) = ctx.saved_tensors
-            return grad * (1 - y ** 2)
-
-    def loud_tanh(x):
-        return Loud.apply(x)
-
     case = _case([("tanh", (0,)), ("square", (4,))], second_order=True)
-    report = check_case(case, arms={"loud": lambda: [_ReplaceTanh(loud_tanh)]})
+    report = check_case(case, arms={"loud": lambda: [_ReplaceTanh(_first_order_tanh(loud=True))]})
     arm = report.arms["loud"]
     assert report.ok and arm.refusal.startswith("second-order call 1: RuntimeError")
 
