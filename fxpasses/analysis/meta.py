@@ -11,6 +11,7 @@ no device memory is used, so CUDA graphs can be planned on a CPU machine.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Sequence
 
 import torch
@@ -24,6 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..runtime import propagating_call
+from ..runtime.trace_ops import set_item
 from .ops import NODE_FACTS, NodeFacts, aten_facts, is_torch_code, written_storages, storage_id
 
 
@@ -73,6 +75,22 @@ def _copies_from_the_host(values: Any) -> bool:
     devices = {t.device.type for t in pytree.tree_leaves(values)
                if isinstance(t, torch.Tensor) and t.dim() > 0}
     return "cpu" in devices and len(devices) > 1
+
+
+_INDEXING = (operator.getitem, operator.setitem, set_item, torch.Tensor.__getitem__,
+             torch.Tensor.__setitem__)
+
+
+def _index_from_host_data(n: fx.Node) -> bool:
+    """``x[[1, 0, 1]]`` (or ``x[..., [0, 2]] = v``) on a device other than the CPU: the index is
+    made on the host and copied inside the indexing op, where no dispatch mode sees it (the op
+    shows a device index only), and a CUDA graph cannot capture the copy."""
+    if n.op != "call_function" or n.target not in _INDEXING or len(n.args) < 2:
+        return False
+    indexed = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
+    index = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
+    return isinstance(indexed, torch.Tensor) and indexed.device.type != "cpu" and \
+        any(isinstance(i, list) for i in index)
 
 
 def _has_empty_tensor(values: Any) -> bool:
@@ -159,7 +177,7 @@ class _PartialFakeTensorProp(FakeTensorProp):
         if rec is None:  # placeholders, get_attr, output
             return
         module = self.fetch_attr(n.target) if n.op == "call_module" else None
-        host = rec.host or bool(n.meta.get("unbacked_bindings"))
+        host = rec.host or bool(n.meta.get("unbacked_bindings")) or _index_from_host_data(n)
         n.meta[NODE_FACTS] = NodeFacts(tuple(rec.ops), bool(rec.writes), frozenset(rec.writes),
                                        host, rec.random, rec.computes,
                                        complete, is_torch_code(n, module))

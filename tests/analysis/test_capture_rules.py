@@ -89,3 +89,25 @@ def test_host_memory_meeting_another_device_in_one_op_is_a_host_copy():
     assert _copies_from_the_host(((cpu,), {}, torch.empty(3, device="meta")))  # a copy to it
     assert not _copies_from_the_host(((meta, torch.tensor(2.0)), {}, meta))  # a scalar argument
     assert not _copies_from_the_host(((cpu, cpu), {}, cpu))
+
+
+def test_a_device_tensor_indexed_by_a_python_list_is_a_host_copy():
+    # On the H200, the wild loss's ``mul[[1, 0, 1, 0]]`` failed its region's capture: the index is
+    # made on the host inside the indexing op, and no dispatch mode sees it (the op shows a device
+    # index). The meta device stands in for the GPU; on the CPU the same index copies nothing.
+    def f(x):
+        y = x[[1, 0, 1]] * 2
+        z = x.clone()
+        z[..., [0, 2]] = 1.0
+        return y.sum() + z.sum() + x[:, 0].sum() + x[torch.tensor([0, 1])].sum()
+
+    gm = trace(f, (torch.randn(4, 3),))
+    for device, copies in (("meta", True), ("cpu", False)):
+        annotate(gm, [torch.empty(4, 3, device=device)])
+        host = {n.format_node(): node_facts(n).host_read for n in gm.graph.nodes if node_facts(n)}
+        listed = {k: v for k, v in host.items() if "[1, 0, 1]" in k or "[0, 2]" in k}
+        assert len(listed) == 2 and all(v == copies for v in listed.values()), host
+        # and a CPU index tensor copies too (seen by the dispatch-level rule): one more node
+        assert sum(host.values()) == 3 * copies, {k for k, v in host.items() if v}
+        getitem = next(n for n in gm.graph.nodes if "[1, 0, 1]" in n.format_node())
+        assert (verdict(getitem, (device,))[0].code == "host-sync") == copies
