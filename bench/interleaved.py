@@ -18,7 +18,9 @@ object counts and so the data-dependent shapes change every step, as in training
 ``--rotate`` seeded ones. Per arm: the median step time, the median per-round ratio eager/arm with
 p10 and p90, the first call, and for one profiled step the host's kernel launches, host
 synchronisations and GPU-busy milliseconds; for fxpasses arms, the calls that ran natively and the
-CUDA-graph recordings. Results go to ``--out``/interleaved.json and are printed as a Markdown table.
+CUDA-graph recordings. An arm that fails its first call (torch.compile can fail on a loss) is
+recorded as failed, with the error, and left out of the rounds. Results go to
+``--out``/interleaved.json and are printed as a Markdown table.
 """
 
 from __future__ import annotations
@@ -149,14 +151,23 @@ def main(argv: list[str] | None = None) -> int:
         return rotation[r % len(rotation)] if rotation else work.batch(10_000 + r)
 
     names = ["eager", *args.arms.split(",")]
-    fns, first = {}, {}
+    fns, first, failed = {}, {}, {}
     for index, name in enumerate(names):  # first calls, each on a batch of its own
         b = work.batch(5_000 + index)
         sync()
         start = time.perf_counter()
-        fns[name] = make_arm(name, work.loss)
-        work.step(fns[name], b)
+        try:
+            fn = make_arm(name, work.loss)
+            work.step(fn, b)
+        except Exception as exc:  # an arm that cannot run this loss (torch.compile can fail) is a result
+            if name == "eager":
+                raise
+            failed[name] = f"{type(exc).__name__}: " + " ".join(str(exc).split())[-300:]
+            print(f"{name}: FAILED at its first call after {time.perf_counter() - start:.1f} s: "
+                  f"{failed[name]}", flush=True)
+            continue
         sync()
+        fns[name] = fn
         first[name] = time.perf_counter() - start
         print(f"{name}: first call {first[name]:.2f} s", flush=True)
     arms = {name: (lambda b, fn=fn: work.step(fn, b)) for name, fn in fns.items()}
@@ -165,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"command": "python bench/interleaved.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
               "torch": torch.__version__, "loss": args.loss, "batch": args.batch,
-              "image_size": args.image_size, "rounds": args.rounds, "rotate": args.rotate, "arms": {}}
+              "image_size": args.image_size, "rounds": args.rounds, "rotate": args.rotate, "arms": {},
+              "failed": failed}
     print("\n| arm | median ms | × eager (p10–p90) | first call s | launches | syncs | GPU busy ms | fxpasses |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for name, timing in timings.items():
@@ -182,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {row['median_ms']:.2f} | {row['ratio']:.2f} ({low:.2f}–{high:.2f}) | "
               f"{row['first_call_s']:.1f} | {row['launches']} | {row['syncs']} | "
               f"{row['gpu_busy_ms']:.2f} | {extra} |")
+    for name, why in failed.items():
+        print(f"| {name} | failed | | | | | | {why} |")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "interleaved.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)

@@ -1,4 +1,4 @@
-"""One generated Python function per specialization that checks all its assumptions.
+"""Generated Python functions that check assumptions: one per specialization, one for the loss.
 
 :func:`compile_check` turns a sequence of :class:`~fxpasses.guards.Assumption` into a function
 ``check(loss, leaves) -> int``: the index of the first assumption that does not hold, ``-1``
@@ -13,6 +13,13 @@ such generator for other callers, hence this one.
 How each kind compares comes from its row of :data:`~fxpasses.guards.GUARD_KINDS` (``inline``:
 an expression over the value read and the value recorded); a kind without one is checked by its
 assumption's own :meth:`~fxpasses.guards.Assumption.holds`.
+
+:func:`compile_whole_check` does the same for the whole-loss assumptions (hooks, methods,
+submodules, modes of the loss and of the modules the traces depend on): ``check() -> bool``,
+``True`` only when every one holds; ``False`` sends the caller to the exact path, which says
+which one failed (or that none did). It reads each module's ``__dict__`` once, for all four kinds
+(the exact path walks the modules once per kind, and in training, with cold caches, each module
+touched costs more than the comparisons).
 """
 
 from __future__ import annotations
@@ -20,7 +27,11 @@ from __future__ import annotations
 import keyword
 from typing import Any, Callable, Sequence
 
-from .guards import GUARD_HELPERS, GUARD_KINDS, Assumption, LossRoots
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .guards import (GUARD_HELPERS, GUARD_KINDS, Assumption, LossRoots, _instance_methods,
+                     _method_names, _module_overrides, is_method, whole_loss_assumptions)
 from .tracing.sources import Source
 
 FAILED_READ = -2  # a read raised: run the exact path
@@ -114,3 +125,98 @@ def compile_check(assumptions: Sequence[Assumption]) -> Callable[[Any, Sequence[
     check.source = source
     return check
 
+
+
+def compile_whole_check(assumptions: Sequence[Assumption], loss: Any, modules: Sequence[nn.Module],
+                        classes: Sequence[type]) -> Callable[[], bool]:
+    """``check()``: see the module docstring. ``assumptions``: the whole-loss ones recorded over
+    ``loss``, ``modules`` and ``classes``. Each part of the state is checked against the value
+    recorded in its assumption; a part whose state already differs at compile time, or a kind
+    the generator does not know, makes ``check`` answer ``False`` (the exact path decides)."""
+    w = _Writer()
+    lines = w.lines
+    body = "    "
+    roots = LossRoots(loss, (), modules, classes)
+    now = {a.kind: a for a in whole_loss_assumptions(roots)}
+    by_kind = {a.kind: a for a in assumptions}
+    if set(by_kind) - {"hooks", "methods", "modules", "modes"} or any(
+            by_kind[k].expected != now[k].expected for k in by_kind):
+        lines.append(f"{body}return False")  # recorded for another state: the exact path decides
+    else:
+        _whole_lines(w, by_kind, loss, modules, classes, body)
+    source = "\n".join(["def check():", *lines, "    return True"])
+    namespace = {**w.names, "LossRoots": LossRoots, "RemovableHandle": RemovableHandle,
+                 "instance_methods": _instance_methods, "module_overrides": _module_overrides,
+                 "is_method": is_method}
+    exec(compile(source, f"<fxpasses whole-loss guards of {len(modules)} modules>", "exec"), namespace)
+    check = namespace["check"]
+    check.source = source
+    return check
+
+
+def _whole_lines(w: _Writer, by_kind: dict[str, Assumption], loss: Any, modules: Sequence[nn.Module],
+                 classes: Sequence[type], body: str) -> None:
+    lines = w.lines
+    hooks = by_kind.get("hooks")
+    if hooks is not None:  # the counter, then the exact read only when it moved
+        seen, held = w.constant(hooks.counter_seen, "seen_"), w.constant(hooks, "assumption_")
+        roots = w.constant((loss, (), modules, classes), "roots_")
+        lines.append(f"{body}if not ({seen} and {seen}[0] == RemovableHandle.next_id) and "
+                     f"not {held}.holds(LossRoots(*{roots})): return False")
+    methods = "methods" in by_kind
+    if methods and not isinstance(loss, nn.Module):
+        lines.append(f"{body}if instance_methods({w.constant(loss, 'loss_')}) != "
+                     f"{w.constant(_instance_methods(loss), 'expected_')}: return False")
+    for m in modules:
+        _module_lines(w, m, methods, "modules" in by_kind, "modes" in by_kind, body)
+    if methods:
+        for cls in classes:
+            _class_lines(w, cls, body)
+
+
+def _module_lines(w: _Writer, m: nn.Module, methods: bool, children: bool, modes: bool,
+                  body: str) -> None:
+    """One module's checks, all from one read of its ``__dict__``."""
+    lines = w.lines
+    d = f"d{len(w.names)}"
+    lines.append(f"{body}{d} = {w.constant(m, 'module_')}.__dict__")
+    if modes:
+        mode = m.training
+        test = f"{d}['training'] is not {mode}" if type(mode) is bool else \
+            f"{d}['training'] != {w.constant(mode, 'expected_')}"
+        lines.append(f"{body}if {test}: return False")
+    if children:
+        kept = tuple(m._modules.values())  # held: their ids cannot be reused while compared
+        if kept:
+            lines.append(f"{body}if tuple(map(id, {d}['_modules'].values())) != "
+                         f"{w.constant(tuple(map(id, kept)), 'expected_')}: return False")
+            w.constant(kept, "children_")
+        else:
+            lines.append(f"{body}if {d}['_modules']: return False")
+    if methods:
+        shadowing, compiled = _module_overrides(m)
+        if shadowing:
+            lines.append(f"{body}if module_overrides({w.constant(m, 'module_')})[0] != "
+                         f"{w.constant(shadowing, 'expected_')}: return False")
+        else:
+            lines.append(f"{body}if not {w.constant(_method_names(type(m)), 'names_')}"
+                         f".isdisjoint({d}): return False")
+        if compiled == id(None):
+            lines.append(f"{body}if {d}.get('_compiled_call_impl') is not None: return False")
+        else:
+            lines.append(f"{body}if module_overrides({w.constant(m, 'module_')})[1] != {compiled}:"
+                         " return False")
+
+
+def _class_lines(w: _Writer, cls: type, body: str) -> None:
+    """A class's methods: the same keys (no method added) and the same callables."""
+    lines = w.lines
+    d = f"d{len(w.names)}"
+    lines.append(f"{body}{d} = {w.constant(cls, 'class_')}.__dict__")
+    lines.append(f"{body}if {d}.keys() != {w.constant(frozenset(vars(cls)), 'keys_')}: return False")
+    for name, value in vars(cls).items():
+        key = w.constant(name, "key_")
+        if is_method(value):
+            lines.append(f"{body}if {d}[{key}] is not {w.constant(value, 'expected_')}: return False")
+        else:  # a value may change (the trace guards those it read); it must not become a method
+            lines.append(f"{body}if is_method({d}[{key}]): return False")

@@ -73,6 +73,11 @@ def _instance_methods(o: object) -> tuple:
                   if callable(v) and not isinstance(v, (nn.Module, torch.Tensor, type))])
 
 
+def is_method(value: Any) -> bool:
+    """A class attribute that acts as a method: a callable or a descriptor that runs code."""
+    return callable(value) or isinstance(value, (staticmethod, classmethod, property))
+
+
 _CLASS_METHOD_NAMES: dict[type, frozenset] = {}
 
 
@@ -81,7 +86,7 @@ def _method_names(cls: type) -> frozenset:
     names = _CLASS_METHOD_NAMES.get(cls)
     if names is None:
         names = frozenset(name for klass in cls.__mro__ for name, v in vars(klass).items()
-                          if callable(v) or isinstance(v, (staticmethod, classmethod, property)))
+                          if is_method(v))
         _CLASS_METHOD_NAMES[cls] = names
     return names
 
@@ -99,8 +104,7 @@ def _module_overrides(m: nn.Module) -> tuple:
 
 
 def _class_methods(cls: type) -> tuple:
-    return tuple([(k, id(v)) for k, v in vars(cls).items()
-                  if callable(v) or isinstance(v, (staticmethod, classmethod, property))])
+    return tuple([(k, id(v)) for k, v in vars(cls).items() if is_method(v)])
 
 
 def user_classes(objects: Iterable[object]) -> list[type]:

@@ -40,7 +40,8 @@ from torch import nn
 from .certificates import Certificate
 from .certificates.codes import note
 from .certificates.io import save
-from .guards import Assumption, LossRoots, first_failure, user_classes, whole_loss_assumptions
+from .guard_code import compile_whole_check
+from .guards import LossRoots, first_failure, user_classes, whole_loss_assumptions
 from .isolation import isolated
 from .log import logger
 from .pipeline import Pass
@@ -48,7 +49,7 @@ from .report import build_report, render_report
 from .runtime import runtime_ops
 from .runtime.abandon import Abandon
 from .signature import flatten_call
-from .specialize import Specialization, build
+from .specialize import Specialization, build, same_checks
 from .stats import RecordedException, RunStats
 from .trace import LeafPolicy
 
@@ -81,7 +82,7 @@ class OptimizedLoss(nn.Module):
         self._passes = tuple(passes)
         self._policy = policy
         self._max_specializations = max_specializations
-        self._whole = self._whole_loss([])
+        self._guard_whole_loss([])
         self._specializations: list[Specialization] = []
         self._stats = RunStats()
         self._current: Specialization | None = None
@@ -91,15 +92,18 @@ class OptimizedLoss(nn.Module):
         self._abandon_code = "guard-failed"
         self._retrace_helps = True  # no abandon of this call said a new trace would abandon too
 
-    def _whole_loss(self, modules: Sequence[nn.Module]) -> tuple[Assumption, ...]:
-        """The whole-loss guards over the loss and ``modules``, recorded now. ``modules``: those
-        the traces so far depend on (a module no trace reads cannot change what one computes);
-        each new trace adds its own, recorded as it saw them (this call passed the guards)."""
+    def _guard_whole_loss(self, modules: Sequence[nn.Module]) -> None:
+        """Record the whole-loss guards over the loss and ``modules`` now, and generate their
+        check. ``modules``: those the traces so far depend on (a module no trace reads cannot
+        change what one computes); each new trace adds its own, recorded as it saw them (this
+        call passed the guards)."""
         own = [self._loss] if isinstance(self._loss, nn.Module) else []
         self._guarded_modules = list({id(m): m for m in (*own, *modules)}.values())
         self._classes = user_classes([self._loss, *self._guarded_modules])
         roots = LossRoots(self._loss, (), self._guarded_modules, self._classes)
-        return tuple(a for a in whole_loss_assumptions(roots) if a.kind in _WHOLE_LOSS_KINDS)
+        self._whole = tuple(a for a in whole_loss_assumptions(roots) if a.kind in _WHOLE_LOSS_KINDS)
+        self._whole_holds = compile_whole_check(self._whole, self._loss, self._guarded_modules,
+                                                self._classes)
 
     # -- pickling: the loss and the options travel; optimization happens again after loading ---
     def __getstate__(self) -> dict[str, Any]:
@@ -115,8 +119,8 @@ class OptimizedLoss(nn.Module):
         if not torch.is_grad_enabled():
             return self._native(args, kwargs, "grad-mode-changed")
         start = time.perf_counter()
-        failed = first_failure(self._whole, LossRoots(self._loss, (), self._guarded_modules,
-                                                      self._classes))
+        failed = None if self._whole_holds() else first_failure(
+            self._whole, LossRoots(self._loss, (), self._guarded_modules, self._classes))
         self._stats.guard_seconds += time.perf_counter() - start
         if failed is not None:
             return self._native(args, kwargs, failed.code)
@@ -147,13 +151,17 @@ class OptimizedLoss(nn.Module):
         ``specializations`` were just made for this call). ``_NONE_HOLDS`` when none covers
         the call with its assumptions holding (the first assumption that failed is counted),
         ``_ABANDONED`` when every one that did abandoned it."""
-        failed, tried = None, False
+        failed, tried, checked = None, False, {}
         for special in list(specializations):
             if check:
                 start = time.perf_counter()
-                leaves = special.leaves_of(args, kwargs, flat)
-                bad = special.failing(self._loss, leaves) \
-                    if leaves is not None and special.disabled is None else None
+                if special.check_key in checked:  # a specialization with the same checks was tried
+                    leaves, bad = checked[special.check_key]
+                else:
+                    leaves = special.leaves_of(args, kwargs, flat)
+                    bad = special.failing(self._loss, leaves) if leaves is not None else None
+                    checked[special.check_key] = leaves, bad
+                bad = bad if special.disabled is None else None
                 self._stats.guard_seconds += time.perf_counter() - start
                 if leaves is None:
                     continue
@@ -192,7 +200,9 @@ class OptimizedLoss(nn.Module):
                 special = build(self._loss, args, kwargs, len(self._specializations),
                                 self._passes, self._policy)
             if special.info is not None:
-                self._whole = self._whole_loss([*self._guarded_modules, *special.info.modules])
+                self._guard_whole_loss([*self._guarded_modules, *special.info.modules])
+            special.check_key = next((s.check_key for s in self._specializations
+                                      if same_checks(s, special)), special.index)
             self._specializations.insert(0, special)
             self._abandoned_since_trace = 0
             return special
@@ -265,7 +275,7 @@ class OptimizedLoss(nn.Module):
 
     def reoptimize(self) -> None:
         """Accept the loss's current hooks, methods and modes; drop every specialization."""
-        self._whole = self._whole_loss([])
+        self._guard_whole_loss([])
         self._specializations.clear()
         self._current = None
 

@@ -47,16 +47,23 @@ def compile_matcher(in_spec: Any, kinds: dict[int, Any], constants: dict[int, An
 
     def leaf(expr: str) -> None:
         index = len(leaves)
-        lines.append(f"    if type({expr}) in NODES: return None")
-        lines.append(f"    if isinstance({expr}, tuple): return UNDECIDED")
         kind = kinds.get(index)
+        tensor = kind is not None and kind[0] == "tensor" and index not in constants
+        # a plain tensor is no pytree node and no tuple: those tests only for other types
+        indent = "        " if tensor else "    "
+        if tensor:
+            lines.append(f"    if type({expr}) is not Tensor:")
+        lines.append(f"{indent}if type({expr}) in NODES: return None")
+        lines.append(f"{indent}if isinstance({expr}, tuple): return UNDECIDED")
         if index in constants:
             lines.append(f"    if not same_constant({expr}, {constant(constants[index])}): return None")
-        elif kind is not None and kind[0] == "tensor":
+        elif tensor:
             _, dtype, device_type, dim = kind
-            lines.append(f"    if not (isinstance({expr}, Tensor) and {expr}.dtype == {constant(dtype)}"
-                         f" and {expr}.device.type == {device_type!r} and {expr}.dim() == {dim}):"
-                         " return None")
+            on_device = {"cpu": f"{expr}.is_cpu", "cuda": f"{expr}.is_cuda"}.get(
+                device_type, f"{expr}.device.type == {device_type!r}")
+            lines.append(f"{indent}if not isinstance({expr}, Tensor): return None")
+            lines.append(f"    if not ({expr}.dtype is {constant(dtype)} and {on_device} and "
+                         f"{expr}.ndim == {dim}): return None")
         elif kind == ("float",):
             lines.append(f"    if type({expr}) is not float: return None")
         else:

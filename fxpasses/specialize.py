@@ -43,6 +43,9 @@ class Specialization:
     seconds: dict[str, float] = field(default_factory=dict)
     abandoned: Counter = field(default_factory=Counter)  # guard location -> calls abandoned there
     check: Callable[[Any, Sequence[Any]], int] | None = None  # generated from the assumptions
+    # specializations with the same key match the same calls with the same leaves and check
+    # the same assumptions against the same values (traces that differ only in a decision)
+    check_key: int = -1
 
     def leaves_of(self, args: tuple, kwargs: dict,
                   flat: Callable[[], tuple[list[Any], Any]]) -> list[Any] | None:
@@ -62,6 +65,27 @@ class Specialization:
             if index >= 0:
                 return self.assumptions[index]
         return first_failure(self.assumptions, self.roots(loss, leaves))
+
+
+def same_checks(a: Specialization, b: Specialization) -> bool:
+    """Whether ``a`` and ``b`` match the same calls and check the same assumptions with the same
+    recorded values (then one check answers for both in a call)."""
+    if a.signature != b.signature or len(a.assumptions) != len(b.assumptions):
+        return False
+    return all(_same_assumption(x, y) for x, y in zip(a.assumptions, b.assumptions))
+
+
+def _same_assumption(x: Assumption, y: Assumption) -> bool:
+    if (x.kind, x.source) != (y.kind, y.source):
+        return False
+    if x.expected is y.expected:
+        return True
+    if x.kind == "identity" or type(x.expected) is not type(y.expected):
+        return False
+    try:
+        return (x.expected == y.expected) is True
+    except Exception:  # a value whose equality is not a bool (or raises): not shared
+        return False
 
 
 def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pass],

@@ -99,3 +99,93 @@ def test_a_read_that_raises_falls_back_to_the_exact_path():
     assert check(state, leaves) == FAILED_READ
     special = Specialization(0, None, assumptions, check=check)
     assert special.failing(state, leaves) is assumptions[1]  # MISSING is not 10
+
+
+# -- the whole-loss check ------------------------------------------------------------------------
+
+def _loss_tree():
+    """A loss module (its own classes, made afresh: the test changes them) holding a flow-like
+    submodule tree, as a trace would guard it."""
+    from torch import nn
+
+    class Coupling(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(2, 4), nn.LeakyReLU(), nn.Linear(4, 2))
+
+        def forward(self, x):
+            return self.net(x)
+
+    class Loss(nn.Module):
+        scale = 2
+
+        def __init__(self):
+            super().__init__()
+            self.couplings = nn.ModuleList([Coupling(), Coupling()])
+
+        def forward(self, x):
+            return sum(c(x) for c in self.couplings).sum()
+
+    loss = Loss()
+    return loss, list(loss.modules())
+
+
+_WHOLE_CHANGES = st.lists(st.tuples(
+    st.sampled_from(["eval", "train", "replace-child", "reorder-children", "shadow-forward",
+                     "plain-attribute", "hook", "compile", "class-method", "class-constant",
+                     "class-method-replaced", "instance-hook-dict"]),
+    st.integers(0, 20)), max_size=3)
+
+
+def _apply_whole(loss, modules, changes):
+    from torch import nn
+    for action, k in changes:
+        m = modules[k % len(modules)]
+        if action == "eval":
+            m.eval()
+        elif action == "train":
+            m.train()
+        elif action == "replace-child" and m._modules:
+            name = list(m._modules)[k % len(m._modules)]
+            m._modules[name] = nn.Identity()
+        elif action == "reorder-children" and len(m._modules) > 1:
+            name = list(m._modules)[0]
+            m._modules[name] = m._modules.pop(name)
+        elif action == "shadow-forward":
+            m.forward = lambda *a: 0
+        elif action == "plain-attribute":
+            m.note = k
+        elif action == "hook":
+            m.register_forward_hook(lambda *a: None)
+        elif action == "compile":
+            m.__dict__["_compiled_call_impl"] = lambda *a: 0  # what Module.compile() sets
+        elif action == "class-method":
+            type(loss).extra = lambda self: 0
+        elif action == "class-constant":
+            type(loss).scale = k
+        elif action == "class-method-replaced":
+            type(loss).forward = lambda self, x: x
+        elif action == "instance-hook-dict":
+            m._forward_pre_hooks[10_000 + k] = lambda *a: None  # no handle made: no counter moved
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(_WHOLE_CHANGES)
+def test_the_generated_whole_loss_check_never_passes_what_the_exact_path_fails(changes):
+    from fxpasses.guard_code import compile_whole_check
+    from fxpasses.guards import user_classes
+    loss, modules = _loss_tree()
+    classes = user_classes([loss, *modules])
+    roots = lambda: LossRoots(loss, (), modules, classes)
+    whole = tuple(a for a in whole_loss_assumptions(roots()) if a.kind in ("hooks", "methods",
+                                                                            "modules", "modes"))
+    check = compile_whole_check(whole, loss, modules, classes)
+    assert check() and first_failure(whole, roots()) is None
+    _apply_whole(loss, modules, changes)
+    exact = first_failure(whole, roots())
+    if check():
+        assert exact is None
+    guarded = {"eval", "replace-child", "reorder-children", "shadow-forward", "hook", "compile",
+               "class-method", "class-method-replaced"}
+    if exact is None and not guarded & {a for a, _ in changes}:
+        assert check()

@@ -20,8 +20,8 @@ class Row(tuple):
 
 _leaves = st.sampled_from([
     torch.zeros(2), torch.zeros(2, 3), torch.zeros(2, dtype=torch.float64), torch.zeros(()),
-    torch.zeros(2, dtype=torch.long), 0.5, 1.5, 3, 4, True, None, "mean", "sum", torch.float32,
-    Row((1, 2)), Pair(1, 2)])
+    torch.zeros(2, dtype=torch.long), torch.zeros(2, device="meta"), torch.nn.Parameter(torch.zeros(2)),
+    0.5, 1.5, 3, 4, True, None, "mean", "sum", torch.float32, Row((1, 2)), Pair(1, 2)])
 _trees = st.recursive(_leaves, lambda inner: (
     st.lists(inner, max_size=3) | st.lists(inner, max_size=3).map(tuple)
     | st.dictionaries(st.sampled_from(["a", "b", "c"]), inner, max_size=3)), max_leaves=8)

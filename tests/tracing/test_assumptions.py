@@ -335,6 +335,46 @@ def test_decisions_that_alternate_still_get_their_own_trace():
     assert len(fast.specializations) == 2 and fast.stats.native == {"guard-failed": 1}
 
 
+class DecidesLate(nn.Module):
+    """Both paths read the same state before a decision on a value."""
+
+    def __init__(self):
+        super().__init__()
+        self.flow = Flow()
+        self.power = 1  # an int: a constant of the trace, guarded
+
+    def forward(self, x):
+        y = self.flow.log_prob(x) ** self.power
+        if (x > 0).any():
+            y = y * 2
+        return y.mean()
+
+
+def test_traces_that_differ_only_in_a_decision_check_a_call_once():
+    """The second trace of a decision checks what the first checks: a call that the first one
+    abandons is matched and checked once, for both."""
+    loss = DecidesLate()
+    fast = optimize(loss)
+    positive, negative = torch.ones(3, 2), -torch.ones(3, 2)
+    for x in (positive, negative, negative):
+        fast(x)
+    first, second = fast.specializations
+    assert first.check_key == second.check_key
+    calls = []
+    for special in (first, second):
+        special.check = (lambda check: lambda *a: calls.append(1) or check(*a))(special.check)
+    for x in (positive, negative, positive):  # each call tries the other path first
+        calls.clear()
+        assert torch.equal(fast(x), loss(x))
+        assert len(calls) == 1
+    loss.power = 2  # a changed value: checked once, for both, and traced again
+    calls.clear()
+    fast(negative)
+    assert len(calls) == 1 and len(fast.specializations) == 3
+    newest = max(fast.specializations, key=lambda s: s.index)
+    assert newest.check_key != first.check_key
+
+
 def test_a_first_call_under_a_profiler_runs_natively_and_keeps_the_profiler():
     loss, x = Branchy(), torch.ones(3, 2)
     fast = optimize(loss)
