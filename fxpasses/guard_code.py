@@ -31,7 +31,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .guards import (GUARD_HELPERS, GUARD_KINDS, Assumption, LossRoots, _instance_methods,
-                     _method_names, _module_overrides, is_method, whole_loss_assumptions)
+                     _method_names, _module_overrides, flat_form, is_method,
+                     whole_loss_assumptions)
 from .tracing.sources import Source
 
 FAILED_READ = -2  # a read raised: run the exact path
@@ -102,7 +103,10 @@ def compile_check(assumptions: Sequence[Assumption]) -> Callable[[Any, Sequence[
     body = "        "
     for i, a in enumerate(assumptions):
         kind = GUARD_KINDS[a.kind]
-        if a.source is None or (kind.inline is None and a.kind != "absent"):
+        if a.source is None and kind.inline is not None and "{v}" not in kind.inline:
+            test = kind.inline.format(e=w.constant(a.expected, "expected_"))
+            w.lines.append(f"{body}if not ({test}): return {i}")
+        elif a.source is None or (kind.inline is None and a.kind != "absent"):
             held = w.constant(a, "assumption_")
             w.lines.append(f"{body}if not {held}.holds(LossRoots(loss, leaves)): return {i}")
         elif a.kind == "absent":  # holds when the read fails
@@ -115,6 +119,9 @@ def compile_check(assumptions: Sequence[Assumption]) -> Callable[[Any, Sequence[
         else:
             value = w.read(a.source, body, keep=True)
             test = kind.inline.format(v=value, e=w.constant(a.expected, "expected_"))
+            form = flat_form(a.expected) if a.kind == "contents" else None
+            if form is not None:  # a flat container: compared without a snapshot when equal
+                test = f"same_flat({value}, *{w.constant(form, 'flat_')}) or {test}"
             w.lines.append(f"{body}if not ({test}): return {i}")
     source = "\n".join(["def check(loss, leaves):", "    try:", *(w.lines or [f"{body}pass"]),
                         f"    except {_READ_ERRORS}:", f"        return {FAILED_READ}",

@@ -127,9 +127,14 @@ def _autocast(device_type: str) -> tuple[bool, str]:
         return (torch.is_autocast_enabled(), str(torch.get_autocast_gpu_dtype()))
 
 
+def autocast_state() -> tuple:
+    """(cuda autocast (enabled, dtype), cpu autocast (enabled, dtype))."""
+    return (_autocast("cuda"), _autocast("cpu"))
+
+
 def ambient_state() -> tuple:
     """(grad enabled, cuda autocast (enabled, dtype), cpu autocast (enabled, dtype))."""
-    return (torch.is_grad_enabled(), _autocast("cuda"), _autocast("cpu"))
+    return (torch.is_grad_enabled(), *autocast_state())
 
 
 @dataclass
@@ -154,7 +159,7 @@ _COMPONENTS: dict[str, Callable[[LossRoots], Any]] = {
     "modules": lambda r: tuple([tuple(map(id, m._modules.values())) for m in r.modules]),
     "modes": lambda r: tuple([m.training for m in r.modules]),
     "grad-mode": lambda r: torch.is_grad_enabled(),
-    "autocast": lambda r: ambient_state()[1:],
+    "autocast": lambda r: autocast_state(),
 }
 
 
@@ -185,6 +190,38 @@ def snapshot(value: Any, depth: int = 4) -> Any:
     return ("id", id(value))
 
 
+def flat_form(snap: Any) -> tuple | None:
+    """For the snapshot of a dict, namespace, list or tuple of plain values: (container type,
+    keys, value types, values), what :func:`same_flat` compares; None for any other snapshot."""
+    tag, body = snap
+    if tag == "namespace":
+        form = flat_form(body)
+        return None if form is None else (types.SimpleNamespace, *form[1:])
+    if tag == "dict":
+        keys, items = [k for k, _ in body], [v for _, v in body]
+    elif tag in (list, tuple):
+        keys, items = None, list(body)
+    else:
+        return None
+    if not all(type(i) is tuple and isinstance(i[0], type) and issubclass(i[0], _PLAIN)
+               for i in items):
+        return None
+    values = dict(zip(keys, (v for _, v in items))) if keys is not None else tag(v for _, v in items)
+    return (dict if tag == "dict" else tag, keys, [t for t, _ in items], values)
+
+
+def same_flat(value: Any, container: type, keys: list | None, value_types: list, values: Any) -> bool:
+    """``snapshot(value) == snap`` for a snapshot whose :func:`flat_form` is the other arguments
+    (True only then; False may also mean "compare the snapshots"), without building one."""
+    if type(value) is not container:
+        return False
+    if container is types.SimpleNamespace:
+        value = vars(value)
+    if keys is not None:
+        return list(value) == keys and list(map(type, value.values())) == value_types and value == values
+    return list(map(type, value)) == value_types and value == values
+
+
 def is_container(value: Any) -> bool:
     return isinstance(value, (dict, list, tuple, set, frozenset, types.SimpleNamespace)) or (
         is_dataclass(value) and not isinstance(value, type))
@@ -205,7 +242,8 @@ class GuardKind:
     counter: Callable[[], int] | None = None
     counter_suffices: Callable[[Any], bool] = lambda expected: False
     # ``same`` as a Python expression over {v} (the value now) and {e} (the value recorded),
-    # calling only GUARD_HELPERS; the generated checks (fxpasses.guard_code) use it
+    # calling only GUARD_HELPERS (without {v}: a whole-loss value the helpers read themselves);
+    # the generated checks (fxpasses.guard_code) use it
     inline: str | None = None
 
 
@@ -249,11 +287,12 @@ GUARD_KINDS: dict[str, GuardKind] = {k.name: k for k in (
     GuardKind("grad-mode", "grad-mode-changed", "grad mode as at tracing",
               lambda now, expected: now == expected),
     GuardKind("autocast", "autocast-changed", "autocast enabled/dtype (cuda and cpu) as at tracing",
-              lambda now, expected: now == expected),
+              lambda now, expected: now == expected, inline="autocast_state() == {e}"),
 )}
 
 
-GUARD_HELPERS = {"snapshot": snapshot, "same_tensor": _same_tensor}
+GUARD_HELPERS = {"snapshot": snapshot, "same_tensor": _same_tensor, "autocast_state": autocast_state,
+                 "same_flat": same_flat}
 
 
 @dataclass(frozen=True)

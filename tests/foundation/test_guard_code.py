@@ -189,3 +189,50 @@ def test_the_generated_whole_loss_check_never_passes_what_the_exact_path_fails(c
                "class-method", "class-method-replaced"}
     if exact is None and not guarded & {a for a, _ in changes}:
         assert check()
+
+
+def test_autocast_is_checked_inline_and_a_change_is_found():
+    state, arg = _state(), types.SimpleNamespace(extra=3)
+    assumptions = _assumptions(state, arg)
+    check, leaves = compile_check(assumptions), [torch.zeros(1), arg]
+    assert "autocast_state() ==" in check.source and "holds(" not in check.source
+    assert check(state, leaves) == -1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert check(state, leaves) == len(assumptions) - 1
+        assert first_failure(assumptions, LossRoots(state, leaves)) is assumptions[-1]
+
+
+_PLAIN_VALUES = st.sampled_from([0, 1, 1.0, True, False, 0.5, float("nan"), "a", None, torch.float32])
+_FLAT = st.one_of(
+    st.dictionaries(st.sampled_from("abc"), _PLAIN_VALUES, max_size=3),
+    st.lists(_PLAIN_VALUES, max_size=3), st.lists(_PLAIN_VALUES, max_size=3).map(tuple),
+    st.dictionaries(st.sampled_from("abc"), _PLAIN_VALUES, max_size=3).map(
+        lambda d: types.SimpleNamespace(**d)))
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(_FLAT, _FLAT | _PLAIN_VALUES | st.just(object()))
+def test_flat_containers_are_compared_as_their_snapshots_are(recorded, now):
+    from fxpasses.guards import flat_form, same_flat
+    snap = snapshot(recorded)
+    form = flat_form(snap)
+    assert form is not None and same_flat(recorded, *form)
+    if same_flat(now, *form):
+        assert snapshot(now) == snap
+    nested = snapshot({"inner": [1, 2]})
+    assert flat_form(nested) is None and flat_form(snapshot(object())) is None
+
+
+def test_flat_comparison_tells_types_order_and_containers_apart():
+    from collections import OrderedDict
+
+    from fxpasses.guards import flat_form, same_flat
+    nan = float("nan")
+    for recorded, now in (({"a": 1}, {"a": True}), ([1.0], [1]), ({"a": 1, "b": 2}, {"b": 2, "a": 1}),
+                          ((1, 2), [1, 2]), ({"a": 1}, OrderedDict(a=1)), ([nan], [float("nan")]),
+                          (types.SimpleNamespace(a=1), {"a": 1})):
+        form = flat_form(snapshot(recorded))
+        assert not same_flat(now, *form), (recorded, now)
+        exact = snapshot(now) == snapshot(recorded)
+        assert not exact or isinstance(now, OrderedDict)  # an OrderedDict: equal to the exact path
+    assert same_flat([nan], *flat_form(snapshot([nan])))  # the same NaN object: equal, as snapshots
