@@ -89,11 +89,15 @@ def make_arm(name: str, loss: Any) -> Callable:
     return optimize(loss, passes=PASSES[name]())
 
 
-def profile_step(work: Workload, fn: Callable, batch: Any, device: str) -> dict[str, float]:
-    """Launches and synchronisations issued by the host, and summed kernel time, of one step."""
+def profile_step(work: Workload, fn: Callable, batch: Any, device: str) -> dict[str, Any]:
+    """Launches and synchronisations issued by the host, and summed kernel time, of one step;
+    for an fxpasses arm, how that step ran (optimized, or abandoned and native: its counts are
+    then those of the abandoned prefix plus the native loss)."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     sync = device_sync(device)
+    stats = getattr(fn, "stats", None)
+    before = (stats.optimized, sum(stats.abandoned.values())) if stats is not None else None
     sync()
     with profile(activities=activities) as prof:
         work.step(fn, batch)
@@ -101,8 +105,13 @@ def profile_step(work: Workload, fn: Callable, batch: Any, device: str) -> dict[
     events = prof.events()
     busy_us = sum(getattr(e, "device_time", 0.0) for e in events
                   if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
-    return {"launches": sum(e.name in LAUNCH_EVENTS for e in events),
-            "syncs": sum(e.name in SYNC_EVENTS for e in events), "gpu_busy_ms": busy_us / 1e3}
+    row = {"launches": sum(e.name in LAUNCH_EVENTS for e in events),
+           "syncs": sum(e.name in SYNC_EVENTS for e in events), "gpu_busy_ms": busy_us / 1e3}
+    if stats is not None:
+        optimized, abandoned = stats.optimized - before[0], sum(stats.abandoned.values()) - before[1]
+        row["profiled_step"] = ("optimized" if optimized else "native") + \
+            (f" after {abandoned} abandoned" if abandoned else "")
+    return row
 
 
 def fxpasses_counts(fn: Any) -> dict[str, Any]:
@@ -187,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                **profile_step(work, fns[name], batch(args.rounds), args.device),
                **fxpasses_counts(fns[name])}
         result["arms"][name] = row
-        extra = ", ".join(f"{k} {v}" for k, v in row.items() if k in ("native_calls", "recordings",
-                                                                      "specializations", "abandoned") and v)
+        extra = ", ".join(f"{k} {v}" for k, v in row.items() if k in (
+            "native_calls", "recordings", "specializations", "abandoned", "profiled_step") and v)
         if "guard_ms_per_call" in row:
             extra += f", optimized {row['optimized_calls']}, guards {row['guard_ms_per_call']:.3f} ms/call"
         print(f"| {name} | {row['median_ms']:.2f} | {row['ratio']:.2f} ({low:.2f}–{high:.2f}) | "
