@@ -7,8 +7,8 @@ Each call of an OptimizedLoss:
    them); a failure sends the call to the native loss;
 2. finds a *specialization* whose input signature matches the call and whose assumptions hold
    (every value its trace read from the loss's state: ``loss.assign_o2m.topk``, the dict of
-   gains, the flow's identity...), most recently useful first, each checked only when its turn
-   comes. None holds: the loss is traced again on this call, within
+   gains, the flow's identity...), the one that ran most of the recent calls first, each checked
+   only when its turn comes. None holds: the loss is traced again on this call, within
    ``max_specializations`` (the assumption that failed is counted as the reason); a trace that
    fails is a refusal certificate and calls of that structure run natively;
 3. runs the rewritten graph. A guard node that fails (a data-dependent decision went the other
@@ -29,7 +29,7 @@ import os
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -57,6 +57,7 @@ _RETRACE_AFTER = 2  # the 2nd call since the last trace that every trace abandon
 _ABANDONED = object()  # every specialization that could run the call abandoned it
 _NONE_HOLDS = object()  # no specialization covers the call with its assumptions holding
 _WHOLE_LOSS_KINDS = ("hooks", "methods", "modules", "modes")
+_RECENT_CALLS = 32  # specializations are tried most often useful in this many calls first
 
 
 class OptimizedLoss(nn.Module):
@@ -85,6 +86,8 @@ class OptimizedLoss(nn.Module):
         self._guard_whole_loss([])
         self._specializations: list[Specialization] = []
         self._stats = RunStats()
+        self._recent: deque[int] = deque(maxlen=_RECENT_CALLS)  # which specialization ran them
+        self._recent_runs: Counter = Counter()
         self._current: Specialization | None = None
         self._tracing = threading.Lock()
         self._refusal = "specialization-budget"  # why the last specialization was not made
@@ -145,8 +148,8 @@ class OptimizedLoss(nn.Module):
 
     def _first_result(self, specializations: list[Specialization], args: tuple, kwargs: dict,
                       flat: Callable[[], tuple[list[Any], Any]], check: bool = True) -> Any:
-        """The result of the first specialization (most recently useful first) that covers the
-        call, whose assumptions hold, and that does not abandon it; a disabled one answers
+        """The result of the first specialization (those that ran most recent calls first) that
+        covers the call, whose assumptions hold, and that does not abandon it; a disabled one answers
         natively with its reason. Each is checked only when its turn comes (``check=False``:
         ``specializations`` were just made for this call). ``_NONE_HOLDS`` when none covers
         the call with its assumptions holding (the first assumption that failed is counted),
@@ -225,10 +228,23 @@ class OptimizedLoss(nn.Module):
             special.disabled = "optimized-path-raised"
             return self._native(args, kwargs, "optimized-path-raised")
         self._stats.optimized += 1
-        if self._specializations[0] is not special:  # most recently useful first
-            self._specializations.remove(special)
-            self._specializations.insert(0, special)
+        self._ran(special)
         return special.info.unflatten_output(flat)
+
+    def _ran(self, special: Specialization) -> None:
+        """Count a call ``special`` ran, and move it ahead of those that ran fewer of the recent
+        calls (ties: the one just run first). Tried in this order, the path a decision usually
+        takes is tried first (most recently useful first would try the rare path after each
+        rare call)."""
+        if len(self._recent) == self._recent.maxlen:
+            self._recent_runs[self._recent[0]] -= 1
+        self._recent.append(special.index)
+        self._recent_runs[special.index] += 1
+        order, runs = self._specializations, self._recent_runs
+        i = order.index(special)
+        while i > 0 and runs[order[i - 1].index] <= runs[special.index]:
+            order[i - 1], order[i] = order[i], order[i - 1]
+            i -= 1
 
     def _native(self, args: tuple, kwargs: dict, reason: str) -> Any:
         self._stats.native[reason] += 1
@@ -277,6 +293,8 @@ class OptimizedLoss(nn.Module):
         """Accept the loss's current hooks, methods and modes; drop every specialization."""
         self._guard_whole_loss([])
         self._specializations.clear()
+        self._recent.clear()
+        self._recent_runs.clear()
         self._current = None
 
     def train(self, mode: bool = True) -> "OptimizedLoss":

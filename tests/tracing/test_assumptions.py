@@ -436,6 +436,22 @@ def test_a_specialization_is_checked_only_when_its_turn_comes(monkeypatch):
     assert len(checked) == 3
 
 
+def test_the_usual_path_is_tried_first():
+    """A decision that usually goes one way: only the rare calls abandon a trace (tried most
+    recently useful first, the usual call after each rare one would abandon too)."""
+    loss = DecidesLate()
+    fast = optimize(loss)
+    usual, rare = torch.ones(3, 2), -torch.ones(3, 2)
+    for x in (usual, usual, rare, rare, usual):  # the new trace is tried first once
+        fast(x)
+    assert len(fast.specializations) == 2
+    before = sum(fast.stats.abandoned.values())
+    for x in [usual, usual, usual, rare] * 5:
+        assert torch.equal(fast(x), loss(x))
+    assert sum(fast.stats.abandoned.values()) - before == 5
+    assert fast.stats.native == {"guard-failed": 1}
+
+
 class CountsThenDecides(nn.Module):
     """Updates a buffer in place, then takes a decision on a value: a call whose decision went
     the other way could not be abandoned without the update having happened."""
