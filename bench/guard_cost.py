@@ -1,0 +1,81 @@
+"""Where an optimized loss's host-side guard time goes, in calls made as training makes them.
+
+Each round runs the native loss then the optimized one on a fresh batch (so the guards run with
+the caches the loss's own work leaves), and times the three steps of every optimized call: the
+whole-loss check, matching the call to a specialization, and that specialization's assumptions.
+With ``--twice`` the whole-loss check runs twice per call, to tell cache misses from work.
+
+    python bench/guard_cost.py --loss wild --batch 4 --image-size 320 --rounds 20 --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import interleaved as il  # bench/interleaved.py, beside this script
+from fxpasses import optimize, specialize
+from fxpasses.passes import PairRLE
+
+
+def _timed(times: list[float], fn: Callable) -> Callable:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        result = fn(*args, **kwargs)
+        times.append(time.perf_counter() - start)
+        return result
+    return timed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--loss", choices=("reference", "wild"), default="wild")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--image-size", type=int, default=320)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--twice", action="store_true", help="run the whole-loss check twice per call")
+    args = parser.parse_args(argv)
+    work = (il.reference_workload if args.loss == "reference" else il.wild_workload)(args)
+    fast = optimize(work.loss, passes=[PairRLE()])
+    for seed in range(4):  # first call, and the specializations a fresh batch needs
+        work.step(fast, work.batch(100 + seed))
+    times: dict[str, list[float]] = collections.defaultdict(list)
+    whole = fast._whole_holds
+    if args.twice:
+        first, second = _timed(times["whole-loss check, first"], whole), \
+            _timed(times["whole-loss check, again"], whole)
+        fast._whole_holds = lambda: first() and second()
+    else:
+        fast._whole_holds = _timed(times["whole-loss check"], whole)
+    originals = {name: getattr(specialize.Specialization, name) for name in ("leaves_of", "failing")}
+    labels = {"leaves_of": "matching the call", "failing": "assumptions"}
+    try:
+        for name, fn in originals.items():
+            setattr(specialize.Specialization, name, _timed(times[labels[name]], fn))
+        stats = fast.stats
+        seconds, calls = stats.guard_seconds, stats.optimized + sum(stats.native.values())
+        for seed in range(args.rounds):
+            batch = work.batch(300 + seed)
+            work.step(work.loss, batch)
+            work.step(fast, batch)
+    finally:
+        for name, fn in originals.items():
+            setattr(specialize.Specialization, name, fn)
+    stats = fast.stats
+    calls = stats.optimized + sum(stats.native.values()) - calls
+    print(f"{args.loss}, batch {args.batch}, {args.rounds} calls: guards "
+          f"{(stats.guard_seconds - seconds) / calls * 1e3:.3f} ms per call (stats.guard_ms_per_call's "
+          f"timer; with --twice it includes the second check)")
+    for label, values in times.items():
+        print(f"  {label}: {len(values)} times, median {statistics.median(values) * 1e6:.0f} us, "
+              f"{sum(values) / calls * 1e6:.0f} us per call")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
