@@ -31,8 +31,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .guards import (GUARD_HELPERS, GUARD_KINDS, Assumption, LossRoots, _instance_methods,
-                     _method_names, _module_overrides, flat_form, is_method,
-                     whole_loss_assumptions)
+                     _method_names, _module_overrides, flat_form, whole_loss_assumptions)
 from .tracing.sources import Source
 
 FAILED_READ = -2  # a read raised: run the exact path
@@ -151,10 +150,11 @@ def compile_whole_check(assumptions: Sequence[Assumption], loss: Any, modules: S
         lines.append(f"{body}return False")  # recorded for another state: the exact path decides
     else:
         _whole_lines(w, by_kind, loss, modules, classes, body)
-    source = "\n".join(["def check():", *lines, "    return True"])
+    source = "\n".join(["def check():", "    try:", *("    " + line for line in lines),
+                        "    except Exception:  # a read that raises: the exact path decides",
+                        "        return False", "    return True"])
     namespace = {**w.names, "LossRoots": LossRoots, "RemovableHandle": RemovableHandle,
-                 "instance_methods": _instance_methods, "module_overrides": _module_overrides,
-                 "is_method": is_method}
+                 "instance_methods": _instance_methods, "module_overrides": _module_overrides}
     exec(compile(source, f"<fxpasses whole-loss guards of {len(modules)} modules>", "exec"), namespace)
     check = namespace["check"]
     check.source = source
@@ -216,14 +216,15 @@ def _module_lines(w: _Writer, m: nn.Module, methods: bool, children: bool, modes
 
 
 def _class_lines(w: _Writer, cls: type, body: str) -> None:
-    """A class's methods: the same keys (no method added) and the same callables."""
+    """A class's attributes: the same names, each bound to the same object (held, so their ids
+    are not reused). Stricter than the methods kind (a non-method value rebound fails here and
+    the exact path decides), and read in two passes over the class's dict instead of one Python
+    comparison per attribute."""
     lines = w.lines
     d = f"d{len(w.names)}"
+    values = tuple(vars(cls).values())
+    w.constant(values, "held_")
     lines.append(f"{body}{d} = {w.constant(cls, 'class_')}.__dict__")
-    lines.append(f"{body}if {d}.keys() != {w.constant(frozenset(vars(cls)), 'keys_')}: return False")
-    for name, value in vars(cls).items():
-        key = w.constant(name, "key_")
-        if is_method(value):
-            lines.append(f"{body}if {d}[{key}] is not {w.constant(value, 'expected_')}: return False")
-        else:  # a value may change (the trace guards those it read); it must not become a method
-            lines.append(f"{body}if is_method({d}[{key}]): return False")
+    lines.append(f"{body}if tuple({d}) != {w.constant(tuple(vars(cls)), 'keys_')} or "
+                 f"tuple(map(id, {d}.values())) != {w.constant(tuple(map(id, values)), 'ids_')}: "
+                 "return False")
