@@ -45,11 +45,18 @@ class _Writer:
         self.lines: list[str] = []
         self.names: dict[str, Any] = {}
         self.reads: dict[tuple, str] = {}  # (root, path prefix) -> local variable holding it
+        self.shared_names: dict[tuple, str] = {}  # value -> the constant's name
 
     def constant(self, value: Any, hint: str) -> str:
         name = f"{hint}{len(self.names)}"
         self.names[name] = value
         return name
+
+    def shared(self, value: tuple, hint: str) -> str:
+        """A constant equal values share (one object, in cache for all its readers)."""
+        if value not in self.shared_names:
+            self.shared_names[value] = self.constant(value, hint)
+        return self.shared_names[value]
 
     def root(self, source: Source) -> str:
         kind = source.root[0]
@@ -154,7 +161,7 @@ def compile_whole_check(assumptions: Sequence[Assumption], loss: Any, modules: S
                         "    except Exception:  # a read that raises: the exact path decides",
                         "        return False", "    return True"])
     namespace = {**w.names, "LossRoots": LossRoots, "RemovableHandle": RemovableHandle,
-                 "instance_methods": _instance_methods, "module_overrides": _module_overrides}
+                 "same_callables": _same_callables, "module_overrides": _module_overrides}
     exec(compile(source, f"<fxpasses whole-loss guards of {len(modules)} modules>", "exec"), namespace)
     check = namespace["check"]
     check.source = source
@@ -172,13 +179,31 @@ def _whole_lines(w: _Writer, by_kind: dict[str, Assumption], loss: Any, modules:
                      f"not {held}.holds(LossRoots(*{roots})): return False")
     methods = "methods" in by_kind
     if methods and not isinstance(loss, nn.Module):
-        lines.append(f"{body}if instance_methods({w.constant(loss, 'loss_')}) != "
-                     f"{w.constant(_instance_methods(loss), 'expected_')}: return False")
+        values = tuple(vars(loss).values())
+        seen = w.constant([tuple(vars(loss)), tuple(map(id, values)), values], "seen_")
+        lines.append(f"{body}if not same_callables({w.constant(loss, 'loss_')}, {seen}, "
+                     f"{w.constant(_instance_methods(loss), 'expected_')}): return False")
     for m in modules:
         _module_lines(w, m, methods, "modules" in by_kind, "modes" in by_kind, body)
     if methods:
         for cls in classes:
             _class_lines(w, cls, body)
+
+
+def _same_callables(obj: Any, seen: list, expected: tuple) -> bool:
+    """Whether the callables stored on ``obj`` are those recorded (``expected``, as
+    :func:`~fxpasses.guards._instance_methods` reads them). Fast when no attribute was rebound
+    since ``seen`` (names, ids of the values, the values, held so that ids are not reused): the
+    values are not read then, only the dict. Else the exact read, and ``seen`` moves on when it
+    holds (a float updated each epoch costs one exact read per change)."""
+    d = vars(obj)
+    if tuple(d) == seen[0] and tuple(map(id, d.values())) == seen[1]:
+        return True
+    if _instance_methods(obj) != expected:
+        return False
+    values = tuple(d.values())
+    seen[:] = [tuple(d), tuple(map(id, values)), values]
+    return True
 
 
 def _module_lines(w: _Writer, m: nn.Module, methods: bool, children: bool, modes: bool,
@@ -206,8 +231,9 @@ def _module_lines(w: _Writer, m: nn.Module, methods: bool, children: bool, modes
             lines.append(f"{body}if module_overrides({w.constant(m, 'module_')})[0] != "
                          f"{w.constant(shadowing, 'expected_')}: return False")
         else:
-            lines.append(f"{body}if not {w.constant(_method_names(type(m)), 'names_')}"
-                         f".isdisjoint({d}): return False")
+            keys = w.shared(tuple(m.__dict__), "keys_")  # the same names: none shadows a method
+            lines.append(f"{body}if tuple({d}) != {keys} and not "
+                         f"{w.constant(_method_names(type(m)), 'names_')}.isdisjoint({d}): return False")
         if compiled == id(None):
             lines.append(f"{body}if {d}.get('_compiled_call_impl') is not None: return False")
         else:

@@ -237,3 +237,34 @@ def test_flat_comparison_tells_types_order_and_containers_apart():
         exact = snapshot(now) == snapshot(recorded)
         assert not exact or isinstance(now, OrderedDict)  # an OrderedDict: equal to the exact path
     assert same_flat([nan], *flat_form(snapshot([nan])))  # the same NaN object: equal, as snapshots
+
+
+def test_a_plain_loss_object_rebinding_a_value_holds_and_a_new_method_does_not():
+    from fxpasses.guard_code import compile_whole_check
+    from fxpasses.guards import user_classes
+
+    class PlainLoss:
+        def __init__(self):
+            self.o2m, self.helper = 0.8, len
+
+        def __call__(self, x):
+            return x * self.o2m
+
+    loss = PlainLoss()
+    classes = user_classes([loss])
+    whole = tuple(a for a in whole_loss_assumptions(LossRoots(loss, (), (), classes))
+                  if a.kind == "methods")
+    check = compile_whole_check(whole, loss, (), classes)
+    exact = lambda: first_failure(whole, LossRoots(loss, (), (), classes)) is None
+    assert check() and exact()
+    for _ in range(3):  # an epoch's new weight: holds (the exact read once, then fast again)
+        loss.o2m *= 0.5
+        assert check() and exact()
+    loss.note = "a new plain value"
+    assert check() and exact()
+    loss.helper = abs  # a stored callable rebound
+    assert not check() and not exact()
+    loss.helper = len
+    assert check() and exact()
+    loss.__call__ = lambda x: x  # a method shadowed on the instance
+    assert not check() and not exact()
