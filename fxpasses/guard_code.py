@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .guards import (GUARD_HELPERS, GUARD_KINDS, Assumption, LossRoots, _instance_methods,
+from .guards import (AUTOCAST_OFF, GUARD_HELPERS, GUARD_KINDS, Assumption, LossRoots, _instance_methods,
                      _method_names, _module_overrides, flat_form, whole_loss_assumptions)
 from .tracing.sources import Source
 
@@ -111,17 +111,33 @@ def compile_check(assumptions: Sequence[Assumption]) -> Callable[[Any, Sequence[
         kind = GUARD_KINDS[a.kind]
         if a.source is None and kind.inline is not None and "{v}" not in kind.inline:
             test = kind.inline.format(e=w.constant(a.expected, "expected_"))
+            if a.kind == "autocast" and a.expected == AUTOCAST_OFF:
+                test = f"autocast_off() or {test}"  # one call when no autocast is on
             w.lines.append(f"{body}if not ({test}): return {i}")
         elif a.source is None or (kind.inline is None and a.kind != "absent"):
             held = w.constant(a, "assumption_")
             w.lines.append(f"{body}if not {held}.holds(LossRoots(loss, leaves)): return {i}")
         elif a.kind == "absent":  # holds when the read fails
-            w.lines.append(f"{body}try:")
-            w.lines.append(f"{body}    {w.read(a.source, body, keep=False)}")
-            w.lines.append(f"{body}except {_READ_ERRORS}:")
-            w.lines.append(f"{body}    pass")
-            w.lines.append(f"{body}else:")
-            w.lines.append(f"{body}    return {i}")
+            inner = body
+            last_step, name = a.source.path[-1] if a.source.path else (None, None)
+            if last_step == "attr":  # found absent without raising, else read
+                owner = w.read(Source(a.source.root, a.source.path[:-1]), body, keep=True)
+                w.lines.append(f"{body}if not certainly_absent({owner}, {w.constant(name, 'key_')}):")
+                inner = body + "    "
+            w.lines.append(f"{inner}try:")
+            w.lines.append(f"{inner}    {w.read(a.source, inner, keep=False)}")
+            w.lines.append(f"{inner}except {_READ_ERRORS}:")
+            w.lines.append(f"{inner}    pass")
+            w.lines.append(f"{inner}else:")
+            w.lines.append(f"{inner}    return {i}")
+        elif a.kind == "tensor":
+            value = w.read(a.source, body, keep=True)
+            dtype, device_type, dim = a.expected
+            on_device = {"cpu": f"{value}.is_cpu", "cuda": f"{value}.is_cuda"}.get(
+                device_type, f"{value}.device.type == {w.constant(device_type, 'expected_')}")
+            w.lines.append(f"{body}if not (isinstance({value}, Tensor) and {value}.dtype is "
+                           f"{w.constant(dtype, 'expected_')} and {on_device} and {value}.ndim == {dim}):"
+                           f" return {i}")
         else:
             value = w.read(a.source, body, keep=True)
             test = kind.inline.format(v=value, e=w.constant(a.expected, "expected_"))

@@ -118,13 +118,48 @@ def user_classes(objects: Iterable[object]) -> list[type]:
     return list(seen)
 
 
-def _autocast(device_type: str) -> tuple[bool, str]:
+def _autocast(device_type: str) -> tuple[bool, str | None]:
+    """(enabled, dtype): the dtype only while enabled (a disabled autocast's dtype changes nothing)."""
     try:
-        return (torch.is_autocast_enabled(device_type), str(torch.get_autocast_dtype(device_type)))
+        enabled = torch.is_autocast_enabled(device_type)
+        return (True, str(torch.get_autocast_dtype(device_type))) if enabled else (False, None)
     except TypeError:  # torch < 2.4 spellings
         if device_type == "cpu":
-            return (torch.is_autocast_cpu_enabled(), str(torch.get_autocast_cpu_dtype()))
-        return (torch.is_autocast_enabled(), str(torch.get_autocast_gpu_dtype()))
+            enabled, dtype = torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype
+        else:
+            enabled, dtype = torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype
+        return (True, str(dtype())) if enabled else (False, None)
+
+
+AUTOCAST_OFF = ((False, None), (False, None))  # autocast_state() with autocast disabled
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
+def autocast_off() -> bool:
+    """True when no autocast is enabled on any device (then :func:`autocast_state` is
+    :data:`AUTOCAST_OFF`); False when one is, or when torch cannot say in one call."""
+    return _any_autocast is not None and not _any_autocast()
+
+
+_MODULE_GETATTR = nn.Module.__getattr__
+
+
+def certainly_absent(obj: Any, name: str) -> bool:
+    """True only when ``getattr(obj, name)`` raises AttributeError, found without raising it (a
+    raised AttributeError, in nn.Module's ``__getattr__`` among others, costs far more): the
+    standard lookup, no class attribute of that name, none in the instance's ``__dict__`` nor,
+    for a module, among its parameters, buffers and submodules. False: ask getattr."""
+    cls = type(obj)
+    hook = getattr(cls, "__getattr__", None)
+    if cls.__getattribute__ is not object.__getattribute__ or hook not in (None, _MODULE_GETATTR):
+        return False
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            return False
+    d = getattr(obj, "__dict__", None)
+    if type(d) is not dict or name in d:
+        return False
+    return hook is None or all(name not in d.get(k, ()) for k in ("_parameters", "_buffers", "_modules"))
 
 
 def autocast_state() -> tuple:
@@ -292,7 +327,8 @@ GUARD_KINDS: dict[str, GuardKind] = {k.name: k for k in (
 
 
 GUARD_HELPERS = {"snapshot": snapshot, "same_tensor": _same_tensor, "autocast_state": autocast_state,
-                 "same_flat": same_flat}
+                 "same_flat": same_flat, "autocast_off": autocast_off, "certainly_absent": certainly_absent,
+                 "Tensor": torch.Tensor}
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ has the signature's structure, input kinds and constants, ``None`` when it has n
 namedtuples and structseqs decide there: the caller flattens with pytree and compares). It
 computes what ``tree_flatten`` then :meth:`CallSignature.matches` compute, without building a
 TreeSpec to compare (the equality of two TreeSpecs is a recursive Python comparison, the larger
-part of matching a call). Signatures with node types other than tuple, list and dict get no
+part of matching a call). Types registered with pytree (dataclasses of a batch) are flattened by
+their own flatten function; a signature with namedtuples or other tuple subclasses as nodes gets no
 generated function (:func:`compile_matcher` returns None): those calls take the pytree path.
 """
 
@@ -75,7 +76,8 @@ def compile_matcher(in_spec: Any, kinds: dict[int, Any], constants: dict[int, An
             leaf(expr)
             return
         if spec.type not in _NODES:
-            raise _Unsupported(spec.type)
+            registered(spec, expr)
+            return
         children = _children(spec)
         lines.append(f"    if type({expr}) is not {_NODES[spec.type]} or len({expr}) != {len(children)}:"
                      " return None")
@@ -86,6 +88,24 @@ def compile_matcher(in_spec: Any, kinds: dict[int, Any], constants: dict[int, An
             local = f"x{len(lines)}"
             lines.append(f"    {local} = {expr}[{constant(key) if spec.type is dict else key}]")
             walk(child, local)
+
+    def registered(spec: Any, expr: str) -> None:
+        """A type registered with pytree (a dataclass, say): its own flatten function, then the
+        context and the children compared as TreeSpec equality compares them."""
+        node = pytree.SUPPORTED_NODES.get(spec.type)
+        if node is None or not isinstance(spec.type, type) or issubclass(spec.type, tuple):
+            # namedtuples (a sentinel type in newer torch) and structseqs: pytree's own rules
+            raise _Unsupported(spec.type)
+        children = _children(spec)
+        local = f"x{len(lines)}"
+        lines.append(f"    if type({expr}) is not {constant(spec.type)}: return None")
+        lines.append(f"    {local}, context = {constant(node.flatten_fn)}({expr})")
+        lines.append(f"    if len({local}) != {len(children)} or context != {constant(spec.context)}:"
+                     " return None")
+        for i, child in enumerate(children):
+            item = f"x{len(lines)}"
+            lines.append(f"    {item} = {local}[{i}]")
+            walk(child, item)
 
     try:
         walk(in_spec, "call")

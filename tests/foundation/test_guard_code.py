@@ -268,3 +268,56 @@ def test_a_plain_loss_object_rebinding_a_value_holds_and_a_new_method_does_not()
     assert check() and exact()
     loss.__call__ = lambda x: x  # a method shadowed on the instance
     assert not check() and not exact()
+
+
+_ABSENT_CHANGES = st.lists(st.sampled_from(
+    ["instance", "parameter", "buffer", "submodule", "class-attribute", "base-class-attribute",
+     "class-getattr", "property", "delete"]), max_size=3)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(_ABSENT_CHANGES, st.booleans())
+def test_certainly_absent_only_when_getattr_raises(changes, module):
+    from torch import nn
+
+    from fxpasses.guards import certainly_absent
+
+    class Base(nn.Module if module else object):
+        pass
+
+    class Owner(Base):
+        pass
+
+    owner = Owner()
+    assert certainly_absent(owner, "residual") and not hasattr(owner, "residual")
+    for change in changes:
+        try:
+            if change == "instance":
+                owner.__dict__["residual"] = True
+            elif change == "parameter" and module:
+                owner.residual = nn.Parameter(torch.zeros(1))
+            elif change == "buffer" and module:
+                owner.register_buffer("residual", torch.zeros(1))
+            elif change == "submodule" and module:
+                owner.residual = nn.Identity()
+            elif change == "class-attribute":
+                Owner.residual = True
+            elif change == "base-class-attribute":
+                Base.residual = True
+            elif change == "class-getattr":
+                Owner.__getattr__ = lambda self, name: 1
+            elif change == "property":
+                Owner.residual = property(lambda self: 2)
+            elif change == "delete":
+                for holder in (owner.__dict__, *(owner.__dict__.get(k, {}) for k in
+                                                 ("_parameters", "_buffers", "_modules"))):
+                    holder.pop("residual", None)
+                for cls in (Owner, Base):
+                    if "residual" in vars(cls):
+                        delattr(cls, "residual")
+        except (KeyError, AttributeError, TypeError):  # refused by the module: nothing changed
+            pass
+    if certainly_absent(owner, "residual"):
+        assert not hasattr(owner, "residual")
+    if not changes:
+        assert certainly_absent(owner, "residual")

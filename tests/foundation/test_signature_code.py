@@ -7,6 +7,7 @@ import collections
 
 import torch
 from hypothesis import given, settings, strategies as st
+from torch.utils import _pytree as pytree
 
 from fxpasses.signature import CallSignature, flatten_call
 from fxpasses.signature_code import UNDECIDED
@@ -18,13 +19,30 @@ class Row(tuple):
     """A tuple subclass pytree does not know: a leaf."""
 
 
+class Bag:
+    """A type registered with pytree whose context depends on the value (its names)."""
+
+    def __init__(self, **items):
+        self.items = items
+
+    def __repr__(self):
+        return f"Bag({self.items})"
+
+
+pytree.register_pytree_node(
+    Bag, lambda bag: (list(bag.items.values()), tuple(bag.items)),
+    lambda values, names: Bag(**dict(zip(names, values))))
+
+
 _leaves = st.sampled_from([
     torch.zeros(2), torch.zeros(2, 3), torch.zeros(2, dtype=torch.float64), torch.zeros(()),
     torch.zeros(2, dtype=torch.long), torch.zeros(2, device="meta"), torch.nn.Parameter(torch.zeros(2)),
     0.5, 1.5, 3, 4, True, None, "mean", "sum", torch.float32, Row((1, 2)), Pair(1, 2)])
 _trees = st.recursive(_leaves, lambda inner: (
     st.lists(inner, max_size=3) | st.lists(inner, max_size=3).map(tuple)
-    | st.dictionaries(st.sampled_from(["a", "b", "c"]), inner, max_size=3)), max_leaves=8)
+    | st.dictionaries(st.sampled_from(["a", "b", "c"]), inner, max_size=3)
+    | st.dictionaries(st.sampled_from(["a", "b"]), inner, max_size=2).map(lambda d: Bag(**d))),
+    max_leaves=8)
 _calls = st.tuples(st.lists(_trees, max_size=3).map(tuple),
                    st.dictionaries(st.sampled_from(["x", "y"]), _trees, max_size=2))
 
@@ -67,7 +85,6 @@ def test_a_tuple_subclass_at_a_leaf_is_left_to_pytree():
 @settings(max_examples=400, deadline=None, derandomize=True)
 @given(_calls, st.data())
 def test_the_matcher_agrees_with_pytree_on_a_call_with_one_leaf_changed(first, data):
-    from torch.utils import _pytree as pytree
     signature = CallSignature.of_call(*first)
     leaves, spec = flatten_call(*first)
     if leaves:
@@ -86,3 +103,13 @@ def test_dict_keys_must_come_in_the_same_order_as_pytree_requires():
         assert signature.leaves_of(call, {}, lambda call=call: flatten_call(call, {})) is None
         assert _expected(signature, call, {}) is None
     assert signature.leaves_of(({"a": x, "b": 2.0},), {}, None) == [x, 2.0]
+
+
+def test_a_type_registered_with_pytree_is_matched_by_its_flatten_function():
+    call = ((Bag(a=torch.zeros(2), b=1.5),), {})
+    signature = CallSignature.of_call(*call)
+    assert signature._matcher is not None
+    assert _same(signature._matcher(*call), [call[0][0].items["a"], 1.5])
+    for other in (Bag(a=torch.zeros(2), c=1.5), Bag(b=1.5, a=torch.zeros(2)), Bag(a=torch.zeros(2)),
+                  {"a": torch.zeros(2), "b": 1.5}):
+        assert signature._matcher((other,), {}) is None  # other names, order or type
