@@ -13,8 +13,11 @@ TF32 by default, so its graph replay alone (``graphed``, no fxpasses code) diffe
 to 1.05e-3 in fp32 gradients. Training amplifies such differences step by step (AdamW's first steps
 move a parameter by about ``lr`` whatever its gradient's size), so the training test compares with a
 control: ``native-perturbed``, native with initial parameters times ``1 + eps * n``. The optimized
-arm may not drift from native by more than ``CONTROL_FACTOR`` times the control's drift (or the
-fixed limit, whichever is larger).
+arm may not drift from native by more than ``CONTROL_FACTOR`` times the control's drift so far
+(its largest up to that step: the control's loss difference alone moves by an order of magnitude
+from one step to the next, 6.5e-4 at step 4 after 2.6e-3 at step 2 in one H200 run), or the fixed
+limit, whichever is larger. At equal parameters, fixed limits hold
+(``test_gradients_into_the_replayed_network_equal_native``).
 """
 
 from __future__ import annotations
@@ -162,7 +165,9 @@ def test_five_adamw_steps_replayed_and_captured_against_native(precision):
     MEASURED[f"training {precision}"] = {"per_step": rows, "stats": loss.stats.as_dict()}
     _assert_loss_ran_optimized(loss)
     loss_limit, param_limit = TRAIN_LIMIT[precision]
+    envelope = {"loss_rel_diff": 0.0, "param_rel_l2_diff": 0.0}  # the control's drift so far
     for got, control in zip(rows["both"], rows["native-perturbed"]):
+        envelope = {k: max(v, control[k]) for k, v in envelope.items()}
         assert not got["missing_grads"], got
-        assert got["loss_rel_diff"] <= max(loss_limit, CONTROL_FACTOR * control["loss_rel_diff"]), rows
-        assert got["param_rel_l2_diff"] <= max(param_limit, CONTROL_FACTOR * control["param_rel_l2_diff"]), rows
+        assert got["loss_rel_diff"] <= max(loss_limit, CONTROL_FACTOR * envelope["loss_rel_diff"]), rows
+        assert got["param_rel_l2_diff"] <= max(param_limit, CONTROL_FACTOR * envelope["param_rel_l2_diff"]), rows
