@@ -155,7 +155,6 @@ def compile_check(assumptions: Sequence[Assumption]) -> Callable[[Any, Sequence[
     return check
 
 
-
 def compile_whole_check(assumptions: Sequence[Assumption], loss: Any, modules: Sequence[nn.Module],
                         classes: Sequence[type]) -> Callable[[], bool]:
     """``check()``: see the module docstring. ``assumptions``: the whole-loss ones recorded over
