@@ -1,4 +1,5 @@
-"""Where an optimized loss's host-side guard time goes, in calls made as training makes them.
+"""Where an optimized loss's host-side guard time goes, in calls made as training makes them;
+and how many of those calls ran optimized.
 
 Each round runs the native loss then the optimized one on a fresh batch (so the guards run with
 the caches the loss's own work leaves), and times the three steps of every optimized call: the
@@ -66,8 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for name, fn in originals.items():
             setattr(specialize.Specialization, name, fn)
+    before = stats
     stats = fast.stats
     calls = stats.optimized + sum(stats.native.values()) - calls
+    print(f"{stats.optimized - before.optimized} of {calls} calls on fresh seeded batches ran "
+          f"optimized; native: {dict(stats.native - before.native) or 'none'}; abandoned first: "
+          f"{sum(stats.abandoned.values()) - sum(before.abandoned.values())}")
     print(f"{args.loss}, batch {args.batch}, {args.rounds} calls: guards "
           f"{(stats.guard_seconds - seconds) / calls * 1e3:.3f} ms per call (stats.guard_ms_per_call's "
           f"timer; with --twice it includes the second check)")
