@@ -16,6 +16,9 @@ int, bool, str...   the value + a ``constant`` assumption (it may steer control 
 module, object      the object + an ``identity`` assumption; its own reads are tracked in turn
 dict, list, ...     the container + a ``contents`` assumption (its items by value or identity);
                     the objects in it are tracked (in globals and closure cells too)
+function, class     stored on an object, or named as a global, a cell or a default: an
+                    ``identity`` assumption (its code is in the graph); when a function's code
+                    runs, its closure cells and default arguments are adopted in turn
 missing attribute   ``getattr(obj, name, default)``: an ``absent`` assumption
 ==================  ========================================================================
 
@@ -52,6 +55,7 @@ from .values import TracedScalar, TracedTensor, active_recorder
 _CONSTANTS = (bool, int, str, bytes, type(None), enum.Enum, torch.dtype, torch.device)
 _NOT_DATA = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type,
              types.MethodType, classmethod, staticmethod, property)
+_REBINDABLE_CODE = (types.FunctionType, types.MethodType, type)  # rebinding one changes the code run
 _MISSING = object()
 
 
@@ -90,6 +94,9 @@ class ObjectTracker:
         self._patched: list[tuple[type, str, Any]] = []
         self._seen_code: set[Any] = set()
         self._used: dict[int, nn.Module] = {}  # modules the traced code read an attribute of
+        # code -> the functions with that code reached through a source (their cells and
+        # defaults are read again through them when that code runs)
+        self._functions: dict[Any, dict[int, tuple[types.FunctionType, Source]]] = {}
 
     # -- sources ----------------------------------------------------------------------------------
     def track(self, obj: Any, source: Source, placeholder: fx.Node | None = None) -> None:
@@ -176,6 +183,7 @@ class ObjectTracker:
                 return value
             if instance and not isinstance(value, type):  # a function stored on the object
                 self._assume("identity", source, value, getattr(value, "__qualname__", repr(value)))
+                self._register_function(value, source)
             return value
         if is_container(value):
             self._container(value, source)
@@ -233,6 +241,8 @@ class ObjectTracker:
         if code in self._seen_code:
             return
         self.globals_of(code, frame.f_globals)
+        for function, source in list(self._functions.get(code, {}).values()):
+            self._adopt_function_state(function, source)  # reached through a source
         if code.co_name in frame.f_globals:
             function = frame.f_globals[code.co_name]
             source = Source(("global", frame.f_globals, code.co_name))
@@ -245,6 +255,27 @@ class ObjectTracker:
             source = entry[0].attr(code.co_name)
         if getattr(function, "__code__", None) is code:
             self.adopt_defaults(function, source)
+
+    def _register_function(self, value: Any, source: Source) -> None:
+        """A Python function reached through ``source``: when its code runs (or has run), its
+        closure cells and default arguments are read again through it on every call."""
+        function = value.__func__ if isinstance(value, types.MethodType) else value
+        if not isinstance(function, types.FunctionType) or getattr(function, "_fxpasses_patch", False):
+            return
+        self._functions.setdefault(function.__code__, {})[id(function)] = (function, source)
+        if function.__code__ in self._seen_code:
+            self._adopt_function_state(function, source)
+
+    def _adopt_function_state(self, function: types.FunctionType, source: Source) -> None:
+        """``function``'s default arguments (through ``source``) and closure cells (each cell is
+        fixed for the function's life; the function's own identity is guarded at ``source``)."""
+        self.adopt_defaults(function, source)
+        for name, cell in zip(function.__code__.co_freevars, function.__closure__ or ()):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            self._outside_value(Source(("cell", cell, name)), value)
 
     def adopt_defaults(self, function: Any, source: Source) -> None:
         """``function``'s default arguments, read again through ``source`` (the function, or a
@@ -270,6 +301,13 @@ class ObjectTracker:
     def _outside_value(self, source: Source, value: Any) -> None:
         """A global or a closure cell: constants, tensors and containers guarded, objects tracked
         (their attribute reads are recorded in turn)."""
+        if getattr(value, "_fxpasses_patch", False):  # a leaf function's stand-in: the original is bound
+            value = getattr(value, "__wrapped__", value)
+        if isinstance(value, _REBINDABLE_CODE) and not getattr(value, "_fxpasses_patch", False):
+            # a function, method or class the traced code names: its code is in the graph
+            self._assume("identity", source, value, getattr(value, "__qualname__", repr(value)))
+            self._register_function(value, source)
+            return
         if isinstance(value, _NOT_DATA) or value is builtins or isinstance(value, (TracedTensor, TracedScalar)):
             return
         if isinstance(value, (_CONSTANTS, float)):
@@ -294,6 +332,8 @@ class ObjectTracker:
             if is_container(item):
                 if depth > 1:
                     self._track_items(item, where, depth - 1)
+            elif isinstance(item, _REBINDABLE_CODE):  # its identity is in the container's snapshot
+                self._register_function(item, where)
             elif not isinstance(item, (torch.Tensor, *_CONSTANTS, float)):
                 self.track(item, where)
 

@@ -197,6 +197,42 @@ def _apply(x, knobs):
     return knobs(x)
 
 
+class HelperHolder(nn.Module):
+    """A module whose forward calls a function stored on it, made outside the trace."""
+
+    def __init__(self, helper):
+        super().__init__()
+        self.helper = helper
+
+    def forward(self, x):
+        return self.helper(x)
+
+
+def _closing_over(knobs):
+    def helper(x):
+        return knobs(x)
+    return helper
+
+
+def _defaulting_to(knobs):
+    def helper(x, knobs=knobs):
+        return knobs(x)
+    return helper
+
+
+global_helper = None  # a closure over the module, bound by the "global-helper-closure" holder
+
+
+def through_a_global_helper(x):
+    return global_helper(x)
+
+
+def _as_global_helper(knobs):
+    global global_helper
+    global_helper = _closing_over(knobs)
+    return through_a_global_helper, None
+
+
 def _holders():
     """name -> (knobs -> (loss, call(loss, x)))"""
     plain = {f"plain-{how}": (lambda how: lambda k: (PlainHolder(k, how), None))(how)
@@ -221,6 +257,9 @@ def _holders():
             "partial": lambda k: (functools.partial(_apply, knobs=k), None),
             "helper-default": _helper_default,
             "method-default": _method_default,
+            "helper-closure": lambda k: (HelperHolder(_closing_over(k)), None),
+            "helper-nested-default": lambda k: (HelperHolder(_defaulting_to(k)), None),
+            "global-helper-closure": _as_global_helper,
             "argument": as_argument}
 
 
@@ -244,6 +283,9 @@ REBIND = {
     "partial": lambda loss, new: loss.keywords.__setitem__("knobs", new),
     "helper-default": lambda loss, new: setattr(_helper, "__defaults__", (new,)),
     "method-default": lambda loss, new: setattr(MethodDefault.apply, "__defaults__", (new,)),
+    "helper-closure": lambda loss, new: setattr(loss.helper.__closure__[0], "cell_contents", new),
+    "helper-nested-default": lambda loss, new: setattr(loss.helper, "__defaults__", (new,)),
+    "global-helper-closure": lambda loss, new: setattr(global_helper.__closure__[0], "cell_contents", new),
     "argument": None,  # the box, below
 }
 
@@ -290,3 +332,50 @@ def test_a_rebound_module_is_never_stale(holder):
         REBIND[holder](loss, other)
     got, want = _value_and_grad(lambda x: call(fast, x), x), _value_and_grad(lambda x: call(loss, x), x)
     assert all(torch.allclose(g, w) for g, w in zip(got, want)), holder
+
+
+def _doubled(x):
+    return x * 2.0
+
+
+def _tripled(x):
+    return x * 3.0
+
+
+def through_a_global_function(x):
+    return _scaled(x).sum()
+
+
+_scaled = _doubled
+
+
+def test_a_rebound_global_function_is_never_stale():
+    """The traced code names a global function; rebinding the name changes the code run."""
+    global _scaled
+    fast = optimize(through_a_global_function)
+    x = torch.ones(3)
+    assert fast(x).item() == 6.0
+    _scaled = _tripled
+    try:
+        assert fast(x).item() == 9.0 and len(fast.specializations) == 2
+    finally:
+        _scaled = _doubled
+
+
+class HelperInADict(nn.Module):
+    def __init__(self, helper):
+        super().__init__()
+        self.helpers = {"apply": helper}
+
+    def forward(self, x):
+        return self.helpers["apply"](x).sum()
+
+
+def test_the_closure_of_a_helper_held_in_a_dict_is_never_stale():
+    knobs = Knobs()
+    loss = HelperInADict(_closing_over(knobs))
+    fast = optimize(loss)
+    x = torch.randn(5, 2, generator=torch.Generator().manual_seed(1))
+    fast(x)
+    knobs.k = 5  # read through the helper's closure
+    assert torch.allclose(fast(x), loss(x)) and len(fast.specializations) == 2
