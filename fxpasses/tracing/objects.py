@@ -55,7 +55,8 @@ from .values import TracedScalar, TracedTensor, active_recorder
 _CONSTANTS = (bool, int, str, bytes, type(None), enum.Enum, torch.dtype, torch.device)
 _NOT_DATA = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type,
              types.MethodType, classmethod, staticmethod, property)
-_REBINDABLE_CODE = (types.FunctionType, types.MethodType, type)  # rebinding one changes the code run
+# rebinding one changes the code run
+_REBINDABLE_CODE = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, type)
 _MISSING = object()
 
 

@@ -379,3 +379,22 @@ def test_the_closure_of_a_helper_held_in_a_dict_is_never_stale():
     fast(x)
     knobs.k = 5  # read through the helper's closure
     assert torch.allclose(fast(x), loss(x)) and len(fast.specializations) == 2
+
+
+_reduce = torch.sum
+
+
+def through_a_global_builtin(x):
+    return _reduce(x * 2.0)
+
+
+def test_a_rebound_global_builtin_is_never_stale():
+    global _reduce
+    fast = optimize(through_a_global_builtin)
+    x = torch.ones(4)
+    assert fast(x).item() == 8.0
+    _reduce = torch.mean
+    try:
+        assert fast(x).item() == 2.0 and len(fast.specializations) == 2
+    finally:
+        _reduce = torch.sum
