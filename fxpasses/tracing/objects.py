@@ -36,6 +36,7 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import enum
+import functools
 import os
 import sys
 import types
@@ -317,9 +318,15 @@ class ObjectTracker:
             self._assume("identity", source, value, f"tensor {tuple(value.shape)}")
         elif is_container(value):
             self._container(value, source)
-        elif not callable(value) or isinstance(value, nn.Module):
+        else:  # an object, callable or not (a partial, an instance with __call__): its reads too
             self._assume("identity", source, value, type(value).__qualname__)
             self.track(value, source)
+            if isinstance(value, functools.partial):  # its bound arguments reach the code it runs
+                self._register_function(value.func, source.attr("func"))
+                for i, arg in enumerate(value.args):
+                    self._outside_value(source.attr("args").item(i), arg)
+                for name, arg in value.keywords.items():
+                    self._outside_value(source.attr("keywords").item(name), arg)
 
     def _container(self, value: Any, source: Source) -> None:
         """A container read: its contents guarded (items by value or identity), and the objects

@@ -398,3 +398,52 @@ def test_a_rebound_global_builtin_is_never_stale():
         assert fast(x).item() == 2.0 and len(fast.specializations) == 2
     finally:
         _reduce = torch.sum
+
+
+class _Scaler:
+    """A plain callable object (not a module)."""
+
+    def __init__(self):
+        self.k = 2
+
+    def __call__(self, x):
+        return x * self.k
+
+
+_scaler = _Scaler()
+
+
+def through_a_global_callable(x):
+    return _scaler(x).sum()
+
+
+def _times(x, k):
+    return x * k
+
+
+_partial_scale = functools.partial(_times, k=2)
+
+
+def through_a_global_partial(x):
+    return _partial_scale(x).sum()
+
+
+def test_a_global_callable_object_and_partial_are_never_stale():
+    global _partial_scale
+    x = torch.ones(3)
+    fast = optimize(through_a_global_callable)
+    assert fast(x).item() == 6.0
+    _scaler.k = 3  # read inside its __call__
+    try:
+        assert fast(x).item() == 9.0
+    finally:
+        _scaler.k = 2
+    fast = optimize(through_a_global_partial)
+    assert fast(x).item() == 6.0
+    _partial_scale = functools.partial(_times, k=5)  # rebound
+    try:
+        assert fast(x).item() == 15.0
+        _partial_scale.keywords["k"] = 7  # its bound keyword changed in place
+        assert fast(x).item() == 21.0
+    finally:
+        _partial_scale = functools.partial(_times, k=2)
