@@ -34,6 +34,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .certificates import Guard
 from .tracing.sources import Roots, Source
+from .tracing.values import TracedScalar
 
 _GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_pre_hooks",
                       "_global_backward_hooks", "_global_backward_pre_hooks")
@@ -201,38 +202,63 @@ _COMPONENTS: dict[str, Callable[[LossRoots], Any]] = {
 # -- snapshots of containers -------------------------------------------------------------------
 
 _PLAIN = (bool, int, float, str, bytes, type(None), enum.Enum, torch.dtype, torch.device)
+FLOAT_READ = "a float, read on every call"  # a snapshot's record of a float held in a dict or namespace
 
 
-def snapshot(value: Any, depth: int = 4) -> Any:
+def snapshot(value: Any, depth: int = 4, floats: list | None = None, path: tuple = ()) -> Any:
     """A comparable copy of a container's contents: plain values by value, anything else
     (tensors, modules, objects) by identity; dicts, lists, tuples, sets, namespaces and
-    dataclass instances recursively."""
+    dataclass instances recursively. A float held in a dict or a namespace is recorded by type
+    only (:data:`FLOAT_READ`): a trace reads it on every call, as an input; ``floats``, when
+    given, collects where each is: ``(path from value, its container, key)``."""
     if isinstance(value, _PLAIN):
         return (type(value), value)
     if depth <= 0:
         return ("id", id(value))
     if isinstance(value, dict):
-        return ("dict", tuple((k, snapshot(v, depth - 1)) for k, v in value.items()))
+        return ("dict", _held_items(value, value.items(), "item", depth, floats, path))
     if isinstance(value, (list, tuple)):
-        return (type(value), tuple(snapshot(v, depth - 1) for v in value))
+        return (type(value), tuple(snapshot(v, depth - 1, floats, (*path, ("item", i)))
+                                   for i, v in enumerate(value)))
     if isinstance(value, (set, frozenset)):
         return (type(value), frozenset(snapshot(v, depth - 1) for v in value))
     if isinstance(value, types.SimpleNamespace):
-        return ("namespace", snapshot(vars(value), depth - 1))
+        return ("namespace", ("dict", _held_items(value, vars(value).items(), "attr", depth - 1, floats, path)))
     if is_dataclass(value) and not isinstance(value, type):
-        return (type(value), tuple((f.name, snapshot(getattr(value, f.name), depth - 1))
+        return (type(value), tuple((f.name, snapshot(getattr(value, f.name), depth - 1, floats,
+                                                     (*path, ("attr", f.name))))
                                    for f in fields(value)))
     return ("id", id(value))
 
 
+def _held_items(owner: Any, items: Iterable, step: str, depth: int, floats: list | None,
+                path: tuple) -> tuple:
+    """A dict's or namespace's items for :func:`snapshot`: floats (and, during a trace, the
+    inputs standing in for them) by type only."""
+    if depth <= 0:
+        return ("id", id(owner))
+    held = []
+    for k, v in items:
+        if type(v) is float or type(v) is TracedScalar:
+            held.append((k, (float, FLOAT_READ)))
+            if floats is not None:
+                floats.append(((*path, (step, k)), owner, k))
+        else:
+            held.append((k, snapshot(v, depth - 1, floats, (*path, (step, k)))))
+    return tuple(held)
+
+
 def flat_form(snap: Any) -> tuple | None:
     """For the snapshot of a dict, namespace, list or tuple of plain values: (container type,
-    keys, value types, values), what :func:`same_flat` compares; None for any other snapshot."""
+    keys, value types, the values compared), what :func:`same_flat` compares; None for any other
+    snapshot."""
     tag, body = snap
     if tag == "namespace":
         form = flat_form(body)
         return None if form is None else (types.SimpleNamespace, *form[1:])
     if tag == "dict":
+        if not isinstance(body, tuple) or body[:1] == ("id",):
+            return None
         keys, items = [k for k, _ in body], [v for _, v in body]
     elif tag in (list, tuple):
         keys, items = None, list(body)
@@ -241,7 +267,10 @@ def flat_form(snap: Any) -> tuple | None:
     if not all(type(i) is tuple and isinstance(i[0], type) and issubclass(i[0], _PLAIN)
                for i in items):
         return None
-    values = dict(zip(keys, (v for _, v in items))) if keys is not None else tag(v for _, v in items)
+    if keys is None:
+        values = tag(v for _, v in items)
+    else:  # floats read on every call: their type only
+        values = {k: v for k, (_, v) in zip(keys, items) if v is not FLOAT_READ}
     return (dict if tag == "dict" else tag, keys, [t for t, _ in items], values)
 
 
@@ -252,9 +281,13 @@ def same_flat(value: Any, container: type, keys: list | None, value_types: list,
         return False
     if container is types.SimpleNamespace:
         value = vars(value)
-    if keys is not None:
-        return list(value) == keys and list(map(type, value.values())) == value_types and value == values
-    return list(map(type, value)) == value_types and value == values
+    if keys is None:
+        return list(map(type, value)) == value_types and value == values
+    if list(value) != keys or list(map(type, value.values())) != value_types:
+        return False
+    if len(values) == len(keys):
+        return value == values
+    return all(value[k] == v for k, v in values.items())
 
 
 def is_container(value: Any) -> bool:

@@ -12,10 +12,13 @@ traced value        itself (it was computed in this trace)
 parameter, buffer   a ``get_attr`` node of the root module: read live on every call
 other tensor        a ``ReadSource`` node (read on every call) + a ``tensor`` assumption
 float               a ``ReadSource`` node: an *input*, never a constant + a ``float`` assumption
+                    (an attribute, a global, a closure cell; a default argument is a constant)
 int, bool, str...   the value + a ``constant`` assumption (it may steer control flow or shapes)
 module, object      the object + an ``identity`` assumption; its own reads are tracked in turn
 dict, list, ...     the container + a ``contents`` assumption (its items by value or identity);
-                    the objects in it are tracked (in globals and closure cells too)
+                    the objects in it are tracked (in globals and closure cells too); a float
+                    in a dict or namespace is an input, as an attribute's is (stood in for by
+                    a ``ReadSource`` value until the trace ends; compared by type only)
 function, class     stored on an object, or named as a global, a cell or a default: an
                     ``identity`` assumption (its code is in the graph); when a function's code
                     runs, its closure cells and default arguments are adopted in turn
@@ -93,6 +96,7 @@ class ObjectTracker:
         self._sources: dict[int, tuple[Source, Any, fx.Node | None]] = {}
         self._written: dict[tuple[int, str], Any] = {}
         self._restore: list[tuple[Any, str, Any]] = []
+        self._restore_items: list[tuple[Any, Any, float, TracedScalar]] = []  # (dict or cell, key, float, input)
         self._patched: list[tuple[type, str, Any]] = []
         self._seen_code: set[Any] = set()
         self._used: dict[int, nn.Module] = {}  # modules the traced code read an attribute of
@@ -110,7 +114,7 @@ class ObjectTracker:
         if not isinstance(obj, nn.Module) and _is_user_class(cls):
             self._patch_class(cls)
         elif not isinstance(obj, nn.Module) and is_container(obj):  # its reads cannot be followed
-            self._assume("contents", source, snapshot(obj), _shown(obj))
+            self._contents(obj, source)
         if isinstance(obj, nn.Module):
             if source.root != ("loss",) or source.path:  # the loss module is not its own child
                 self.recorder.module_path(obj, _hint(source))
@@ -216,7 +220,13 @@ class ObjectTracker:
         rec.node("call_function", WriteAttribute(f"write_{name}", name), (owner, rec.arg(value)))
 
     def restore(self) -> None:
-        """Put back every attribute the trace wrote (the graph writes them on each call)."""
+        """Put back every attribute the trace wrote (the graph writes them on each call), and
+        every float that an input stood in for."""
+        for held, key, seen, traced in reversed(self._restore_items):
+            if key is None and held.cell_contents is traced:
+                held.cell_contents = seen
+            elif key is not None and dict.get(held, key) is traced:
+                dict.__setitem__(held, key, seen)
         for obj, name, old in reversed(self._restore):
             if old is _MISSING:
                 object.__delattr__(obj, name) if name in getattr(obj, "__dict__", {}) else None
@@ -312,7 +322,11 @@ class ObjectTracker:
             return
         if isinstance(value, _NOT_DATA) or value is builtins or isinstance(value, (TracedTensor, TracedScalar)):
             return
-        if isinstance(value, (_CONSTANTS, float)):
+        if type(value) is float and source.root[0] in ("global", "cell") and not source.path:
+            self._assume("float", source, None, repr(value))  # an input, as an attribute's is
+            self._stand_in(source.root[1], source.root[2] if source.root[0] == "global" else None,
+                           value, source)
+        elif isinstance(value, (_CONSTANTS, float)):
             self._assume("constant", source, value, repr(value))
         elif isinstance(value, torch.Tensor):
             self._assume("identity", source, value, f"tensor {tuple(value.shape)}")
@@ -331,8 +345,38 @@ class ObjectTracker:
     def _container(self, value: Any, source: Source) -> None:
         """A container read: its contents guarded (items by value or identity), and the objects
         and modules in it tracked, so that what the trace reads from them is recorded too."""
-        self._assume("contents", source, snapshot(value), _shown(value))
+        self._contents(value, source)
         self._track_items(value, source, depth=4)  # as deep as the snapshot compares
+
+    def _contents(self, value: Any, source: Source) -> None:
+        """A ``contents`` assumption; and each float a dict or namespace in it holds becomes an
+        input: replaced, until the trace ends, by a value the graph reads at its source on every
+        call (a dict or namespace item cannot be followed as an attribute read is)."""
+        floats: list = []
+        expected = snapshot(value, floats=floats)
+        inputs = ", ".join(_path_text(path) for path, _, _ in floats)
+        self._assume("contents", source, expected,
+                     f"floats read on every call: {inputs}; {_shown(value)}" if inputs else _shown(value))
+        for path, owner, key in floats:
+            held = vars(owner) if isinstance(owner, types.SimpleNamespace) else owner
+            seen = dict.__getitem__(held, key)
+            if type(seen) is not float:  # already an input (reached before)
+                continue
+            where = source
+            for step, name in path:
+                where = where.attr(name) if step == "attr" else where.item(name)
+            self._stand_in(held, key, seen, where)
+
+    def _stand_in(self, held: Any, key: Any, seen: float, source: Source) -> None:
+        """Until the trace ends, ``held[key]`` (a dict's item; a cell's contents when ``key`` is
+        None) is the graph's read of ``source``: what reads it is computed from it."""
+        read, given = self._reader(source)
+        traced = self.recorder.read_source(read, given, seen)
+        if key is None:
+            held.cell_contents = traced
+        else:
+            dict.__setitem__(held, key, traced)
+        self._restore_items.append((held, key, seen, traced))
 
     def _track_items(self, value: Any, source: Source, depth: int) -> None:
         for key, item in _items(value):
@@ -473,6 +517,10 @@ def _hint(source: Source) -> str:
     if source.path:
         return str(source.path[-1][1])
     return str(source.root[-1]) if source.root[0] in ("global", "cell") else ""
+
+
+def _path_text(path: tuple) -> str:
+    return "".join(f".{key}" if step == "attr" else f"[{key!r}]" for step, key in path)
 
 
 def _shown(value: Any) -> str:

@@ -104,14 +104,48 @@ def test_a_mutable_config_passed_as_an_argument_is_read_on_each_call():
     assert torch.allclose(fast(a, b, other), criterion(a, b, other))
 
 
-def test_floats_are_inputs_twenty_changes_one_specialization():
+FLOAT_SETTINGS = {
+    "an attribute": lambda criterion, cfg, value: setattr(criterion, "weight", value),
+    "a dict entry": lambda criterion, cfg, value: criterion.gains.__setitem__("top", value),
+    "a namespace argument's attribute": lambda criterion, cfg, value: setattr(cfg, "extra", value),
+}
+
+
+@pytest.mark.parametrize("where", FLOAT_SETTINGS)
+def test_floats_are_inputs_twenty_changes_one_specialization(where):
     criterion = Criterion(Flow())
     fast = optimize(criterion, passes=[PairRLE()])
+    cfg = types.SimpleNamespace(extra=0.25)
     a, b = _inputs()
     for epoch in range(20):  # a branch weight decayed every epoch, as public end-to-end losses do
-        criterion.weight = 0.8 * 0.9 ** epoch
-        assert torch.allclose(fast(a, b), criterion(a, b))
-    assert len(fast.specializations) == 1 and fast.stats.optimized == 20
+        FLOAT_SETTINGS[where](criterion, cfg, 0.8 * 0.9 ** epoch)
+        assert torch.allclose(fast(a, b, cfg), criterion(a, b, cfg))
+    assert len(fast.specializations) == 1 and fast.stats.optimized == 20, fast.stats.render()
+    assert type(criterion.gains["top"]) is float and type(cfg.extra) is float  # put back after the trace
+
+
+class SteeredByAGain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gains = {"w": 0.5, "clip": 1.0, "scales": [0.5, 2.0]}
+
+    def forward(self, x):
+        y = x * self.gains["w"] * self.gains["scales"][1]
+        return y.clamp(max=2.0).sum() if self.gains["clip"] > 0.5 else y.sum()
+
+
+def test_a_dict_float_that_steers_control_flow_is_guarded_and_floats_in_lists_by_value():
+    loss = SteeredByAGain()
+    fast = optimize(loss)
+    x = torch.linspace(-3, 3, 7, requires_grad=True)
+    for w, clip, scale in [(0.5, 1.0, 2.0), (0.7, 1.0, 2.0), (0.7, 0.0, 2.0), (0.7, 0.0, 3.0), (0.9, 2.0, 3.0)]:
+        loss.gains["w"], loss.gains["clip"], loss.gains["scales"][1] = w, clip, scale
+        got, want = fast(x), loss(x)
+        assert torch.allclose(got, want), (w, clip, scale)
+        assert torch.equal(torch.autograd.grad(got, x)[0], torch.autograd.grad(want, x)[0])
+    # new weights are inputs; the branch's flips are guard failures; only the list's float retraces
+    assert sum(fast.stats.retraced.values()) == 1, fast.stats.render()
+    assert fast.stats.native == {"guard-failed": 2}, fast.stats.render()
 
 
 GAIN = 2.0
@@ -122,16 +156,39 @@ def function_loss(a, b):
     return GAIN * (FLOW.log_prob(a).mean() + FLOW.log_prob(b).mean())
 
 
-def test_a_global_read_by_a_function_loss_is_guarded():
+def test_a_global_float_read_by_a_function_loss_is_an_input():
     global GAIN
     fast = optimize(function_loss, passes=[PairRLE()])
     a, b = _inputs()
-    fast(a, b)
-    GAIN = 5.0
     try:
-        assert torch.allclose(fast(a, b), function_loss(a, b))
+        for epoch in range(12):
+            GAIN = 2.0 * 0.8 ** epoch
+            assert torch.allclose(fast(a, b), function_loss(a, b))
+            assert type(GAIN) is float  # put back after the trace
     finally:
         GAIN = 2.0
+    assert len(fast.specializations) == 1 and fast.stats.optimized == 12, fast.stats.render()
+
+
+def _closure_loss(gain):
+    def loss(a, b):
+        return gain[0] * FLOW.log_prob(a).mean() + margin * FLOW.log_prob(b).mean()
+    margin = 0.5
+
+    def set_margin(value):
+        nonlocal margin
+        margin = value
+    return loss, set_margin
+
+
+def test_a_closure_float_is_an_input():
+    loss, set_margin = _closure_loss([2.0])
+    fast = optimize(loss)
+    a, b = _inputs()
+    for epoch in range(12):
+        set_margin(0.5 + epoch)
+        assert torch.allclose(fast(a, b), loss(a, b))
+    assert len(fast.specializations) == 1 and fast.stats.optimized == 12, fast.stats.render()
 
 
 def test_a_hook_on_a_function_losss_flow_sends_calls_native():
