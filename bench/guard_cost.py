@@ -18,6 +18,8 @@ import sys
 import time
 from typing import Any, Callable
 
+from torch.utils.hooks import RemovableHandle
+
 import interleaved as il  # bench/interleaved.py, beside this script
 from fxpasses import optimize, specialize
 from fxpasses.passes import PairRLE
@@ -60,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             setattr(specialize.Specialization, name, _timed(times[labels[name]], fn))
         stats = fast.stats
         seconds, calls = stats.guard_seconds, stats.optimized + sum(stats.native.values())
+        handles = RemovableHandle.next_id
         for seed in range(args.rounds):
             batch = work.batch(300 + seed)
             work.step(work.loss, batch)
@@ -67,12 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for name, fn in originals.items():
             setattr(specialize.Specialization, name, fn)
+    handles = RemovableHandle.next_id - handles
     before = stats
     stats = fast.stats
     calls = stats.optimized + sum(stats.native.values()) - calls
     print(f"{stats.optimized - before.optimized} of {calls} calls on fresh seeded batches ran "
           f"optimized; native: {dict(stats.native - before.native) or 'none'}; abandoned first: "
-          f"{sum(stats.abandoned.values()) - sum(before.abandoned.values())}")
+          f"{sum(stats.abandoned.values()) - sum(before.abandoned.values())}; sent to the exact "
+          f"path: {dict(stats.exact_checks - before.exact_checks) or 'none'}; hook handles made "
+          f"(the hooks guard reads every module's hooks after one): {handles}")
     print(f"{args.loss}, batch {args.batch}, {args.rounds} calls: guards "
           f"{(stats.guard_seconds - seconds) / calls * 1e3:.3f} ms per call (stats.guard_ms_per_call's "
           f"timer; with --twice it includes the second check)")

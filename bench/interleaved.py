@@ -139,7 +139,7 @@ def fxpasses_counts(fn: Any) -> dict[str, Any]:
     return {"optimized_calls": stats.optimized, "native_calls": dict(stats.native),
             "abandoned": dict(stats.abandoned), "recordings": recorded,
             "specializations": len(fn.specializations),
-            "guard_ms_per_call": stats.guard_ms_per_call}
+            "guard_ms_per_call": stats.guard_ms_per_call, "exact_checks": dict(stats.exact_checks)}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -122,8 +122,11 @@ class OptimizedLoss(nn.Module):
         if not torch.is_grad_enabled():
             return self._native(args, kwargs, "grad-mode-changed")
         start = time.perf_counter()
-        failed = None if self._whole_holds() else first_failure(
-            self._whole, LossRoots(self._loss, (), self._guarded_modules, self._classes))
+        failed = None
+        if not self._whole_holds():
+            self._stats.exact_checks["whole-loss"] += 1
+            failed = first_failure(self._whole, LossRoots(self._loss, (), self._guarded_modules,
+                                                          self._classes))
         self._stats.guard_seconds += time.perf_counter() - start
         if failed is not None:
             return self._native(args, kwargs, failed.code)
@@ -162,7 +165,8 @@ class OptimizedLoss(nn.Module):
                     leaves, bad = checked[special.check_key]
                 else:
                     leaves = special.leaves_of(args, kwargs, flat)
-                    bad = special.failing(self._loss, leaves) if leaves is not None else None
+                    bad = special.failing(self._loss, leaves, self._stats.exact_checks) \
+                        if leaves is not None else None
                     checked[special.check_key] = leaves, bad
                 bad = bad if special.disabled is None else None
                 self._stats.guard_seconds += time.perf_counter() - start

@@ -55,15 +55,18 @@ class Specialization:
     def roots(self, loss: Any, leaves: list[Any]) -> LossRoots:
         return LossRoots(loss, leaves)
 
-    def failing(self, loss: Any, leaves: list[Any]) -> Assumption | None:
+    def failing(self, loss: Any, leaves: list[Any], exact: Counter | None = None) -> Assumption | None:
         """The first assumption that does not hold for this call, or None: by the generated
-        check; where one of its reads raised, by the exact path (a failed read is MISSING)."""
+        check; where one of its reads raised, by the exact path (a failed read is MISSING),
+        counted in ``exact``."""
         if self.check is not None:
             index = self.check(loss, leaves)
             if index == -1:
                 return None
             if index >= 0:
                 return self.assumptions[index]
+        if exact is not None:
+            exact["assumptions"] += 1
         return first_failure(self.assumptions, self.roots(loss, leaves))
 
 

@@ -49,6 +49,9 @@ class RunStats:
     exceptions: list[RecordedException] = field(default_factory=list)
     sites: dict[str, dict[str, int]] = field(default_factory=dict)
     guard_seconds: float = 0.0  # host time checking the whole-loss guards and assumptions
+    # checks the generated functions could not answer (a state changed, a read raised), sent to
+    # the exact, slower path: the whole-loss guards, a specialization's assumptions
+    exact_checks: Counter = field(default_factory=Counter)
 
     @property
     def calls(self) -> int:
@@ -62,6 +65,7 @@ class RunStats:
     def as_dict(self) -> dict[str, Any]:
         return {"calls": self.calls, "optimized": self.optimized, "native": dict(self.native),
                 "abandoned": dict(self.abandoned), "retraced": dict(self.retraced),
+                "exact_checks": dict(self.exact_checks),
                 "exceptions": [e.as_dict() for e in self.exceptions],
                 "sites": {k: dict(v) for k, v in self.sites.items()}}
 
@@ -74,6 +78,9 @@ class RunStats:
             lines.append(f"  abandoned (ran natively): {where}: {n}")
         for what, n in self.retraced.most_common():
             lines.append(f"  traced again, an assumption changed: {what}: {n}")
+        if self.exact_checks:
+            text = ", ".join(f"{k}: {v}" for k, v in sorted(self.exact_checks.items()))
+            lines.append(f"  guards answered by the exact path: {text}")
         for site, counters in self.sites.items():
             text = ", ".join(f"{k}: {v}" for k, v in sorted(counters.items()))
             lines.append(f"  site {site}: {text}")

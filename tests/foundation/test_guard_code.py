@@ -3,6 +3,8 @@ assumption, or none, whatever changed (values, types, missing attributes and key
 
 from __future__ import annotations
 
+import collections
+
 import types
 
 import torch
@@ -98,7 +100,9 @@ def test_a_read_that_raises_falls_back_to_the_exact_path():
     leaves = [torch.zeros(1), arg]
     assert check(state, leaves) == FAILED_READ
     special = Specialization(0, None, assumptions, check=check)
-    assert special.failing(state, leaves) is assumptions[1]  # MISSING is not 10
+    exact = collections.Counter()
+    assert special.failing(state, leaves, exact) is assumptions[1]  # MISSING is not 10
+    assert exact == {"assumptions": 1}
 
 
 # -- the whole-loss check ------------------------------------------------------------------------

@@ -457,9 +457,11 @@ def test_hooks_are_checked_in_full_when_any_hook_handle_was_made():
     torch.ones(2, requires_grad=True).register_hook(lambda g: g)  # moves the handle counter
     fast(a, b)
     assert fast.stats.native == {} and fast.stats.optimized == 2
+    assert not fast.stats.exact_checks  # the generated check answered both calls
     handle = model.flow.outer.register_forward_hook(lambda *args: None)
     fast(a, b)
     assert fast.stats.native == {"hook-added": 1}
+    assert fast.stats.exact_checks == {"whole-loss": 1}  # counted when the exact path decides
     handle.remove()
     fast(a, b)
     assert fast.stats.optimized == 3
