@@ -26,6 +26,7 @@ recorded as failed, with the error, and left out of the rounds. Results go to
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import sys
@@ -139,7 +140,8 @@ def fxpasses_counts(fn: Any) -> dict[str, Any]:
     return {"optimized_calls": stats.optimized, "native_calls": dict(stats.native),
             "abandoned": dict(stats.abandoned), "recordings": recorded,
             "specializations": len(fn.specializations),
-            "guard_ms_per_call": stats.guard_ms_per_call, "exact_checks": dict(stats.exact_checks)}
+            "guard_ms_per_call": stats.guard_ms_per_call, "exact_checks": dict(stats.exact_checks),
+            "site_counts": dict(sum((collections.Counter(c) for c in stats.sites.values()), collections.Counter()))}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
