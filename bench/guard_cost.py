@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
+import importlib
 import statistics
 import sys
 import time
@@ -25,13 +27,36 @@ from fxpasses import optimize, specialize
 from fxpasses.passes import PairRLE
 
 
-def _timed(times: list[float], fn: Callable) -> Callable:
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        result = fn(*args, **kwargs)
-        times.append(time.perf_counter() - start)
-        return result
-    return timed
+class _Timers:
+    """Per-part timers; and the garbage collections that ran inside a timed part (a collection
+    lands in whatever code allocates when it is due: it is the step's garbage, not the guard's)."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = collections.defaultdict(list)
+        self.collected = 0.0  # seconds of collections inside timed parts
+        self.collections = 0
+        self._inside = False
+        self._gc_start = 0.0
+
+    def timed(self, label: str, fn: Callable) -> Callable:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self._inside = True
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.times[label].append(time.perf_counter() - start)
+                self._inside = False
+        return timed
+
+    def on_gc(self, phase: str, info: dict) -> None:
+        if not self._inside:
+            return
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.collected += time.perf_counter() - self._gc_start
+            self.collections += 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,19 +72,28 @@ def main(argv: list[str] | None = None) -> int:
     fast = optimize(work.loss, passes=[PairRLE()])
     for seed in range(4):  # first call, and the specializations a fresh batch needs
         work.step(fast, work.batch(100 + seed))
-    times: dict[str, list[float]] = collections.defaultdict(list)
-    whole = fast._whole_holds
-    if args.twice:
-        first, second = _timed(times["whole-loss check, first"], whole), \
-            _timed(times["whole-loss check, again"], whole)
-        fast._whole_holds = lambda: first() and second()
-    else:
-        fast._whole_holds = _timed(times["whole-loss check"], whole)
+    timers = _Timers()
+    times = timers.times
+
+    def whole_check(*given: Any, **kwargs: Any) -> Callable[[], bool]:
+        """The generated whole-loss check, timed (a new trace generates it again)."""
+        whole = generate_whole_check(*given, **kwargs)
+        if not args.twice:
+            return timers.timed("whole-loss check", whole)
+        first, second = timers.timed("whole-loss check, first", whole), \
+            timers.timed("whole-loss check, again", whole)
+        return lambda: first() and second()
+
+    optimize_module = importlib.import_module("fxpasses.optimize")  # the package's name is the function
+    generate_whole_check = optimize_module.compile_whole_check
+    optimize_module.compile_whole_check = whole_check
+    fast._guard_whole_loss(fast._guarded_modules)  # generated again, timed
     originals = {name: getattr(specialize.Specialization, name) for name in ("leaves_of", "failing")}
     labels = {"leaves_of": "matching the call", "failing": "assumptions"}
     try:
         for name, fn in originals.items():
-            setattr(specialize.Specialization, name, _timed(times[labels[name]], fn))
+            setattr(specialize.Specialization, name, timers.timed(labels[name], fn))
+        gc.callbacks.append(timers.on_gc)
         stats = fast.stats
         seconds, calls = stats.guard_seconds, stats.optimized + sum(stats.native.values())
         handles = RemovableHandle.next_id
@@ -70,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for name, fn in originals.items():
             setattr(specialize.Specialization, name, fn)
+        optimize_module.compile_whole_check = generate_whole_check
+        gc.callbacks.remove(timers.on_gc)
     handles = RemovableHandle.next_id - handles
     before = stats
     stats = fast.stats
@@ -82,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.loss}, batch {args.batch}, {args.rounds} calls: guards "
           f"{(stats.guard_seconds - seconds) / calls * 1e3:.3f} ms per call (stats.guard_ms_per_call's "
           f"timer; with --twice it includes the second check)")
+    print(f"  of which garbage collections: {timers.collections} in {calls} calls, "
+          f"{timers.collected / calls * 1e6:.0f} us per call; per call without them "
+          f"{((stats.guard_seconds - seconds) - timers.collected) / calls * 1e3:.3f} ms; "
+          f"a typical call (the sum of the parts' medians) "
+          f"{sum(statistics.median(v) for v in times.values() if v) * 1e3:.3f} ms")
     for label, values in times.items():
         print(f"  {label}: {len(values)} times, median {statistics.median(values) * 1e6:.0f} us, "
               f"{sum(values) / calls * 1e6:.0f} us per call")

@@ -50,7 +50,8 @@ class RunStats:
     sites: dict[str, dict[str, int]] = field(default_factory=dict)
     guard_seconds: float = 0.0  # host time checking the whole-loss guards and assumptions
     # checks the generated functions could not answer (a state changed, a read raised), sent to
-    # the exact, slower path: the whole-loss guards, a specialization's assumptions
+    # the exact, slower path: the whole-loss guards, a specialization's assumptions (a
+    # diagnostic of guard cost, in render() and the benches, not in the report's schema)
     exact_checks: Counter = field(default_factory=Counter)
 
     @property
@@ -65,7 +66,6 @@ class RunStats:
     def as_dict(self) -> dict[str, Any]:
         return {"calls": self.calls, "optimized": self.optimized, "native": dict(self.native),
                 "abandoned": dict(self.abandoned), "retraced": dict(self.retraced),
-                "exact_checks": dict(self.exact_checks),
                 "exceptions": [e.as_dict() for e in self.exceptions],
                 "sites": {k: dict(v) for k, v in self.sites.items()}}
 

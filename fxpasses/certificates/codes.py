@@ -241,6 +241,10 @@ _CODES = (
          "Zero rows appended to a paired call's rows change the real rows' values or gradients (or "
          "give non-finite derivatives), so the call cannot run padded to a row bucket.",
          "The paired call runs eagerly between regions; nothing to do."),
+    Code("awaiting-repeat", "guard",
+         "The region's input signature is new: it runs natively and is recorded when it recurs "
+         "(a shape seen once, as data-dependent shapes often are, would be recorded for nothing).",
+         "Nothing to do; CaptureLoss(record_after=1) records a signature on its first call."),
     Code("record-budget", "guard",
          "The region was recorded for its budget of distinct input signatures; this signature "
          "runs natively.",

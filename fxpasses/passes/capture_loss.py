@@ -50,6 +50,8 @@ class CaptureLoss:
     """Capture the loss's static regions in CUDA graphs (see the module docstring).
 
     ``max_recordings``: distinct input signatures recorded per region before it runs eagerly.
+    ``record_after``: the call on which a signature is recorded (the earlier ones run eagerly):
+    the second by default, so that a shape seen once (a data-dependent one) costs no recording.
     ``min_region_ops``: regions launching fewer ops are not worth a replay.
     ``min_bucket``: the smallest padded row count of a captured paired call.
     ``recorder``: how regions are recorded (default: CUDA graphs; tests pass a fake one).
@@ -58,18 +60,23 @@ class CaptureLoss:
 
     name = "CaptureLoss"
 
-    def __init__(self, *, max_recordings: int = 8, min_region_ops: int = 4, min_bucket: int = 1024,
+    def __init__(self, *, max_recordings: int = 8, record_after: int = 2, min_region_ops: int = 4,
+                 min_bucket: int = 1024,
                  recorder: Recorder | None = None, devices: Sequence[str] = ("cuda",)):
         if max_recordings < 1:
             raise ValueError(f"max_recordings must be >= 1, got {max_recordings}")
+        if record_after < 1:
+            raise ValueError(f"record_after must be >= 1, got {record_after}")
         self.max_recordings = max_recordings
+        self.record_after = record_after
         self.min_region_ops = min_region_ops
         self.min_bucket = min_bucket
         self.recorder = recorder
         self.devices = tuple(devices)
 
     def __repr__(self) -> str:
-        return f"CaptureLoss(max_recordings={self.max_recordings}, min_region_ops={self.min_region_ops})"
+        return (f"CaptureLoss(max_recordings={self.max_recordings}, record_after={self.record_after}, "
+                f"min_region_ops={self.min_region_ops})")
 
     def run(self, gm: fx.GraphModule) -> PassResult:
         devices = {t.device.type for n in gm.graph.nodes for t in tensors_in(value(n))}
@@ -102,7 +109,7 @@ class CaptureLoss:
         its arguments: the module, then the rows)."""
         captured = CapturedPairedCall(f"captured_{node.name}", fact.method, devices=self.devices,
                                       min_bucket=self.min_bucket, max_recordings=self.max_recordings,
-                                      recorder=self.recorder)
+                                      record_after=self.record_after, recorder=self.recorder)
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(captured, node.args, node.kwargs)
         new.meta = dict(node.meta)
@@ -118,7 +125,8 @@ class CaptureLoss:
             # parameters, buffers and other state read by the graph are used in place, never copied
             identity = frozenset(i for i, a in enumerate(node.args) if _is_state(a))
             region = CapturedRegion(node.target, gm.get_submodule(node.target), identity=identity,
-                                    max_recordings=self.max_recordings, recorder=self.recorder)
+                                    max_recordings=self.max_recordings, record_after=self.record_after,
+                                    recorder=self.recorder)
             with gm.graph.inserting_before(node):
                 call = gm.graph.call_function(region, node.args, node.kwargs)
             call.meta = dict(node.meta)
@@ -163,8 +171,9 @@ class CaptureLoss:
                   "memory_pool": "one private pool per region (forward, backward, all recordings)"}
         guards = (
             Guard("signature", "input shapes, strides, dtypes, devices, requires_grad, constants, "
-                  "grad mode and autocast match a recording (else record, within budget)",
-                  "record-budget", {"max_recordings": self.max_recordings}),
+                  "grad mode and autocast match a recording (else record, within budget, on the "
+                  "signature's record_after-th call; natively until then)",
+                  "record-budget", {"max_recordings": self.max_recordings, "record_after": self.record_after}),
             Guard("backward-done", "the previous replay's backward has run (or its graph was "
                   "freed)", "replay-pending-backward"),
             Guard("memory-free", "no tensor outside the recording refers to its static memory "
@@ -238,10 +247,13 @@ class CaptureLoss:
                 "max_abs_grad_diff": witness.max_abs_grad_diff}, None if holds else "padding-unsafe"))
         effect = {"runs": "one CUDA graph per power-of-two row bucket",
                   "min_bucket": self.min_bucket, "max_recordings": self.max_recordings,
+                  "record_after": self.record_after,
                   "copy_in": "the stacked rows, padded with zero rows; parameters and buffers used in place",
                   "copy_out": "every gradient cloned out of graph memory"}
         guards = (Guard("bucket-recorded", "a recording exists for the padded row count (else record, "
-                        "within budget)", "record-budget", {"max_recordings": self.max_recordings}),
+                        "within budget, on the bucket's record_after-th call; natively until then)",
+                        "record-budget", {"max_recordings": self.max_recordings,
+                                          "record_after": self.record_after}),
                   Guard("backward-done", "the previous replay's backward has run", "replay-pending-backward"))
         return Certificate.from_checks(self.name, where, checks, effect=effect, guards=guards,
                                        witness=witness)

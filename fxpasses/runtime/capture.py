@@ -27,6 +27,8 @@ memory is free, else the region runs eagerly for this call, counted by reason:
   — checked by storage use counts, as torch's own CUDA-graph trees check their outputs'
   liveness (``torch/_inductor/cudagraph_trees.py``);
 * ``concurrent-call``: another thread is inside this region;
+* ``awaiting-repeat``: a signature is recorded on its ``record_after``-th call (CaptureLoss's
+  default: the second), so that a shape seen once costs no recording;
 * ``record-budget`` and ``capture-failed``.
 
 Gradients handed to autograd are cloned out of graph memory; an input that only outputs without
@@ -55,6 +57,9 @@ from torch.utils import _pytree as pytree
 from ..certificates.codes import note
 from ..guards import ambient_state
 from . import Propagator, RuntimeOp
+
+
+MAX_SIGHTINGS = 256  # unrecorded signatures a region remembers (see CapturedRegion._seen_enough)
 
 
 class StaleReplayError(RuntimeError):
@@ -380,7 +385,7 @@ class CapturedRegion(RuntimeOp):
     pure = True
     capturable = False
 
-    def __init__(self, op_id: str, fn: Callable, *, max_recordings: int = 4,
+    def __init__(self, op_id: str, fn: Callable, *, max_recordings: int = 4, record_after: int = 1,
                  recorder: Recorder | None = None, identity: frozenset[int] = frozenset(),
                  counters: Any = None):
         super().__init__(op_id)
@@ -389,8 +394,10 @@ class CapturedRegion(RuntimeOp):
         if counters is not None:  # report into the counters of the op that owns this region
             self.counters = counters
         self.max_recordings = max_recordings
+        self.record_after = record_after
         self.recorder = recorder or CudaGraphRecorder()
         self.recordings: dict[tuple, Recording] = {}
+        self.sightings: dict[tuple, int] = {}  # signatures not recorded yet -> calls seen, oldest first
         self.failure: str | None = None
         self.lock = threading.RLock()
         self.generation = 0
@@ -443,6 +450,8 @@ class CapturedRegion(RuntimeOp):
         if recording is None:
             if len(self.recordings) >= self.max_recordings:
                 return "record-budget", None, flat
+            if not self._seen_enough(key):
+                return "awaiting-repeat", None, flat
             if self._pending is not None:
                 return "replay-pending-backward", None, flat
             try:
@@ -457,6 +466,18 @@ class CapturedRegion(RuntimeOp):
         if recording.referenced():
             return "outputs-alive", None, flat
         return None, recording, flat
+
+    def _seen_enough(self, key: tuple) -> bool:
+        """Whether ``key`` has now been seen ``record_after`` times (a signature seen once, as a
+        data-dependent shape often is, would be recorded and never replayed). The oldest of
+        more than :data:`MAX_SIGHTINGS` unrecorded signatures is forgotten."""
+        seen = self.sightings.pop(key, 0) + 1
+        if seen >= self.record_after:
+            return True
+        self.sightings[key] = seen
+        if len(self.sightings) > MAX_SIGHTINGS:
+            del self.sightings[next(iter(self.sightings))]
+        return False
 
     def _record(self, flat: list[Any], starts: list[int], identity: frozenset[int],
                 specs: tuple[Any, ...]) -> Recording:

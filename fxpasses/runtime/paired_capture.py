@@ -33,12 +33,13 @@ class CapturedPairedCall(PairedCall):
     """:class:`PairedCall` that replays its one call from a recording per row bucket."""
 
     def __init__(self, op_id: str, method: str, *, devices: Sequence[str] = ("cuda",),
-                 min_bucket: int = 1024, max_recordings: int = 8, recorder: Recorder | None = None):
+                 min_bucket: int = 1024, max_recordings: int = 8, record_after: int = 1,
+                 recorder: Recorder | None = None):
         super().__init__(op_id, method)
         self.devices = tuple(devices)
         self.min_bucket = min_bucket
         self.region = CapturedRegion(f"{op_id}_graph", self._scored, max_recordings=max_recordings,
-                                     recorder=recorder, counters=self.counters)
+                                     record_after=record_after, recorder=recorder, counters=self.counters)
 
     def _scored(self, module: nn.Module, padded: torch.Tensor) -> Any:
         return self.bound(module)(padded)

@@ -23,11 +23,12 @@ STEPS = 5
 RTOL, ATOL = 1e-10, 1e-12  # atol: parameters that start at zero (biases) have no scale of their own
 PASSES = {
     "PairRLE": lambda: [PairRLE()],
-    "PairRLE+CaptureLoss": lambda: [PairRLE(), CaptureLoss(devices=("cpu",),
-                                                           recorder=EmulatedRecorder())],
+    # record_after=1: every step, the first included, replays (the test counts replays)
+    "PairRLE+CaptureLoss": lambda: [PairRLE(), CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder(),
+                                                           record_after=1)],
     "PairRLE+SelectRows+CaptureLoss": lambda: [
         PairRLE(), SelectRows(min_bucket=8),
-        CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder(), max_recordings=64)],
+        CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder(), max_recordings=64, record_after=1)],
 }
 
 

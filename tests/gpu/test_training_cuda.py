@@ -71,7 +71,7 @@ def _arm(base: PoseNetwork, arm: str, autocast):
                 p.mul_((1 + torch.finfo(p.dtype).eps * noise).to(p.device, p.dtype))
     loss = DualBranchPoseLoss(flow=network.model[-1].flow_model).cuda()
     if arm in ("optimized", "both"):
-        loss = optimize(loss, passes=[PairRLE(), CaptureLoss()])
+        loss = optimize(loss, passes=[PairRLE(), CaptureLoss(record_after=1)])  # replays counted
     if arm in ("graphed", "both"):
         graph_network(network, _batch(99).images, autocast=autocast)
         assert "forward" in vars(network)  # the instance's forward is the graphed one

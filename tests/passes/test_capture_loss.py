@@ -117,6 +117,7 @@ def test_no_cuda_is_a_refusal_and_the_loss_runs_unchanged():
 
 def _captured(loss, recorder=None, **options):
     recorder = recorder or EmulatedRecorder()
+    options.setdefault("record_after", 1)  # these tests replay from the second call on
     return optimize(loss, passes=[CaptureLoss(devices=("cpu",), recorder=recorder, **options)],
                     leaf_functions=[opaque]), recorder
 
@@ -176,13 +177,42 @@ def test_replay_resumes_when_an_unused_result_is_freed():
     assert not any(v.get("replay-pending-backward") for v in _regions(fast).values())
 
 
+def _step(loss, fast, args):
+    """One call of ``fast`` (itself, not the oracle's copy: its counters move) against native."""
+    got, want = fast(*args), loss(*args)
+    assert all(torch.allclose(g, w, rtol=1e-6, atol=1e-6) for g, w in zip(got, want))
+    got[0].backward()  # the step's backward: the next call may replay
+
+
 def test_recording_budget_then_eager():
     loss = Mixed()
     fast, recorder = _captured(loss, max_recordings=2)
     for rows in (8, 9, 10, 8):  # three signatures; the fourth call reuses the first recording
         assert_equivalent(loss, fast, _args(rows=rows), rtol=1e-6, atol=1e-6, parameters=False)
-    regions = _regions(fast)
-    assert all(v["recorded"] == 2 and v["record-budget"] == 1 for v in regions.values())
+        _step(loss, fast, _args(rows=rows))
+    regions = _regions(fast).values()
+    assert regions and all(v == {"recorded": 2, "replayed": 3, "record-budget": 1} for v in regions)
+
+
+def test_a_signature_is_recorded_when_it_recurs(monkeypatch):
+    """By default a region records a signature on its second call: a shape seen once (a
+    data-dependent one) runs natively and costs no recording; the unrecorded ones remembered
+    are bounded."""
+    from fxpasses.runtime import capture
+
+    loss = Mixed()
+    fast, _ = _captured(loss, record_after=2)
+    for rows in (8, 9, 8, 8):  # 9 is seen once: never recorded
+        _step(loss, fast, _args(rows=rows))
+    regions = _regions(fast).values()
+    assert regions and all(v == {"awaiting-repeat": 2, "recorded": 1, "replayed": 2} for v in regions)
+    monkeypatch.setattr(capture, "MAX_SIGHTINGS", 2)
+    site = capture.CapturedRegion("r", lambda x: x * 2, recorder=EmulatedRecorder(), record_after=2)
+    for rows in (1, 2, 3, 1, 3, 3):  # 1 is forgotten when 3 arrives; 3 recurs and is recorded
+        assert torch.equal(site(torch.ones(rows)), torch.full((rows,), 2.0))
+    assert site.counters == {"awaiting-repeat": 4, "recorded": 1, "replayed": 2}
+    with pytest.raises(ValueError, match="record_after"):
+        CaptureLoss(record_after=0)
 
 
 class FailingRecorder(EmulatedRecorder):
@@ -218,7 +248,7 @@ def test_hook_added_after_capture_sends_the_next_call_native():
 def pose_float64():
     torch.manual_seed(0)
     loss = DualBranchPoseLoss().double()
-    fast = optimize(loss, passes=[PairRLE(), CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder())])
+    fast = optimize(loss, passes=[PairRLE(), CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder(), record_after=1)])
     return loss, fast
 
 
@@ -276,7 +306,7 @@ def test_regions_returning_sizes_and_ints_replay_with_their_constants():
 
 def test_pose_outputs_held_across_steps_keep_their_values():
     loss = DualBranchPoseLoss()
-    fast = optimize(loss, passes=[PairRLE(), CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder())])
+    fast = optimize(loss, passes=[PairRLE(), CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder(), record_after=1)])
     first = fast(make_batch(2, seed=0, image_size=96))
     first.total.backward()
     kept = {(b, k): v.detach().clone() for b in first.branches for k, v in first.branches[b].items()}
@@ -345,7 +375,7 @@ class LogAbsLoss(torch.nn.Module):
 
 def test_paired_call_whose_padding_is_unsafe_stays_eager():
     loss = LogAbsLoss()
-    fast = optimize(loss, passes=[PairRLE(), CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder())])
+    fast = optimize(loss, passes=[PairRLE(), CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder(), record_after=1)])
     a, b = torch.randn(6, 2), torch.randn(6, 2)
     mask = torch.tensor([True, False, True, True, False, True])
     assert torch.allclose(fast(a, b, mask), loss(a, b, mask))
