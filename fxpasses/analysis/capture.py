@@ -6,6 +6,14 @@ groups capturable nodes into convex regions (fusing a region into one call must 
 acyclic) that never span a *barrier* — a grad-mode switch, an op that writes its inputs, user code
 whose effects are unknown — because fusing a region moves its nodes to one place in the graph,
 which is only safe across pure nodes. The grouping is written by hand (see :func:`_grow_regions`).
+
+A region is worth a replay when it launches at least ``min_region_ops`` kernels *and* more
+kernels than the launches a replay adds: its two graph launches (forward, backward), and a copy
+for each tensor it receives (into the recording's static buffer; parameters and buffers are read
+in place) and each tensor it hands on (cloned out of graph memory where the caller sees it),
+mirrored in the backward.
+A region of small ops between data-dependent shapes (five kernels, nine tensors crossing) would
+run slower replayed than eagerly.
 """
 
 from __future__ import annotations
@@ -17,8 +25,17 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..facts import BucketedSizes, proven
+from ..runtime.trace_ops import ReadSource, ReadState
 from .capture_rules import Verdict, launches_kernels, verdict
-from .meta import value
+from .meta import tensors_in, value
+
+
+def is_state(arg: object) -> bool:
+    """A value the graph reads from the loss's state (a parameter, a buffer, a tensor attribute)
+    rather than computes or receives as input: replays read it in place."""
+    if not isinstance(arg, fx.Node):
+        return False
+    return arg.op == "get_attr" or (arg.op == "call_function" and isinstance(arg.target, (ReadState, ReadSource)))
 
 
 def classify(node: fx.Node, devices: Sequence[str] = ("cuda",),
@@ -39,6 +56,9 @@ def bucketed_symbols(gm: fx.GraphModule) -> frozenset:
     return frozenset(found)
 
 
+REPLAY_LAUNCHES = 2  # a replay launches two graphs: the forward's and the backward's
+
+
 @dataclass
 class CapturePlan:
     verdicts: dict[fx.Node, Verdict]
@@ -49,16 +69,31 @@ class CapturePlan:
     def kernel_ops(region: list[fx.Node]) -> int:
         return sum(launches_kernels(n) for n in region)
 
+    @staticmethod
+    def copies(region: list[fx.Node]) -> int:
+        """Tensors a replay copies: those the region receives (not state, read in place) and
+        those it hands on (see the module docstring)."""
+        inside = set(region)
+        received = {a for n in region for a in n.all_input_nodes if a not in inside and not is_state(a)}
+        handed = {n for n in region if any(u not in inside for u in n.users)}
+        return sum(len(tensors_in(value(n))) for n in (*received, *handed))
+
+    def worth_capturing(self, region: list[fx.Node], min_region_ops: int, count_copies: bool = True) -> bool:
+        kernels = self.kernel_ops(region)
+        if kernels < min_region_ops:
+            return False
+        return not count_copies or kernels >= self.copies(region) + REPLAY_LAUNCHES
+
 
 def plan_regions(gm: fx.GraphModule, devices: Sequence[str] = ("cuda",),
-                 min_region_ops: int = 4) -> CapturePlan:
+                 min_region_ops: int = 4, count_copies: bool = True) -> CapturePlan:
     """Classify every node and group the capturable ones into regions (see module docstring)."""
     static = bucketed_symbols(gm)
     verdicts = {n: classify(n, devices, static) for n in gm.graph.nodes}
     plan = CapturePlan(verdicts)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for nodes in _grow_regions(gm.graph, verdicts):
-        bucket = plan.regions if plan.kernel_ops(nodes) >= min_region_ops else plan.too_small
+        bucket = plan.regions if plan.worth_capturing(nodes, min_region_ops, count_copies) else plan.too_small
         bucket.append(sorted(nodes, key=order.__getitem__))
     plan.regions.sort(key=lambda r: order[r[0]])
     return plan

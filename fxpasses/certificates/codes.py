@@ -235,7 +235,8 @@ _CODES = (
          "The node's shape depends on data (downstream of a data-dependent op); it runs eagerly.",
          "Reduce to a static shape (sum/mean) before the next region, or use static selections."),
     Code("region-too-small", "refusal",
-         "The capturable region launches too few kernels for a replay to pay off.",
+         "The capturable region launches too few kernels for a replay to pay off: fewer than "
+         "min_region_ops, or fewer than the tensors a replay would copy in and out.",
          "Lower CaptureLoss(min_region_ops=...) if you want it captured anyway."),
     Code("padding-unsafe", "refusal",
          "Zero rows appended to a paired call's rows change the real rows' values or gradients (or "

@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 
-from ..analysis.capture import CapturePlan, Verdict, plan_regions
+from ..analysis.capture import CapturePlan, Verdict, is_state, plan_regions
 from ..analysis.fusion import fuse_region
 from ..analysis.meta import tensors_in, value
 from ..analysis.witness import padding_witness, witness_holds
@@ -29,19 +29,10 @@ from ..pipeline import PassResult
 from ..runtime import RuntimeOp
 from ..runtime.capture import CapturedRegion, Recorder
 from ..runtime.ownership import OwnedOutputs
-from ..runtime.trace_ops import ReadSource, ReadState
 from ..runtime.paired_capture import CapturedPairedCall
 from ..locations import node_location
 
 _PREFIX = "capture_region_"
-def _is_state(arg: object) -> bool:
-    """A value the graph reads from the loss's state (a parameter, a buffer, a tensor attribute)
-    rather than computes or receives as input: replays read it in place."""
-    if not isinstance(arg, fx.Node):
-        return False
-    return arg.op == "get_attr" or (arg.op == "call_function" and isinstance(arg.target, (ReadState, ReadSource)))
-
-
 def _histogram(nodes: Sequence[fx.Node], verdicts: dict[fx.Node, Verdict]) -> dict[str, int]:
     return dict(Counter(verdicts[n].op for n in nodes).most_common(12))
 
@@ -53,6 +44,9 @@ class CaptureLoss:
     ``record_after``: the call on which a signature is recorded (the earlier ones run eagerly):
     the second by default, so that a shape seen once (a data-dependent one) costs no recording.
     ``min_region_ops``: regions launching fewer ops are not worth a replay.
+    ``count_copies``: a region must also launch more kernels than a replay adds launches (its
+    copies in and out, its two graph launches); False captures every region of
+    ``min_region_ops`` kernels (tests of the replay machinery on tiny regions).
     ``min_bucket``: the smallest padded row count of a captured paired call.
     ``recorder``: how regions are recorded (default: CUDA graphs; tests pass a fake one).
     ``devices``: device types whose tensors may be captured.
@@ -61,7 +55,7 @@ class CaptureLoss:
     name = "CaptureLoss"
 
     def __init__(self, *, max_recordings: int = 8, record_after: int = 2, min_region_ops: int = 4,
-                 min_bucket: int = 1024,
+                 min_bucket: int = 1024, count_copies: bool = True,
                  recorder: Recorder | None = None, devices: Sequence[str] = ("cuda",)):
         if max_recordings < 1:
             raise ValueError(f"max_recordings must be >= 1, got {max_recordings}")
@@ -69,6 +63,7 @@ class CaptureLoss:
             raise ValueError(f"record_after must be >= 1, got {record_after}")
         self.max_recordings = max_recordings
         self.record_after = record_after
+        self.count_copies = count_copies
         self.min_region_ops = min_region_ops
         self.min_bucket = min_bucket
         self.recorder = recorder
@@ -90,7 +85,7 @@ class CaptureLoss:
                             None if cuda_ok else "cuda-unavailable")]
             return PassResult(gm, False, [Certificate.from_checks(self.name, Site((), (), "whole loss"),
                                                                   checks)])
-        plan = plan_regions(gm, self.devices, self.min_region_ops)
+        plan = plan_regions(gm, self.devices, self.min_region_ops, self.count_copies)
         certificates = self._refusals(plan) + self._too_small(plan)
         region_certs = [self._region_certificate(i, nodes, plan) for i, nodes in enumerate(plan.regions)]
         calls = [(node, fact) for node in gm.graph.nodes
@@ -123,7 +118,7 @@ class CaptureLoss:
         regions = []
         for node in fused:
             # parameters, buffers and other state read by the graph are used in place, never copied
-            identity = frozenset(i for i, a in enumerate(node.args) if _is_state(a))
+            identity = frozenset(i for i, a in enumerate(node.args) if is_state(a))
             region = CapturedRegion(node.target, gm.get_submodule(node.target), identity=identity,
                                     max_recordings=self.max_recordings, record_after=self.record_after,
                                     recorder=self.recorder)
@@ -207,6 +202,7 @@ class CaptureLoss:
         certs = []
         for nodes in plan.too_small:
             check = Check("region-size", False, {"kernel_ops": plan.kernel_ops(nodes),
+                                                 "copies": plan.copies(nodes),
                                                  "min_region_ops": self.min_region_ops,
                                                  "ops": _histogram(nodes, plan.verdicts)},
                           "region-too-small")

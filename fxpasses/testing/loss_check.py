@@ -50,9 +50,11 @@ from .random_losses import LossCase
 
 
 def _capture() -> CaptureLoss:
-    # min_region_ops=1 captures the tiny programs' short regions; min_bucket=4 makes calls with
-    # different row counts use different recordings of a captured paired call.
-    return CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder(), min_region_ops=1, min_bucket=4)
+    # min_region_ops=1 and count_copies=False capture the tiny programs' short regions, recorded
+    # on their first call; min_bucket=4 makes calls with different row counts use different
+    # recordings of a captured paired call.
+    return CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder(), min_region_ops=1, min_bucket=4,
+                       count_copies=False, record_after=1)
 
 
 ARMS: dict[str, Callable[[], list]] = {

@@ -94,6 +94,38 @@ def _downstream(node):
     return found
 
 
+class Spread(torch.nn.Module):
+    """Six kernels, five tensors in and five out: a replay would add more launches than it saves."""
+
+    def forward(self, a, b, c, d, e):
+        return a + b, c * d, (e - a).abs(), b.exp(), c.sin()
+
+
+class Chain(torch.nn.Module):
+    """Twenty kernels on one tensor in, one out."""
+
+    def forward(self, a):
+        for _ in range(10):
+            a = (a * 1.5).tanh()
+        return a
+
+
+def test_a_region_must_launch_more_kernels_than_a_replay_adds():
+    args = [torch.randn(3, requires_grad=True) for _ in range(5)]
+    fast, _ = _captured(Spread(), count_copies=True)
+    fast(*args)
+    (cert,) = [c for c in fast.certificates if c.pass_name == "CaptureLoss" and "region-too-small" in c.codes]
+    assert cert.checks[0].evidence["kernel_ops"] == 6 and cert.checks[0].evidence["copies"] == 10
+    assert not any(c.applied and "region" in c.effect for c in fast.certificates)
+    fast, _ = _captured(Spread(), count_copies=False)  # every region of min_region_ops kernels
+    fast(*args)
+    assert any(c.applied and "region" in c.effect for c in fast.certificates)
+    fast, _ = _captured(Chain(), count_copies=True)
+    assert torch.allclose(fast(args[0]), Chain()(args[0]))
+    (region,) = [c for c in fast.certificates if c.applied and "region" in c.effect]
+    assert region.effect["kernel_ops"] == 20
+
+
 def test_regions_need_capture_devices_and_fake_cuda_tensors_plan_on_a_cpu():
     gm = trace(Mixed(), _args(), policy=LeafPolicy(leaf_functions=(opaque,)))
     with fake_mode():

@@ -111,7 +111,7 @@ PIPELINES = {
     "select-then-pair": lambda: [SelectRows(min_bucket=4), PairRLE()],
     "all": lambda: [PairRLE(), SelectRows(min_bucket=4),
                     CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder(), min_region_ops=1,
-                                max_recordings=64)],
+                                max_recordings=64, count_copies=False, record_after=1)],
 }
 _OPTIMIZED: dict[str, tuple] = {}
 

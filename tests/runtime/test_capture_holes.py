@@ -36,8 +36,9 @@ def device(request):
 
 def capture(device: str = "cpu") -> CaptureLoss:
     if device == "cuda":
-        return CaptureLoss(min_bucket=8)  # real CUDA graphs
-    return CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder(), min_bucket=8)
+        return CaptureLoss(min_bucket=8, count_copies=False, record_after=1)  # real CUDA graphs
+    return CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder(), min_bucket=8, count_copies=False,
+                       record_after=1)  # every small region, replayed from the first call
 
 
 class Flow(nn.Module):
