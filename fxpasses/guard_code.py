@@ -19,7 +19,8 @@ submodules, modes of the loss and of the modules the traces depend on): ``check(
 ``True`` only when every one holds; ``False`` sends the caller to the exact path, which says
 which one failed (or that none did). It reads each module's ``__dict__`` once, for all four kinds
 (the exact path walks the modules once per kind, and in training, with cold caches, each module
-touched costs more than the comparisons).
+touched costs more than the comparisons), in one loop over a record per module (unrolled, the
+checks' own bytecode is cold too: 140 against 103 µs for 42 modules after the cache is flushed).
 """
 
 from __future__ import annotations
@@ -198,8 +199,7 @@ def _whole_lines(w: _Writer, by_kind: dict[str, Assumption], loss: Any, modules:
         seen = w.constant([tuple(vars(loss)), tuple(map(id, values)), values], "seen_")
         lines.append(f"{body}if not same_callables({w.constant(loss, 'loss_')}, {seen}, "
                      f"{w.constant(_instance_methods(loss), 'expected_')}): return False")
-    for m in modules:
-        _module_lines(w, m, methods, "modules" in by_kind, "modes" in by_kind, body)
+    _module_lines(w, modules, methods, "modules" in by_kind, "modes" in by_kind, body)
     if methods:
         for cls in classes:
             _class_lines(w, cls, body)
@@ -221,39 +221,34 @@ def _same_callables(obj: Any, seen: list, expected: tuple) -> bool:
     return True
 
 
-def _module_lines(w: _Writer, m: nn.Module, methods: bool, children: bool, modes: bool,
-                  body: str) -> None:
-    """One module's checks, all from one read of its ``__dict__``."""
+def _module_lines(w: _Writer, modules: Sequence[nn.Module], methods: bool, children: bool,
+                  modes: bool, body: str) -> None:
+    """Every module's checks, in one loop over a record per module, each from one read of its
+    ``__dict__``: in training, with cold caches, 42 unrolled blocks of checks cost a third more
+    than one loop (their bytecode and constants are cold too)."""
+    if not modules:
+        return
+    records = []
+    for m in modules:
+        shadowing, compiled = _module_overrides(m) if methods else ((), id(None))
+        records.append((m, m.training, tuple(map(id, m._modules.values())), tuple(m.__dict__),
+                        _method_names(type(m)) if methods else frozenset(), shadowing, compiled))
+    w.constant(tuple(tuple(m._modules.values()) for m in modules), "children_")  # held: ids not reused
     lines = w.lines
-    d = f"d{len(w.names)}"
-    lines.append(f"{body}{d} = {w.constant(m, 'module_')}.__dict__")
+    lines.append(f"{body}for m, training, kids, keys, names, shadowing, compiled in {w.constant(tuple(records), 'records_')}:")
+    inner = body + "    "
+    lines.append(f"{inner}d = m.__dict__")
     if modes:
-        mode = m.training
-        test = f"{d}['training'] is not {mode}" if type(mode) is bool else \
-            f"{d}['training'] != {w.constant(mode, 'expected_')}"
-        lines.append(f"{body}if {test}: return False")
+        lines.append(f"{inner}if d['training'] is not training and d['training'] != training: return False")
     if children:
-        kept = tuple(m._modules.values())  # held: their ids cannot be reused while compared
-        if kept:
-            lines.append(f"{body}if tuple(map(id, {d}['_modules'].values())) != "
-                         f"{w.constant(tuple(map(id, kept)), 'expected_')}: return False")
-            w.constant(kept, "children_")
-        else:
-            lines.append(f"{body}if {d}['_modules']: return False")
+        lines.append(f"{inner}if tuple(map(id, d['_modules'].values())) != kids: return False")
     if methods:
-        shadowing, compiled = _module_overrides(m)
-        if shadowing:
-            lines.append(f"{body}if module_overrides({w.constant(m, 'module_')})[0] != "
-                         f"{w.constant(shadowing, 'expected_')}: return False")
-        else:
-            keys = w.shared(tuple(m.__dict__), "keys_")  # the same names: none shadows a method
-            lines.append(f"{body}if tuple({d}) != {keys} and not "
-                         f"{w.constant(_method_names(type(m)), 'names_')}.isdisjoint({d}): return False")
-        if compiled == id(None):
-            lines.append(f"{body}if {d}.get('_compiled_call_impl') is not None: return False")
-        else:
-            lines.append(f"{body}if module_overrides({w.constant(m, 'module_')})[1] != {compiled}:"
-                         " return False")
+        lines.append(f"{inner}if shadowing:")
+        lines.append(f"{inner}    if module_overrides(m)[0] != shadowing: return False")
+        lines.append(f"{inner}elif tuple(d) != keys and not names.isdisjoint(d): return False")
+        lines.append(f"{inner}if compiled == {id(None)}:")
+        lines.append(f"{inner}    if d.get('_compiled_call_impl') is not None: return False")
+        lines.append(f"{inner}elif module_overrides(m)[1] != compiled: return False")
 
 
 def _class_lines(w: _Writer, cls: type, body: str) -> None:

@@ -105,6 +105,10 @@ class CallSignature:
         return compile_matcher(self.in_spec, dict(zip(self.input_slots, self.input_kinds)),
                                dict(self.constants), _same_constant, leaf_kind)
 
+    def prepare(self) -> None:
+        """Generate the matcher now (with the trace, not in the first call it matches)."""
+        self._matcher  # noqa: B018 (a cached property: computed once)
+
     def leaves_of(self, args: tuple, kwargs: dict,
                   flat: Callable[[], tuple[list[Any], Any]]) -> list[Any] | None:
         """The call's leaves when it matches this signature (:meth:`matches`), else None: by

@@ -113,6 +113,7 @@ def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pas
                     if a.kind in _PER_TRACE_KINDS)
     special.assumptions = info.assumptions + ambient
     special.check = compile_check(special.assumptions)
+    special.signature.prepare()
     certificate = dataclasses.replace(_trace_certificate(loss, info, special.assumptions),
                                       graph_fingerprint=fingerprint(gm))
     special.certificates.append(certificate)

@@ -135,7 +135,7 @@ def _loss_tree():
 
 
 _WHOLE_CHANGES = st.lists(st.tuples(
-    st.sampled_from(["eval", "train", "replace-child", "reorder-children", "shadow-forward",
+    st.sampled_from(["eval", "train", "replace-child", "reorder-children", "shadow-forward", "shadow-extra-repr",
                      "plain-attribute", "hook", "compile", "class-method", "class-constant",
                      "class-method-replaced", "instance-hook-dict"]),
     st.integers(0, 20)), max_size=3)
@@ -157,6 +157,8 @@ def _apply_whole(loss, modules, changes):
             m._modules[name] = m._modules.pop(name)
         elif action == "shadow-forward":
             m.forward = lambda *a: 0
+        elif action == "shadow-extra-repr":
+            m.extra_repr = lambda: ""
         elif action == "plain-attribute":
             m.note = k
         elif action == "hook":
@@ -173,12 +175,19 @@ def _apply_whole(loss, modules, changes):
             m._forward_pre_hooks[10_000 + k] = lambda *a: None  # no handle made: no counter moved
 
 
+# the state when the guards are recorded: a module whose forward is shadowed on the instance,
+# or that Module.compile() has wrapped, is recorded as such (the changes then replace it again)
+_WHOLE_SETUP = st.tuples(st.sampled_from(["plain", "shadow-forward", "compile"]), st.integers(0, 20))
+
+
 @settings(max_examples=300, deadline=None, derandomize=True)
-@given(_WHOLE_CHANGES)
-def test_the_generated_whole_loss_check_never_passes_what_the_exact_path_fails(changes):
+@given(_WHOLE_SETUP, _WHOLE_CHANGES)
+def test_the_generated_whole_loss_check_never_passes_what_the_exact_path_fails(setup, changes):
     from fxpasses.guard_code import compile_whole_check
     from fxpasses.guards import user_classes
     loss, modules = _loss_tree()
+    if setup[0] != "plain":
+        _apply_whole(loss, modules, [setup])
     classes = user_classes([loss, *modules])
     roots = lambda: LossRoots(loss, (), modules, classes)
     whole = tuple(a for a in whole_loss_assumptions(roots()) if a.kind in ("hooks", "methods",
@@ -189,7 +198,7 @@ def test_the_generated_whole_loss_check_never_passes_what_the_exact_path_fails(c
     exact = first_failure(whole, roots())
     if check():
         assert exact is None
-    guarded = {"eval", "replace-child", "reorder-children", "shadow-forward", "hook", "compile",
+    guarded = {"eval", "replace-child", "reorder-children", "shadow-forward", "shadow-extra-repr", "hook", "compile",
                "class-method", "class-method-replaced"}
     stricter = {"class-constant"}  # a class value rebound: the generated check defers to the exact path
     if exact is None and not (guarded | stricter) & {a for a, _ in changes}:
