@@ -262,6 +262,11 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
             out = loss_fn(*args, **kwargs)
             spec = _output(rec, out)
             rec.paused = True  # what the contexts do on exit is not the loss's
+        written = tracker.container_writes()
+        if written:
+            raise Unsupported(f"the loss writes into {written[0]}, a container it reads: such "
+                              "writes are not recorded (keep that state in an attribute, or make "
+                              "the function that writes it a leaf)")
     except Exception as exc:  # any failure becomes a refusal certificate naming the line
         raise TraceFailure(_failure_certificate(loss_fn, exc), exc) from exc
     finally:

@@ -97,6 +97,7 @@ class ObjectTracker:
         self._written: dict[tuple[int, str], Any] = {}
         self._restore: list[tuple[Any, str, Any]] = []
         self._restore_items: list[tuple[Any, Any, float, TracedScalar]] = []  # (dict or cell, key, float, input)
+        self._kept: dict[int, tuple[Any, Any, str]] = {}  # container -> (its items' holder, a copy, where)
         self._patched: list[tuple[type, str, Any]] = []
         self._seen_code: set[Any] = set()
         self._used: dict[int, nn.Module] = {}  # modules the traced code read an attribute of
@@ -220,13 +221,13 @@ class ObjectTracker:
         rec.node("call_function", WriteAttribute(f"write_{name}", name), (owner, rec.arg(value)))
 
     def restore(self) -> None:
-        """Put back every attribute the trace wrote (the graph writes them on each call), and
-        every float that an input stood in for."""
-        for held, key, seen, traced in reversed(self._restore_items):
-            if key is None and held.cell_contents is traced:
-                held.cell_contents = seen
-            elif key is not None and dict.get(held, key) is traced:
-                dict.__setitem__(held, key, seen)
+        """Put back every attribute the trace wrote (the graph writes them on each call), every
+        float that an input stood in for, and the contents of every container the loss wrote
+        into (:meth:`container_writes`)."""
+        self._put_back_floats()
+        for held, kept, _ in self._kept.values():
+            if not _same_items(held, kept):
+                _put_back(held, kept)
         for obj, name, old in reversed(self._restore):
             if old is _MISSING:
                 object.__delattr__(obj, name) if name in getattr(obj, "__dict__", {}) else None
@@ -348,10 +349,47 @@ class ObjectTracker:
         self._contents(value, source)
         self._track_items(value, source, depth=4)  # as deep as the snapshot compares
 
+    def _put_back_floats(self) -> None:
+        for held, key, seen, traced in reversed(self._restore_items):
+            if key is None and held.cell_contents is traced:
+                held.cell_contents = seen
+            elif key is not None and dict.get(held, key) is traced:
+                dict.__setitem__(held, key, seen)
+
+    def container_writes(self) -> list[str]:
+        """Where the loss wrote into a container it read (an item set, deleted or appended, an
+        input's stand-in replaced): the graph cannot record such writes, so the trace must be
+        refused (:meth:`restore` undoes them). Ends the floats' stand-ins."""
+        self._put_back_floats()
+        return [where for held, kept, where in self._kept.values() if not _same_items(held, kept)]
+
+    def _keep_contents(self, value: Any, where: str, depth: int = 4) -> None:
+        """A shallow copy of a container and of those in it, as deep as a snapshot compares."""
+        if depth <= 0 or id(value) in self._kept:
+            return
+        held = vars(value) if isinstance(value, types.SimpleNamespace) or (
+            dataclasses.is_dataclass(value) and hasattr(value, "__dict__")) else value
+        if isinstance(held, dict):
+            kept: Any = dict(dict.items(held))
+        elif isinstance(held, list):
+            kept = list.copy(held)
+        elif isinstance(held, set):
+            kept = set.copy(held)
+        elif isinstance(held, (tuple, frozenset)):
+            kept = None
+        else:
+            return
+        if kept is not None:
+            self._kept[id(value)] = (held, kept, where)
+        for item in (held.values() if isinstance(held, dict) else held):
+            if is_container(item):
+                self._keep_contents(item, where, depth - 1)
+
     def _contents(self, value: Any, source: Source) -> None:
         """A ``contents`` assumption; and each float a dict or namespace in it holds becomes an
         input: replaced, until the trace ends, by a value the graph reads at its source on every
         call (a dict or namespace item cannot be followed as an attribute read is)."""
+        self._keep_contents(value, str(source))
         floats: list = []
         expected = snapshot(value, floats=floats)
         inputs = ", ".join(_path_text(path) for path, _, _ in floats)
@@ -486,6 +524,27 @@ def _setattr_hook(original: Any) -> Any:
         original(obj, name, value)
 
     return __setattr__
+
+
+def _same_items(held: Any, kept: Any) -> bool:
+    """Whether ``held`` holds the very objects ``kept`` (a copy made before) holds."""
+    if isinstance(held, dict):
+        return len(held) == len(kept) and all(
+            k in kept and v is kept[k] for k, v in dict.items(held)) and list(held) == list(kept)
+    if isinstance(held, list):
+        return len(held) == len(kept) and all(a is b for a, b in zip(held, kept))
+    return held == kept  # a set
+
+
+def _put_back(held: Any, kept: Any) -> None:
+    if isinstance(held, dict):
+        dict.clear(held)
+        dict.update(held, kept)
+    elif isinstance(held, list):
+        list.__setitem__(held, slice(None), kept)
+    else:
+        set.clear(held)
+        set.update(held, kept)
 
 
 def _module_value(module: nn.Module, name: str) -> Any:

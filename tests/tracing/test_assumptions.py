@@ -614,3 +614,40 @@ def test_a_value_bound_before_the_call_is_never_stale(bound, change):
         scale.k = 9
     assert torch.allclose(fast_call(a, b), call(a, b))
     assert fast.stats.native == {}
+
+
+class WritesIntoItsContainers(nn.Module):
+    """A running mean kept in a dict, a history list, a decayed gain: state written into
+    containers the loss reads, which no graph node records."""
+
+    def __init__(self, where: str):
+        super().__init__()
+        self.where = where
+        self.state = {"ema": torch.zeros(())}
+        self.history = []
+        self.gains = {"w": 1.0}
+
+    def forward(self, x):
+        loss = (x ** 2).mean() * self.gains["w"]
+        if self.where == "dict item":
+            self.state["ema"] = 0.9 * self.state["ema"] + 0.1 * loss.detach()
+        elif self.where == "list append":
+            self.history.append(loss.detach())
+        elif self.where == "float input":
+            self.gains["w"] = self.gains["w"] * 0.5
+        return loss + self.state["ema"] + len(self.history)
+
+
+@pytest.mark.parametrize("where", ["dict item", "list append", "float input"])
+def test_a_loss_writing_into_a_container_it_reads_is_refused_and_runs_natively(where):
+    optimized, native = WritesIntoItsContainers(where), WritesIntoItsContainers(where)
+    fast = optimize(optimized)
+    for step in range(3):
+        x = torch.full((3,), float(step + 1), requires_grad=True)
+        assert torch.equal(fast(x), native(x))  # each call's write made once, as natively
+        assert torch.equal(optimized.state["ema"], native.state["ema"])
+        assert len(optimized.history) == len(native.history) and optimized.gains == native.gains
+        assert type(optimized.state["ema"]) is torch.Tensor  # no trace carrier left behind
+    assert fast.stats.native == {"trace-unsupported": 3} and not fast.stats.optimized
+    (cert,) = [c for c in fast.certificates if c.pass_name == "trace"]
+    assert "a container it reads" in cert.message and "loss." in cert.message
