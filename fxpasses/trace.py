@@ -267,6 +267,12 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
             raise Unsupported(f"the loss writes into {written[0]}, a container it reads: such "
                               "writes are not recorded (keep that state in an attribute, or make "
                               "the function that writes it a leaf)")
+        written = rec.unrecorded_writes()
+        if written:
+            raise Unsupported(f"the loss writes in place into a tensor it reads from {written[0]} "
+                              "(a container, a global or a closure variable): the graph reads that "
+                              "tensor as a constant and cannot record the write (keep the tensor "
+                              "in an attribute, or make the function that writes it a leaf)")
     except Exception as exc:  # any failure becomes a refusal certificate naming the line
         raise TraceFailure(_failure_certificate(loss_fn, exc), exc) from exc
     finally:

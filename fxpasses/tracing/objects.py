@@ -222,12 +222,14 @@ class ObjectTracker:
 
     def restore(self) -> None:
         """Put back every attribute the trace wrote (the graph writes them on each call), every
-        float that an input stood in for, and the contents of every container the loss wrote
-        into (:meth:`container_writes`)."""
+        float that an input stood in for, the contents of every container the loss wrote into
+        (:meth:`container_writes`) and the values of the tensors it read from its state and
+        wrote in place (the first call makes its writes once)."""
         self._put_back_floats()
         for held, kept, _ in self._kept.values():
             if not _same_items(held, kept):
                 _put_back(held, kept)
+        self.recorder.put_back()
         for obj, name, old in reversed(self._restore):
             if old is _MISSING:
                 object.__delattr__(obj, name) if name in getattr(obj, "__dict__", {}) else None
@@ -331,6 +333,7 @@ class ObjectTracker:
             self._assume("constant", source, value, repr(value))
         elif isinstance(value, torch.Tensor):
             self._assume("identity", source, value, f"tensor {tuple(value.shape)}")
+            self.recorder.keep(value, str(source), followed=False)
         elif is_container(value):
             self._container(value, source)
         else:  # an object, callable or not (a partial, an instance with __call__): its reads too
@@ -384,6 +387,8 @@ class ObjectTracker:
         for item in (held.values() if isinstance(held, dict) else held):
             if is_container(item):
                 self._keep_contents(item, where, depth - 1)
+            elif isinstance(item, torch.Tensor):  # read as a constant: a write to it is no node
+                self.recorder.keep(item, where, followed=False)
 
     def _contents(self, value: Any, source: Source) -> None:
         """A ``contents`` assumption; and each float a dict or namespace in it holds becomes an

@@ -78,6 +78,7 @@ class Recorder:
         self._state: dict[int, tuple[nn.Module, str, str]] = {}  # id(tensor) -> (owner, name, path)
         self._modules: dict[int, str] = {}  # id(module) -> qualified name
         self._outside: set[int] = set()  # storages of inputs, parameters and buffers
+        self._kept: dict[int, tuple] = {}  # id -> (tensor, version, value, where, followed): see keep()
         self.index_root_modules()
 
     # -- nodes -------------------------------------------------------------------------------
@@ -148,6 +149,26 @@ class Recorder:
 
     def note_outside(self, tensor: torch.Tensor) -> None:
         self._outside.add(_storage(tensor))
+
+    def keep(self, tensor: torch.Tensor, where: str, followed: bool) -> None:
+        """Keep the value of a tensor the loss reads from its state: the trace runs the loss's
+        in-place writes on it for real, and the first call must make them once (:meth:`put_back`).
+        ``followed``: the trace reads it as a traced value (its writes are nodes); else any
+        write to it was made behind the trace's back (:meth:`unrecorded_writes`)."""
+        if isinstance(tensor, torch.Tensor) and id(tensor) not in self._kept:
+            self._kept[id(tensor)] = (tensor, tensor._version, tensor.detach().clone(), where, followed)
+
+    def unrecorded_writes(self) -> list[str]:
+        """Where a tensor the trace does not follow was written in place during the trace."""
+        return [where for tensor, version, _, where, followed in self._kept.values()
+                if not followed and tensor._version != version]
+
+    def put_back(self) -> None:
+        """The kept tensors' values as before the trace (see :meth:`keep`)."""
+        with torch.no_grad():
+            for tensor, version, saved, _, _ in self._kept.values():
+                if tensor._version != version:
+                    tensor.copy_(saved)
 
     # -- values into nodes, nodes into values -------------------------------------------------
     def arg(self, value: Any) -> Any:
@@ -330,6 +351,7 @@ class Recorder:
         node = self.node("call_function", read, given)
         if isinstance(value, torch.Tensor):
             self.note_outside(value)
+            self.keep(value, read.shown, followed=True)
         return self.wrap(value, node)
 
 
