@@ -20,6 +20,7 @@ import torch.fx as fx
 from .certificates import Certificate, Check, Guard, Site
 from .guard_code import compile_check
 from .guards import Assumption, LossRoots, first_failure, whole_loss_assumptions
+from .tracing.recorder import put_back
 from .log import logger
 from .pipeline import Pass, PipelineRun, fingerprint, run_pipeline
 from .signature import CallSignature, flatten_call
@@ -121,7 +122,10 @@ def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pas
         special.disabled = certificate.codes[0]
         return special
     start = time.perf_counter()
-    special.run = run_pipeline(gm, passes, info.signature.inputs(leaves))
+    try:
+        special.run = run_pipeline(gm, passes, info.signature.inputs(leaves))
+    finally:
+        put_back(info.written_state)  # the first call makes the loss's writes, once
     special.seconds["pipeline"] = time.perf_counter() - start
     special.graph_module = special.run.graph_module
     special.certificates.extend(special.run.certificates)

@@ -83,6 +83,9 @@ class TraceInfo:
     # code read an attribute of, and those called as one node, with their submodules
     modules: tuple[nn.Module, ...]
     nodes: int
+    # (tensor, version, value) of the loss's state the trace wrote in place and put back: the
+    # passes' runs of the graph write them again, and are undone the same way before the first call
+    written_state: tuple = ()
 
     def unflatten_output(self, flat: Any) -> Any:
         return pytree.tree_unflatten(list(flat), self.out_spec)
@@ -282,6 +285,6 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
                              *(m for opaque in rec.opaque_modules.values() for m in opaque.modules())])
     gm.meta[META_KEY] = TraceInfo(signature, spec, tuple(tracker.assumptions.values()),
                                   tuple(rec.guards), rec.writes_before_guards(), tuple(modules),
-                                  len(rec.graph.nodes))
+                                  len(rec.graph.nodes), tracker.written_state)
     return gm
 

@@ -98,6 +98,7 @@ class ObjectTracker:
         self._restore: list[tuple[Any, str, Any]] = []
         self._restore_items: list[tuple[Any, Any, float, TracedScalar]] = []  # (dict or cell, key, float, input)
         self._kept: dict[int, tuple[Any, Any, str]] = {}  # container -> (its items' holder, a copy, where)
+        self.written_state: tuple = ()  # tensors of the loss's state the trace wrote (put back)
         self._patched: list[tuple[type, str, Any]] = []
         self._seen_code: set[Any] = set()
         self._used: dict[int, nn.Module] = {}  # modules the traced code read an attribute of
@@ -229,7 +230,7 @@ class ObjectTracker:
         for held, kept, _ in self._kept.values():
             if not _same_items(held, kept):
                 _put_back(held, kept)
-        self.recorder.put_back()
+        self.written_state = self.recorder.put_back()
         for obj, name, old in reversed(self._restore):
             if old is _MISSING:
                 object.__delattr__(obj, name) if name in getattr(obj, "__dict__", {}) else None

@@ -155,20 +155,22 @@ class Recorder:
         in-place writes on it for real, and the first call must make them once (:meth:`put_back`).
         ``followed``: the trace reads it as a traced value (its writes are nodes); else any
         write to it was made behind the trace's back (:meth:`unrecorded_writes`)."""
-        if isinstance(tensor, torch.Tensor) and id(tensor) not in self._kept:
-            self._kept[id(tensor)] = (tensor, tensor._version, tensor.detach().clone(), where, followed)
+        if isinstance(tensor, torch.Tensor) and _storage(tensor) not in self._kept:
+            with torch._C.DisableTorchFunctionSubclass():
+                saved = tensor.detach().clone()
+            self._kept[_storage(tensor)] = (tensor, tensor._version, saved, where, followed)
 
     def unrecorded_writes(self) -> list[str]:
         """Where a tensor the trace does not follow was written in place during the trace."""
         return [where for tensor, version, _, where, followed in self._kept.values()
                 if not followed and tensor._version != version]
 
-    def put_back(self) -> None:
-        """The kept tensors' values as before the trace (see :meth:`keep`)."""
-        with torch.no_grad():
-            for tensor, version, saved, _, _ in self._kept.values():
-                if tensor._version != version:
-                    tensor.copy_(saved)
+    def put_back(self) -> tuple[tuple[torch.Tensor, int, torch.Tensor], ...]:
+        """The kept tensors' values as before the trace (see :meth:`keep`). Returns those that
+        were written, as ``(tensor, version now, value)``: what ran the graph before its first
+        call (the passes' propagation) must put them back again (:func:`put_back`)."""
+        written = tuple((t, saved) for t, version, saved, _, _ in self._kept.values() if t._version != version)
+        return put_back(tuple((t, -1, saved) for t, saved in written))
 
     # -- values into nodes, nodes into values -------------------------------------------------
     def arg(self, value: Any) -> Any:
@@ -277,8 +279,10 @@ class Recorder:
 
     def call(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Run ``func`` and record it as one node; see the module docstring."""
-        out = self.run(func, args, kwargs)
         name = _name(func)
+        if method_writes_self(name):
+            self._keep_written(args[0])
+        out = self.run(func, args, kwargs)
         node_args = tuple(args)
         if func is torch.Tensor.__getitem__:
             op, target = "call_function", operator.getitem
@@ -298,6 +302,12 @@ class Recorder:
             out = out.as_subclass(TracedTensor)
         return self.wrap(out, node)
 
+    def _keep_written(self, tensor: Any) -> None:
+        """Before an in-place write to an input, a parameter, a buffer or a tensor read from
+        the loss's state: keep its value (the trace's own write is undone, see :meth:`keep`)."""
+        if isinstance(tensor, torch.Tensor) and _storage(tensor) in self._outside:
+            self.keep(tensor, _location(), followed=True)
+
     def _written(self, tensor: Any, node: fx.Node) -> None:
         if not isinstance(tensor, TracedTensor):
             raise Unsupported("an in-place write to a tensor the trace did not make or read")
@@ -307,6 +317,7 @@ class Recorder:
 
     def set_item(self, args: tuple, kwargs: dict) -> None:
         target, index, value = args
+        self._keep_written(target)
         self.run(torch.Tensor.__setitem__, args, kwargs)
         node = self.node("call_function", set_item, (self.arg(target), self.arg(index), self.arg(value)))
         self._written(target, node)
@@ -402,6 +413,16 @@ _TENSOR_METHODS: dict[str, Callable[[Recorder, tuple, dict], Any]] = {
     "__bool__": _bool, "tolist": _tolist,
     "__setitem__": lambda rec, args, kwargs: rec.set_item(args, kwargs),
 }
+
+
+def put_back(kept: tuple[tuple[torch.Tensor, int, torch.Tensor], ...]) -> tuple:
+    """Each ``(tensor, version, value)`` whose version moved gets its value back; returns them
+    all with their versions now."""
+    with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+        for tensor, version, saved in kept:
+            if tensor._version != version:
+                tensor.copy_(saved)
+    return tuple((t, t._version, saved) for t, _, saved in kept)
 
 
 def _storage(tensor: torch.Tensor) -> int:

@@ -671,3 +671,35 @@ def test_a_loss_writing_its_state_makes_each_write_once_or_is_refused(where):
         assert not fast.stats.optimized and fast.stats.native.keys() == {"trace-unsupported"}
         (cert,) = [c for c in fast.certificates if c.pass_name == "trace"]
         assert "container" in cert.message and ("loss." in cert.message or "STEPS_SEEN" in cert.message)
+
+
+class ScalesItself(nn.Module):
+    """A parameter (and, with ``counts``, the input) written in place by the loss: recorded
+    writes, graph nodes."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x, counts=None):
+        with torch.no_grad():
+            self.scale.mul_(0.5)
+        if counts is not None:
+            counts.add_(1)
+        return (x ** 2).mean() * self.scale + (0 if counts is None else counts.sum())
+
+
+@pytest.mark.parametrize("write_input", [False, True])
+def test_recorded_in_place_writes_are_made_once_per_call(write_input):
+    """The trace and the passes' propagation run the loss's writes for real: undone before the
+    first call, which makes them once, as every later call does (before: three times)."""
+    optimized, native = ScalesItself(), ScalesItself()
+    fast = optimize(optimized, passes=[PairRLE()])
+    mine, theirs = torch.zeros(2), torch.zeros(2)
+    for step in range(3):
+        x = torch.full((3,), float(step + 1))
+        got = fast(x, mine) if write_input else fast(x)
+        assert torch.equal(got, native(x, theirs) if write_input else native(x))
+        assert torch.equal(optimized.scale, native.scale) and torch.equal(mine, theirs)
+    if not write_input:
+        assert fast.stats.optimized == 3, fast.stats.render()
