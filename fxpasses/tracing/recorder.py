@@ -78,7 +78,7 @@ class Recorder:
         self._state: dict[int, tuple[nn.Module, str, str]] = {}  # id(tensor) -> (owner, name, path)
         self._modules: dict[int, str] = {}  # id(module) -> qualified name
         self._outside: set[int] = set()  # storages of inputs, parameters and buffers
-        self._kept: dict[int, tuple] = {}  # id -> (tensor, version, value, where, followed): see keep()
+        self._kept: dict[tuple, tuple] = {}  # view -> (tensor, version, value, where, followed): see keep()
         self.index_root_modules()
 
     # -- nodes -------------------------------------------------------------------------------
@@ -155,10 +155,12 @@ class Recorder:
         in-place writes on it for real, and the first call must make them once (:meth:`put_back`).
         ``followed``: the trace reads it as a traced value (its writes are nodes); else any
         write to it was made behind the trace's back (:meth:`unrecorded_writes`)."""
-        if isinstance(tensor, torch.Tensor) and _storage(tensor) not in self._kept:
-            with torch._C.DisableTorchFunctionSubclass():
-                saved = tensor.detach().clone()
-            self._kept[_storage(tensor)] = (tensor, tensor._version, saved, where, followed)
+        if not isinstance(tensor, torch.Tensor):
+            return
+        with torch._C.DisableTorchFunctionSubclass():
+            view = (_storage(tensor), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
+            if view not in self._kept:
+                self._kept[view] = (tensor, tensor._version, tensor.detach().clone(), where, followed)
 
     def unrecorded_writes(self) -> list[str]:
         """Where a tensor the trace does not follow was written in place during the trace."""
@@ -416,10 +418,11 @@ _TENSOR_METHODS: dict[str, Callable[[Recorder, tuple, dict], Any]] = {
 
 
 def put_back(kept: tuple[tuple[torch.Tensor, int, torch.Tensor], ...]) -> tuple:
-    """Each ``(tensor, version, value)`` whose version moved gets its value back; returns them
-    all with their versions now."""
+    """Each ``(tensor, version, value)`` whose version moved gets its value back, the last
+    kept first (two views of one storage: the later one was kept with the earlier one's
+    write in it); returns them all with their versions now."""
     with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
-        for tensor, version, saved in kept:
+        for tensor, version, saved in reversed(kept):
             if tensor._version != version:
                 tensor.copy_(saved)
     return tuple((t, t._version, saved) for t, _, saved in kept)
