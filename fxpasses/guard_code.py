@@ -46,18 +46,11 @@ class _Writer:
         self.lines: list[str] = []
         self.names: dict[str, Any] = {}
         self.reads: dict[tuple, str] = {}  # (root, path prefix) -> local variable holding it
-        self.shared_names: dict[tuple, str] = {}  # value -> the constant's name
 
     def constant(self, value: Any, hint: str) -> str:
         name = f"{hint}{len(self.names)}"
         self.names[name] = value
         return name
-
-    def shared(self, value: tuple, hint: str) -> str:
-        """A constant equal values share (one object, in cache for all its readers)."""
-        if value not in self.shared_names:
-            self.shared_names[value] = self.constant(value, hint)
-        return self.shared_names[value]
 
     def root(self, source: Source) -> str:
         kind = source.root[0]
@@ -232,7 +225,8 @@ def _module_lines(w: _Writer, modules: Sequence[nn.Module], methods: bool, child
     for m in modules:
         shadowing, compiled = _module_overrides(m) if methods else ((), id(None))
         records.append((m, m.training, tuple(map(id, m._modules.values())), tuple(m.__dict__),
-                        _method_names(type(m)) if methods else frozenset(), shadowing, compiled))
+                        _method_names(type(m)) if methods else frozenset(), shadowing,
+                        None if compiled == id(None) else compiled))
     w.constant(tuple(tuple(m._modules.values()) for m in modules), "children_")  # held: ids not reused
     lines = w.lines
     lines.append(f"{body}for m, training, kids, keys, names, shadowing, compiled in {w.constant(tuple(records), 'records_')}:")
@@ -246,7 +240,7 @@ def _module_lines(w: _Writer, modules: Sequence[nn.Module], methods: bool, child
         lines.append(f"{inner}if shadowing:")
         lines.append(f"{inner}    if module_overrides(m)[0] != shadowing: return False")
         lines.append(f"{inner}elif tuple(d) != keys and not names.isdisjoint(d): return False")
-        lines.append(f"{inner}if compiled == {id(None)}:")
+        lines.append(f"{inner}if compiled is None:")
         lines.append(f"{inner}    if d.get('_compiled_call_impl') is not None: return False")
         lines.append(f"{inner}elif module_overrides(m)[1] != compiled: return False")
 
