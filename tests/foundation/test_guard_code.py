@@ -7,6 +7,7 @@ import collections
 
 import types
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -334,3 +335,21 @@ def test_certainly_absent_only_when_getattr_raises(changes, module):
         assert not hasattr(owner, "residual")
     if not changes:
         assert certainly_absent(owner, "residual")
+
+
+@pytest.mark.parametrize("recorded, change", [("compile", "compile"), ("shadow-forward", "shadow-extra-repr")])
+def test_a_module_compiled_or_shadowed_when_recorded_and_changed_again_is_found(recorded, change):
+    """The record's branches for a module that compile() wrapped, or whose method an instance
+    attribute shadowed, when the guards were recorded (the property test may not reach them)."""
+    from fxpasses.guard_code import compile_whole_check
+    from fxpasses.guards import user_classes
+    loss, modules = _loss_tree()
+    _apply_whole(loss, modules, [(recorded, 3)])
+    classes = user_classes([loss, *modules])
+    roots = LossRoots(loss, (), modules, classes)
+    whole = tuple(a for a in whole_loss_assumptions(roots) if a.kind in ("methods", "modes"))
+    check = compile_whole_check(whole, loss, modules, classes)
+    assert check() and first_failure(whole, roots) is None
+    _apply_whole(loss, modules, [(change, 3)])
+    assert first_failure(whole, LossRoots(loss, (), modules, classes)) is not None
+    assert not check()
