@@ -153,14 +153,17 @@ class Recorder:
     def keep(self, tensor: torch.Tensor, where: str, followed: bool) -> None:
         """Keep the value of a tensor the loss reads from its state: the trace runs the loss's
         in-place writes on it for real, and the first call must make them once (:meth:`put_back`).
-        ``followed``: the trace reads it as a traced value (its writes are nodes); else any
-        write to it was made behind the trace's back (:meth:`unrecorded_writes`)."""
+        ``followed``: the trace reads it as a traced value (its writes are nodes); else, and if
+        any other path reaches it unfollowed, a write to it may have been made behind the
+        trace's back (:meth:`unrecorded_writes`)."""
         if not isinstance(tensor, torch.Tensor):
             return
         with torch._C.DisableTorchFunctionSubclass():
             view = (_storage(tensor), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
             if view not in self._kept:
                 self._kept[view] = (tensor, tensor._version, tensor.detach().clone(), where, followed)
+            elif not followed and self._kept[view][4]:  # also reached where writes are not seen
+                self._kept[view] = (*self._kept[view][:3], where, False)
 
     def unrecorded_writes(self) -> list[str]:
         """Where a tensor the trace does not follow was written in place during the trace."""

@@ -726,3 +726,28 @@ def test_overlapping_views_written_in_place_are_put_back_exactly():
         x = torch.full((3,), float(step + 1))
         assert torch.equal(fast(x), native(x))
         assert torch.equal(optimized.w, native.w)
+
+
+class OneTensorTwoWays(nn.Module):
+    """A running mean held as an attribute (read as a traced value) and in a dict (read as a
+    constant), written through the dict, where the trace cannot see the write."""
+
+    def __init__(self):
+        super().__init__()
+        self.ema = torch.zeros(())
+        self.state = {"ema": self.ema}
+
+    def forward(self, x):
+        loss = (x ** 2).mean() + self.ema
+        self.state["ema"].mul_(0.5).add_(1.0)
+        return loss
+
+
+def test_a_tensor_reached_two_ways_and_written_where_the_trace_cannot_see_is_refused():
+    optimized, native = OneTensorTwoWays(), OneTensorTwoWays()
+    fast = optimize(optimized)
+    for step in range(3):
+        x = torch.full((3,), float(step + 1))
+        assert torch.equal(fast(x), native(x))
+        assert torch.equal(optimized.ema, native.ema)
+    assert not fast.stats.optimized, fast.stats.render()
