@@ -194,8 +194,7 @@ def _whole_lines(w: _Writer, by_kind: dict[str, Assumption], loss: Any, modules:
                      f"{w.constant(_instance_methods(loss), 'expected_')}): return False")
     _module_lines(w, modules, methods, "modules" in by_kind, "modes" in by_kind, body)
     if methods:
-        for cls in classes:
-            _class_lines(w, cls, body)
+        _class_lines(w, classes, body)
 
 
 def _same_callables(obj: Any, seen: list, expected: tuple) -> bool:
@@ -218,13 +217,18 @@ def _module_lines(w: _Writer, modules: Sequence[nn.Module], methods: bool, child
                   modes: bool, body: str) -> None:
     """Every module's checks, in one loop over a record per module, each from one read of its
     ``__dict__``: in training, with cold caches, 42 unrolled blocks of checks cost a third more
-    than one loop (their bytecode and constants are cold too)."""
+    than one loop (their bytecode and constants are cold too). Equal parts of the records (the
+    attribute names of 18 ``nn.Linear``) are one object, and a module without children is
+    checked without building a tuple: less memory to bring back into the cache."""
     if not modules:
         return
+    shared: dict[Any, Any] = {}
     records = []
     for m in modules:
         shadowing, compiled = _module_overrides(m) if methods else ((), id(None))
-        records.append((m, m.training, tuple(map(id, m._modules.values())), tuple(m.__dict__),
+        kids = tuple(map(id, m._modules.values()))
+        records.append((m, m.training, shared.setdefault(kids, kids),
+                        shared.setdefault(tuple(m.__dict__), tuple(m.__dict__)),
                         _method_names(type(m)) if methods else frozenset(), shadowing,
                         None if compiled == id(None) else compiled))
     w.constant(tuple(tuple(m._modules.values()) for m in modules), "children_")  # held: ids not reused
@@ -235,7 +239,9 @@ def _module_lines(w: _Writer, modules: Sequence[nn.Module], methods: bool, child
     if modes:
         lines.append(f"{inner}if d['training'] is not training and d['training'] != training: return False")
     if children:
-        lines.append(f"{inner}if tuple(map(id, d['_modules'].values())) != kids: return False")
+        lines.append(f"{inner}if kids:")
+        lines.append(f"{inner}    if tuple(map(id, d['_modules'].values())) != kids: return False")
+        lines.append(f"{inner}elif d['_modules']: return False")
     if methods:
         lines.append(f"{inner}if shadowing:")
         lines.append(f"{inner}    if module_overrides(m)[0] != shadowing: return False")
@@ -245,16 +251,15 @@ def _module_lines(w: _Writer, modules: Sequence[nn.Module], methods: bool, child
         lines.append(f"{inner}elif module_overrides(m)[1] != compiled: return False")
 
 
-def _class_lines(w: _Writer, cls: type, body: str) -> None:
-    """A class's attributes: the same names, each bound to the same object (held, so their ids
-    are not reused). Stricter than the methods kind (a non-method value rebound fails here and
-    the exact path decides), and read in two passes over the class's dict instead of one Python
-    comparison per attribute."""
-    lines = w.lines
-    d = f"d{len(w.names)}"
-    values = tuple(vars(cls).values())
-    w.constant(values, "held_")
-    lines.append(f"{body}{d} = {w.constant(cls, 'class_')}.__dict__")
-    lines.append(f"{body}if tuple({d}) != {w.constant(tuple(vars(cls)), 'keys_')} or "
-                 f"tuple(map(id, {d}.values())) != {w.constant(tuple(map(id, values)), 'ids_')}: "
-                 "return False")
+def _class_lines(w: _Writer, classes: Sequence[type], body: str) -> None:
+    """Each class's attributes: the same names, each bound to the same object (held, so their
+    ids are not reused). Stricter than the methods kind (a non-method value rebound fails here
+    and the exact path decides), and read in two passes over the class's dict instead of one
+    Python comparison per attribute; one loop for all classes."""
+    if not classes:
+        return
+    records = tuple((cls, tuple(vars(cls)), tuple(map(id, vars(cls).values()))) for cls in classes)
+    w.constant(tuple(tuple(vars(cls).values()) for cls in classes), "held_")
+    w.lines.append(f"{body}for cls, keys, ids in {w.constant(records, 'classes_')}:")
+    w.lines.append(f"{body}    d = cls.__dict__")
+    w.lines.append(f"{body}    if tuple(d) != keys or tuple(map(id, d.values())) != ids: return False")

@@ -136,7 +136,8 @@ def _loss_tree():
 
 
 _WHOLE_CHANGES = st.lists(st.tuples(
-    st.sampled_from(["eval", "train", "replace-child", "reorder-children", "shadow-forward", "shadow-extra-repr",
+    st.sampled_from(["eval", "train", "replace-child", "reorder-children", "add-child", "shadow-forward",
+                     "shadow-extra-repr",
                      "plain-attribute", "hook", "compile", "class-method", "class-constant",
                      "class-method-replaced", "instance-hook-dict"]),
     st.integers(0, 20)), max_size=3)
@@ -156,6 +157,8 @@ def _apply_whole(loss, modules, changes):
         elif action == "reorder-children" and len(m._modules) > 1:
             name = list(m._modules)[0]
             m._modules[name] = m._modules.pop(name)
+        elif action == "add-child":  # to a leaf too (checked without reading a tuple of its children)
+            m.add_module(f"extra{k}", nn.Identity())
         elif action == "shadow-forward":
             m.forward = lambda *a: 0
         elif action == "shadow-extra-repr":
@@ -199,7 +202,7 @@ def test_the_generated_whole_loss_check_never_passes_what_the_exact_path_fails(s
     exact = first_failure(whole, roots())
     if check():
         assert exact is None
-    guarded = {"eval", "replace-child", "reorder-children", "shadow-forward", "shadow-extra-repr", "hook", "compile",
+    guarded = {"eval", "replace-child", "reorder-children", "add-child", "shadow-forward", "shadow-extra-repr", "hook", "compile",
                "class-method", "class-method-replaced"}
     stricter = {"class-constant"}  # a class value rebound: the generated check defers to the exact path
     if exact is None and not (guarded | stricter) & {a for a, _ in changes}:
