@@ -149,14 +149,17 @@ class Recording:
         return any(torch._C._storage_Use_Count(ref.cdata) > own for ref, own in self._storages)
 
     def load(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Copy the call's tensors into the static input buffers (identity inputs are in place)."""
-        with torch.no_grad():
-            it = iter(tensors)
-            for i, static in enumerate(self.inputs):
-                if isinstance(static, torch.Tensor):
-                    arg = next(it)
-                    if i not in self.identity:
-                        static.copy_(arg)
+        """Copy the call's tensors into the static input buffers (identity inputs are in place),
+        in one ``_foreach_copy_``: a few launches for all of them instead of one copy each."""
+        statics, values = [], []
+        it = iter(tensors)
+        for i, static in enumerate(self.inputs):
+            if isinstance(static, torch.Tensor):
+                arg = next(it)
+                if i not in self.identity:
+                    statics.append(static)
+                    values.append(arg)
+        _copy_all(statics, values)
 
     def arguments(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
         """The flat call arguments: ``tensors`` at the tensor positions, constants elsewhere."""
@@ -175,20 +178,35 @@ class Recording:
         """Replay the backward for the outputs' ``grads``; the inputs' gradients, cloned."""
         tensor_positions = [i for i, o in enumerate(self.outputs) if isinstance(o, torch.Tensor)]
         by_output = dict(zip(tensor_positions, grads))
+        absent = [static for static, i in zip(self.grad_outputs, self.grad_output_index) if by_output.get(i) is None]
+        given = [(static, by_output[i]) for static, i in zip(self.grad_outputs, self.grad_output_index)
+                 if by_output.get(i) is not None]
         with torch.no_grad():
-            for static, i in zip(self.grad_outputs, self.grad_output_index):
-                g = by_output.get(i)
-                static.zero_() if g is None else static.copy_(g)
+            if absent:
+                torch._foreach_zero_(absent)
+            _copy_all([s for s, _ in given], [g for _, g in given])
         self.backward.replay()
         grads_in = dict(zip(self.grad_input_index, self.grad_inputs))
         arrived = {i for i, g in by_output.items() if g is not None}
-        return [None if grads_in.get(i) is None or not self._reached(i, arrived) else grads_in[i].clone()
+        kept = [None if grads_in.get(i) is None or not self._reached(i, arrived) else grads_in[i]
                 for i, s in enumerate(self.inputs) if isinstance(s, torch.Tensor)]
+        owned = [torch.empty_like(g) for g in kept if g is not None]  # out of graph memory
+        _copy_all(owned, [g for g in kept if g is not None])
+        it = iter(owned)
+        return [None if g is None else next(it) for g in kept]
 
     def _reached(self, i: int, arrived: set[int]) -> bool:
         """Whether input ``i`` depends on an output whose gradient arrived (natively, an input
         that only outputs without gradient depend on gets None, not zeros)."""
         return self.sources is None or not self.sources[i].isdisjoint(arrived)
+
+
+def _copy_all(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """``t.copy_(v)`` for each pair, batched: ``torch._foreach_copy_`` launches one kernel per
+    chunk of same-layout tensors (and copies the others one by one, as ``copy_`` would)."""
+    if targets:
+        with torch.no_grad():
+            torch._foreach_copy_(targets, values)
 
 
 class _Replay(torch.autograd.Function):
@@ -336,9 +354,28 @@ class CudaGraphRecorder(GraphRecorder):
         torch.cuda.current_stream().wait_stream(stream)
 
     def _capturing(self, graph: Any, pool: Any, run: Callable[[], Any]) -> Any:
-        # thread_local: other threads' CUDA work does not invalidate this capture
-        with _no_autocast_cache(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            return run()
+        """What ``torch.cuda.graph(graph, pool=pool)`` does, less its ``torch.cuda.empty_cache()``:
+        emptying the allocator's cache at every capture (two per recording) made the calls after
+        a recording pay for ``cudaMalloc`` again, and the captures allocate from the region's own
+        pool anyway. ``thread_local``: other threads' CUDA work does not invalidate the capture."""
+        torch.cuda.synchronize()
+        with _no_autocast_cache(), torch.cuda.stream(_capture_stream()):
+            graph.capture_begin(pool, capture_error_mode="thread_local")
+            try:
+                return run()
+            finally:
+                graph.capture_end()
+
+
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _capture_stream() -> torch.cuda.Stream:
+    """One side stream per device for captures (as ``torch.cuda.graph``'s default)."""
+    device = torch.cuda.current_device()
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream()
+    return _CAPTURE_STREAMS[device]
 
 
 def _reading_state(fn: Callable, n_args: int, modules: Sequence[nn.Module],
