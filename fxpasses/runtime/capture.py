@@ -202,11 +202,17 @@ class Recording:
 
 
 def _copy_all(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-    """``t.copy_(v)`` for each pair, batched: ``torch._foreach_copy_`` launches one kernel per
-    chunk of same-layout tensors (and copies the others one by one, as ``copy_`` would)."""
-    if targets:
-        with torch.no_grad():
-            torch._foreach_copy_(targets, values)
+    """``t.copy_(v)`` for each pair, batched: one ``torch._foreach_copy_`` per dtype and device
+    (its one-kernel route takes a list of one floating dtype; integer and bool tensors, and
+    layouts that differ, are copied one by one, as ``copy_`` would)."""
+    groups: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for target, value in zip(targets, values):
+        group = groups.setdefault((target.dtype, target.device, value.dtype), ([], []))
+        group[0].append(target)
+        group[1].append(value)
+    with torch.no_grad():
+        for group_targets, group_values in groups.values():
+            torch._foreach_copy_(group_targets, group_values)
 
 
 class _Replay(torch.autograd.Function):
