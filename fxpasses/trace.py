@@ -197,12 +197,7 @@ def _function_state(tracker: ObjectTracker, function: types.FunctionType | None,
     if function is None:
         return
     tracker.globals_of(function.__code__, function.__globals__)
-    for name, cell in zip(function.__code__.co_freevars, function.__closure__ or ()):
-        try:
-            value = cell.cell_contents
-        except ValueError:
-            continue
-        tracker.adopt_cell(cell, name, value)
+    tracker.adopt_closure(function)
     if source is not None:
         tracker.adopt_defaults(function, source)
 
@@ -270,6 +265,13 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
             raise Unsupported(f"the loss writes into {written[0]}, a container it reads: such "
                               "writes are not recorded (keep that state in an attribute, or make "
                               "the function that writes it a leaf)")
+        kept = tracker.closure_state_kept()
+        if kept:
+            raise Unsupported(f"the loss reads {kept[0]}, which holds state kept after the call "
+                              "that no later call can read again (the function was reached through "
+                              "a call's result, not an attribute, global or closure the trace "
+                              "follows): hold the function or its state on the loss, or make the "
+                              "function a leaf")
         written = rec.unrecorded_writes()
         if written:
             raise Unsupported(f"the loss writes in place into a tensor it reads from {written[0]} "

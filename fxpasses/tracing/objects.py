@@ -40,6 +40,7 @@ import builtins
 import dataclasses
 import enum
 import functools
+import gc
 import os
 import sys
 import types
@@ -81,6 +82,14 @@ def _recorded_read(obj: Any, name: str, depth: int = 2) -> bool:
         and not name.startswith("_") and name != "training"
 
 
+_MADE_BY_THEIR_CALLER = ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>")
+
+
+def _holds_traced(value: Any) -> bool:
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, set)) else ()
+    return any(isinstance(item, (TracedTensor, TracedScalar)) for item in items)
+
+
 def _is_user_class(cls: type) -> bool:
     module = getattr(sys.modules.get(cls.__module__), "__file__", None) or ""
     return cls.__module__ not in ("builtins",) and bool(module) and is_user_file(module)
@@ -105,6 +114,10 @@ class ObjectTracker:
         # code -> the functions with that code reached through a source (their cells and
         # defaults are read again through them when that code runs)
         self._functions: dict[Any, dict[int, tuple[types.FunctionType, Source]]] = {}
+        # mutable objects read from the closure of a function no source reaches (checked when
+        # the trace ends: see closure_state_kept)
+        self._closed_over: dict[int, tuple[Any, str]] = {}
+        self._closures_followed: set[Any] = set()  # codes whose running closure is guarded
 
     # -- sources ----------------------------------------------------------------------------------
     def track(self, obj: Any, source: Source, placeholder: fx.Node | None = None) -> None:
@@ -254,6 +267,8 @@ class ObjectTracker:
         its default arguments where the function can be read again (a module-level function
         by its name, a method through its tracked ``self``)."""
         code = frame.f_code
+        if code.co_freevars and code not in self._closures_followed and code not in self._functions:
+            self._unsourced_closure(frame)
         if code in self._seen_code:
             return
         self.globals_of(code, frame.f_globals)
@@ -272,6 +287,45 @@ class ObjectTracker:
         if getattr(function, "__code__", None) is code:
             self.adopt_defaults(function, source)
 
+    def _unsourced_closure(self, frame: types.FrameType) -> None:
+        """A running function that no source reaches (one a call returned, say): its closure
+        cannot be read again at the next call. The mutable objects it holds there (containers,
+        user objects, modules) that the trace does not follow are kept for
+        :meth:`closure_state_kept`."""
+        code = frame.f_code
+        if code.co_name in _MADE_BY_THEIR_CALLER:  # made afresh by the frame that runs them
+            return
+        values = frame.f_locals
+        for name in code.co_freevars:
+            value = values.get(name)
+            if id(value) in self._sources or isinstance(value, (TracedTensor, TracedScalar)) or \
+                    _holds_traced(value):  # the call's own values (its inputs, its results)
+                continue
+            if isinstance(value, (dict, list, set, types.SimpleNamespace, nn.Module)) or (
+                    dataclasses.is_dataclass(value) and not isinstance(value, type)) or (
+                    _is_user_class(type(value)) and not isinstance(value, _REBINDABLE_CODE)):
+                where = f"closure variable {name!r} of {code.co_name} ({code.co_filename}:{code.co_firstlineno})"
+                self._closed_over.setdefault(id(value), (value, where))
+
+    def closure_state_kept(self) -> list[str]:
+        """Where a function no source reaches read a mutable object from its closure that
+        outlives the trace (a cached helper's settings, say): its later changes could not be
+        seen, so the trace must be refused. An object made during the trace and dropped with
+        its frames (a list an inner function appends to) is no state and passes. Call when the
+        loss has returned."""
+        if not self._closed_over:
+            return []
+        kept = self._outliving()
+        if kept:
+            gc.collect()  # closures in reference cycles (the trace runs with collection off)
+            kept = self._outliving()
+        self._closed_over.clear()
+        return kept
+
+    def _outliving(self) -> list[str]:
+        # referrers besides this tracker's tuple, the loop variable and getrefcount's argument
+        return [where for value, where in self._closed_over.values() if sys.getrefcount(value) > 3]
+
     def _register_function(self, value: Any, source: Source) -> None:
         """A Python function reached through ``source``: when its code runs (or has run), its
         closure cells and default arguments are read again through it on every call."""
@@ -286,12 +340,7 @@ class ObjectTracker:
         """``function``'s default arguments (through ``source``) and closure cells (each cell is
         fixed for the function's life; the function's own identity is guarded at ``source``)."""
         self.adopt_defaults(function, source)
-        for name, cell in zip(function.__code__.co_freevars, function.__closure__ or ()):
-            try:
-                value = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            self._outside_value(Source(("cell", cell, name)), value)
+        self.adopt_closure(function)
 
     def adopt_defaults(self, function: Any, source: Source) -> None:
         """``function``'s default arguments, read again through ``source`` (the function, or a
@@ -304,9 +353,16 @@ class ObjectTracker:
     def _global(self, f_globals: dict, name: str) -> None:
         self._outside_value(Source(("global", f_globals, name)), f_globals[name])
 
-    def adopt_cell(self, cell: Any, name: str, value: Any) -> None:
-        """A closure cell of the loss function: guarded like a global."""
-        self._outside_value(Source(("cell", cell, name)), value)
+    def adopt_closure(self, function: types.FunctionType) -> None:
+        """``function``'s closure cells (the loss function's, or one's a source reaches): each
+        cell is fixed for the function's life, its contents guarded like a global."""
+        self._closures_followed.add(function.__code__)
+        for name, cell in zip(function.__code__.co_freevars, function.__closure__ or ()):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            self._outside_value(Source(("cell", cell, name)), value)
 
     def adopt_bound(self, source: Source, value: Any) -> None:
         """A value bound to the loss's function before the call (a default argument, an argument

@@ -191,6 +191,77 @@ def test_a_closure_float_is_an_input():
     assert len(fast.specializations) == 1 and fast.stats.optimized == 12, fast.stats.render()
 
 
+@functools.lru_cache(None)
+def _cached_scaler():
+    state = {"factor": 2.0, "on": True}
+
+    def scaler(x):
+        return x * state["factor"] if state["on"] else x
+    scaler.state = state
+    return scaler
+
+
+def test_a_function_a_call_returns_with_state_in_its_closure_is_refused_not_stale():
+    """The helper comes from a cache, not from an attribute, global or closure the trace
+    follows: its settings could not be read again, and were once baked in (6 where native
+    gives 9, then 3)."""
+    class Loss(nn.Module):
+        def forward(self, x):
+            return _cached_scaler()(x).sum()
+
+    loss, x = Loss(), torch.ones(3, requires_grad=True)
+    fast = optimize(loss, passes=[])
+    assert fast(x).item() == loss(x).item() == 6.0
+    for change, expected in (("factor", 9.0), ("on", 3.0)):
+        _cached_scaler().state[change] = 3.0 if change == "factor" else False
+        assert fast(x).item() == loss(x).item() == expected
+    assert fast.stats.optimized == 0 and fast.stats.native["trace-unsupported"] == 3
+    assert "closure variable 'state' of scaler" in fast.explain()
+
+
+class _Settings:
+    def __init__(self):
+        self.factor = 2.0
+
+
+@functools.lru_cache(None)
+def _cached_settings():
+    return _Settings()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known hole (README, limits): an object a call returns (a cached config) is not followed; "
+    "its values are constants of the trace, so a later change is not seen"))
+def test_an_object_a_call_returns_is_not_stale():
+    class Loss(nn.Module):
+        def forward(self, x):
+            return (x * _cached_settings().factor).sum()
+
+    loss, x = Loss(), torch.ones(3, requires_grad=True)
+    fast = optimize(loss, passes=[])
+    assert fast(x).item() == loss(x).item()
+    _cached_settings().factor = 3.0
+    assert fast(x).item() == loss(x).item()
+
+
+def test_an_inner_function_over_a_list_made_in_the_call_still_traces():
+    class Loss(nn.Module):
+        def forward(self, x):
+            parts = []
+
+            def add(v):
+                parts.append(v * 2)
+            add(x)
+            add(x.sin())
+            return torch.stack(parts).sum()
+
+    loss, x = Loss(), torch.randn(3, dtype=torch.float64)
+    fast = optimize(loss, passes=[])
+    for _ in range(2):
+        assert torch.equal(fast(x), loss(x))
+    assert fast.stats.optimized == 2
+
+
 def test_a_hook_on_a_function_losss_flow_sends_calls_native():
     fast = optimize(function_loss, passes=[PairRLE()])
     a, b = _inputs()
