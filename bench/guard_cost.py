@@ -4,7 +4,8 @@ and how many of those calls ran optimized.
 Each round runs the native loss then the optimized one on a fresh batch (so the guards run with
 the caches the loss's own work leaves), and times the three steps of every optimized call: the
 whole-loss check, matching the call to a specialization, and that specialization's assumptions.
-With ``--twice`` the whole-loss check runs twice per call, to tell cache misses from work.
+With ``--twice`` the whole-loss check runs twice per call, to tell cache misses from work; with
+``--parts`` each part of it (hooks, the loss's callables, modules, classes) is also timed alone.
 
     python bench/guard_cost.py --loss wild --batch 4 --image-size 320 --rounds 20 --device cpu
 """
@@ -67,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--twice", action="store_true", help="run the whole-loss check twice per call")
+    parser.add_argument("--parts", action="store_true",
+                        help="time each part of the whole-loss check alone, one part a round, where "
+                             "the check runs (after the native step); the call's own check then runs warm")
     args = parser.parse_args(argv)
     work = (il.reference_workload if args.loss == "reference" else il.wild_workload)(args)
     fast = optimize(work.loss, passes=[PairRLE()])
@@ -97,9 +101,13 @@ def main(argv: list[str] | None = None) -> int:
         stats = fast.stats
         seconds, calls = stats.guard_seconds, stats.optimized + sum(stats.native.values())
         handles = RemovableHandle.next_id
+        parts = _part_checks(fast, generate_whole_check) if args.parts else []
         for seed in range(args.rounds):
             batch = work.batch(300 + seed)
             work.step(work.loss, batch)
+            if parts:
+                label, check = parts[seed % len(parts)]
+                timers.timed(f"part alone: {label}", check)()
             work.step(fast, batch)
     finally:
         for name, fn in originals.items():
@@ -122,11 +130,20 @@ def main(argv: list[str] | None = None) -> int:
           f"{timers.collected / calls * 1e6:.0f} us per call; per call without them "
           f"{((stats.guard_seconds - seconds) - timers.collected) / calls * 1e3:.3f} ms; "
           f"a typical call (the sum of the parts' medians) "
-          f"{sum(statistics.median(v) for v in times.values() if v) * 1e3:.3f} ms")
+          f"{sum(statistics.median(v) for k, v in times.items() if v and not k.startswith('part alone')) * 1e3:.3f} ms")
+    if args.parts:
+        print("  (with --parts the call's own whole-loss check runs after a part has warmed the cache)")
     for label, values in times.items():
         print(f"  {label}: {len(values)} times, median {statistics.median(values) * 1e6:.0f} us, "
               f"{sum(values) / calls * 1e6:.0f} us per call")
     return 0
+
+
+def _part_checks(fast: Any, generate: Callable) -> list[tuple[str, Callable[[], bool]]]:
+    """The whole-loss check generated whole and part by part (``guard_code.WHOLE_CHECK_PARTS``)."""
+    from fxpasses.guard_code import WHOLE_CHECK_PARTS
+    given = (fast._whole, fast._loss, fast._guarded_modules, fast._classes)
+    return [("all", generate(*given)), *((part, generate(*given, parts=(part,))) for part in WHOLE_CHECK_PARTS)]
 
 
 if __name__ == "__main__":

@@ -149,12 +149,18 @@ def compile_check(assumptions: Sequence[Assumption]) -> Callable[[Any, Sequence[
     return check
 
 
+WHOLE_CHECK_PARTS = ("hooks", "loss callables", "modules", "classes")
+
+
 def compile_whole_check(assumptions: Sequence[Assumption], loss: Any, modules: Sequence[nn.Module],
-                        classes: Sequence[type]) -> Callable[[], bool]:
+                        classes: Sequence[type],
+                        parts: Sequence[str] = WHOLE_CHECK_PARTS) -> Callable[[], bool]:
     """``check()``: see the module docstring. ``assumptions``: the whole-loss ones recorded over
     ``loss``, ``modules`` and ``classes``. Each part of the state is checked against the value
     recorded in its assumption; a part whose state already differs at compile time, or a kind
-    the generator does not know, makes ``check`` answer ``False`` (the exact path decides)."""
+    the generator does not know, makes ``check`` answer ``False`` (the exact path decides).
+    ``parts``: a subset of :data:`WHOLE_CHECK_PARTS` generates only those checks (to measure
+    what each costs: ``bench/guard_cost.py --parts``); the guards use them all."""
     w = _Writer()
     lines = w.lines
     body = "    "
@@ -165,8 +171,8 @@ def compile_whole_check(assumptions: Sequence[Assumption], loss: Any, modules: S
             by_kind[k].expected != now[k].expected for k in by_kind):
         lines.append(f"{body}return False")  # recorded for another state: the exact path decides
     else:
-        _whole_lines(w, by_kind, loss, modules, classes, body)
-    source = "\n".join(["def check():", "    try:", *("    " + line for line in lines),
+        _whole_lines(w, by_kind, loss, modules, classes, body, frozenset(parts))
+    source = "\n".join(["def check():", "    try:", *("    " + line for line in lines or [f"{body}pass"]),
                         "    except Exception:  # a read that raises: the exact path decides",
                         "        return False", "    return True"])
     namespace = {**w.names, "LossRoots": LossRoots, "RemovableHandle": RemovableHandle,
@@ -178,22 +184,23 @@ def compile_whole_check(assumptions: Sequence[Assumption], loss: Any, modules: S
 
 
 def _whole_lines(w: _Writer, by_kind: dict[str, Assumption], loss: Any, modules: Sequence[nn.Module],
-                 classes: Sequence[type], body: str) -> None:
+                 classes: Sequence[type], body: str, parts: frozenset[str]) -> None:
     lines = w.lines
-    hooks = by_kind.get("hooks")
+    hooks = by_kind.get("hooks") if "hooks" in parts else None
     if hooks is not None:  # the counter, then the exact read only when it moved
         seen, held = w.constant(hooks.counter_seen, "seen_"), w.constant(hooks, "assumption_")
         roots = w.constant((loss, (), modules, classes), "roots_")
         lines.append(f"{body}if not ({seen} and {seen}[0] == RemovableHandle.next_id) and "
                      f"not {held}.holds(LossRoots(*{roots})): return False")
     methods = "methods" in by_kind
-    if methods and not isinstance(loss, nn.Module):
+    if methods and not isinstance(loss, nn.Module) and "loss callables" in parts:
         values = tuple(vars(loss).values())
         seen = w.constant([tuple(vars(loss)), tuple(map(id, values)), values], "seen_")
         lines.append(f"{body}if not same_callables({w.constant(loss, 'loss_')}, {seen}, "
                      f"{w.constant(_instance_methods(loss), 'expected_')}): return False")
-    _module_lines(w, modules, methods, "modules" in by_kind, "modes" in by_kind, body)
-    if methods:
+    if "modules" in parts:
+        _module_lines(w, modules, methods, "modules" in by_kind, "modes" in by_kind, body)
+    if methods and "classes" in parts:
         _class_lines(w, classes, body)
 
 

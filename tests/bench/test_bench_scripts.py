@@ -52,8 +52,11 @@ def test_tiny_cpu_runs_write_their_results(tmp_path):
     arms = json.loads((tmp_path / "w" / "interleaved.json").read_text())["arms"]
     assert arms["pair"]["specializations"] >= 1 and arms["pair"]["optimized_calls"] >= 1
 
-    done = run("guard_cost.py", "--device", "cpu", "--batch", "1", "--image-size", "64", "--rounds", "2")
-    assert done.returncode == 0 and "whole-loss check: 2 times" in done.stdout, done.stderr[-3000:]
+    done = run("guard_cost.py", "--device", "cpu", "--batch", "1", "--image-size", "64", "--rounds", "5",
+               "--parts")
+    assert done.returncode == 0 and "whole-loss check: 5 times" in done.stdout, done.stderr[-3000:]
+    for part in ("all", "hooks", "loss callables", "modules", "classes"):  # reference loss: an nn.Module
+        assert f"part alone: {part}: 1 times" in done.stdout, done.stdout
 
     done = run("host_profile.py", "--device", "cpu", "--batch", "1", "--image-size", "64", "--steps", "1",
                "--arm", "pair", "--out", str(tmp_path / "prof"))

@@ -356,3 +356,18 @@ def test_a_module_compiled_or_shadowed_when_recorded_and_changed_again_is_found(
     _apply_whole(loss, modules, [(change, 3)])
     assert first_failure(whole, LossRoots(loss, (), modules, classes)) is not None
     assert not check()
+
+
+def test_each_part_of_the_whole_loss_check_checks_only_its_part():
+    from fxpasses.guard_code import WHOLE_CHECK_PARTS, compile_whole_check
+    from fxpasses.guards import user_classes
+    loss, modules = _loss_tree()
+    classes = user_classes([loss, *modules])
+    whole = tuple(a for a in whole_loss_assumptions(LossRoots(loss, (), modules, classes))
+                  if a.kind in ("hooks", "methods", "modules", "modes"))
+    checks = {part: compile_whole_check(whole, loss, modules, classes, parts=(part,))
+              for part in WHOLE_CHECK_PARTS}
+    assert all(check() for check in checks.values())
+    modules[-1].eval()
+    assert not checks["modules"]() and checks["classes"]() and checks["hooks"]()
+    assert not compile_whole_check(whole, loss, modules, classes)()
