@@ -229,13 +229,12 @@ def _module_lines(w: _Writer, modules: Sequence[nn.Module], methods: bool, child
     checked without building a tuple: less memory to bring back into the cache."""
     if not modules:
         return
-    shared: dict[Any, Any] = {}
+    shared: dict[tuple, tuple] = {}
+    one = lambda value: shared.setdefault(value, value)  # noqa: E731 (equal tuples: one object)
     records = []
     for m in modules:
         shadowing, compiled = _module_overrides(m) if methods else ((), id(None))
-        kids = tuple(map(id, m._modules.values()))
-        records.append((m, m.training, shared.setdefault(kids, kids),
-                        shared.setdefault(tuple(m.__dict__), tuple(m.__dict__)),
+        records.append((m, m.training, one(tuple(map(id, m._modules.values()))), one(tuple(m.__dict__)),
                         _method_names(type(m)) if methods else frozenset(), shadowing,
                         None if compiled == id(None) else compiled))
     w.constant(tuple(tuple(m._modules.values()) for m in modules), "children_")  # held: ids not reused

@@ -178,20 +178,26 @@ class Recording:
         """Replay the backward for the outputs' ``grads``; the inputs' gradients, cloned."""
         tensor_positions = [i for i, o in enumerate(self.outputs) if isinstance(o, torch.Tensor)]
         by_output = dict(zip(tensor_positions, grads))
-        absent = [static for static, i in zip(self.grad_outputs, self.grad_output_index) if by_output.get(i) is None]
-        given = [(static, by_output[i]) for static, i in zip(self.grad_outputs, self.grad_output_index)
-                 if by_output.get(i) is not None]
-        with torch.no_grad():
-            if absent:
+        absent, statics, given = [], [], []
+        for static, i in zip(self.grad_outputs, self.grad_output_index):
+            g = by_output.get(i)
+            if g is None:
+                absent.append(static)
+            else:
+                statics.append(static)
+                given.append(g)
+        if absent:
+            with torch.no_grad():
                 torch._foreach_zero_(absent)
-            _copy_all([s for s, _ in given], [g for _, g in given])
+        _copy_all(statics, given)
         self.backward.replay()
         grads_in = dict(zip(self.grad_input_index, self.grad_inputs))
         arrived = {i for i, g in by_output.items() if g is not None}
         kept = [None if grads_in.get(i) is None or not self._reached(i, arrived) else grads_in[i]
                 for i, s in enumerate(self.inputs) if isinstance(s, torch.Tensor)]
-        owned = [torch.empty_like(g) for g in kept if g is not None]  # out of graph memory
-        _copy_all(owned, [g for g in kept if g is not None])
+        present = [g for g in kept if g is not None]
+        owned = [torch.empty_like(g) for g in present]  # out of graph memory
+        _copy_all(owned, present)
         it = iter(owned)
         return [None if g is None else next(it) for g in kept]
 
