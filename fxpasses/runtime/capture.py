@@ -42,7 +42,6 @@ is recomputed eagerly from the saved inputs, so it is differentiable, counted as
 from __future__ import annotations
 
 import contextlib
-import itertools
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -79,24 +78,80 @@ def signature(args: Sequence[Any], identity: frozenset[int] = frozenset()) -> tu
     memory address is part of the signature. Modules are keyed by identity.
     """
     parts = []
+    append, tensor, module = parts.append, torch.Tensor, nn.Module  # called per region per call
     for i, arg in enumerate(args):
-        if isinstance(arg, torch.Tensor):
-            parts.append(("T", tuple(arg.shape), arg.stride(), arg.dtype, arg.device,
-                          arg.requires_grad, type(arg), arg.data_ptr() if i in identity else None))
-        elif isinstance(arg, nn.Module):
-            parts.append(("M", id(arg)))
+        if isinstance(arg, tensor):
+            append((arg.shape, arg.stride(), arg.dtype, arg.device, arg.requires_grad, type(arg),
+                    arg.data_ptr() if i in identity else None))
+        elif isinstance(arg, module):
+            append(("M", id(arg)))
         else:
-            parts.append(("C", repr(arg)))
+            append(("C", repr(arg)))
     return (tuple(parts), ambient_state())
 
 
-def module_state(modules: Sequence[nn.Module]) -> list[torch.Tensor]:
-    """Parameters and buffers of ``modules`` (recursively), each tensor once, in module order."""
+@dataclass(frozen=True)
+class StateSlots:
+    """Where the parameters and buffers of some modules (recursively) live: ``(dict, name)``
+    for each, in ``module.parameters()`` then ``module.buffers()`` order, module by module; and
+    the dicts of every submodule's parameters, buffers and children, with their sizes then (a
+    tensor or child added or removed since changes a size: the slots are found again)."""
+
+    modules: tuple[nn.Module, ...]
+    slots: tuple[tuple[dict, str], ...]
+    dicts: tuple[dict, ...]
+    sizes: tuple[int, ...]
+
+    @staticmethod
+    def of(modules: Sequence[nn.Module]) -> "StateSlots":
+        slots: list[tuple[dict, str]] = []
+        dicts: list[dict] = []
+        for module in modules:
+            subs = list(module.modules())
+            slots += [(m._parameters, name) for m in subs for name in m._parameters]
+            slots += [(m._buffers, name) for m in subs for name in m._buffers]
+            dicts += [d for m in subs for d in (m._parameters, m._buffers, m._modules)]
+        return StateSlots(tuple(modules), tuple(slots), tuple(dicts), tuple(map(len, dicts)))
+
+    def holds_for(self, modules: Sequence[nn.Module]) -> bool:
+        return len(modules) == len(self.modules) and \
+            all(a is b for a, b in zip(modules, self.modules)) and \
+            tuple(map(len, self.dicts)) == self.sizes
+
+
+def read_state(slots: StateSlots) -> list[torch.Tensor]:
+    """The tensors at ``slots`` now (a rebound parameter is the new one), each once, in order:
+    what ``(*m.parameters(), *m.buffers())`` over the modules gives, without walking them."""
     seen: dict[int, torch.Tensor] = {}
-    for module in modules:
-        for tensor in (*module.parameters(), *module.buffers()):
+    for owner, name in slots.slots:
+        tensor = owner[name]
+        if tensor is not None:
             seen.setdefault(id(tensor), tensor)
     return list(seen.values())
+
+
+# types pytree never flattens (exact types: a subclass may be a registered node)
+_LEAF_TYPES = frozenset({torch.Tensor, nn.Parameter, int, float, bool, complex, str, bytes,
+                         type(None), torch.dtype, torch.device, torch.memory_format})
+
+
+def flatten_arguments(args: Sequence[Any]) -> tuple[list[Any], tuple[Any, ...], list[int]]:
+    """(leaves, each argument's TreeSpec or None for a leaf, where each argument's leaves start
+    and the last ends). Only containers go through ``tree_flatten``: for a plain tensor or number
+    it costs more than the rest of a region's admission."""
+    leaves: list[Any] = []
+    specs: list[Any] = []
+    starts = [0]
+    for arg in args:
+        if type(arg) in _LEAF_TYPES or isinstance(arg, nn.Module):
+            leaves.append(arg)
+            specs.append(None)
+        else:
+            arg_leaves, spec = pytree.tree_flatten(arg)
+            leaves += arg_leaves
+            specs.append(None if spec.is_leaf() else spec)
+        starts.append(len(leaves))
+    return leaves, tuple(specs), starts
 
 
 class Recorder(Protocol):
@@ -452,6 +507,7 @@ class CapturedRegion(RuntimeOp):
         self.generation = 0
         self._pending: int | None = None  # generation whose backward has not run yet
         self._pool: Any = None
+        self._slots: StateSlots | None = None
 
     # -- the call ---------------------------------------------------------------------------
     def propagate(self, *args: Any) -> Any:
@@ -482,18 +538,14 @@ class CapturedRegion(RuntimeOp):
             return "capture-failed", None, []
         # containers among the arguments (a tuple a region passes on) are flattened: each
         # tensor in them is an input of its own (copied, differentiated), never a constant
-        flattened = [pytree.tree_flatten(a) for a in args]  # each argument once
-        leaves = [leaf for arg_leaves, _ in flattened for leaf in arg_leaves]
-        specs = tuple(spec for _, spec in flattened)
-        starts = list(itertools.accumulate((len(arg_leaves) for arg_leaves, _ in flattened),
-                                           initial=0))
+        leaves, specs, starts = flatten_arguments(args)
         passed = {id(a) for a in leaves}
-        state = [t for t in module_state([m for m in (self.fn, *leaves) if isinstance(m, nn.Module)])
+        state = [t for t in self._state([m for m in (self.fn, *leaves) if isinstance(m, nn.Module)])
                  if id(t) not in passed]
         flat = [*leaves, *state]
         identity = frozenset(k for i in self.identity for k in range(starts[i], starts[i + 1])) \
             | frozenset(range(len(leaves), len(flat)))
-        key = (tuple(None if spec.is_leaf() else repr(spec) for spec in specs),  # containers only
+        key = (tuple(None if spec is None else repr(spec) for spec in specs),  # containers only
                signature(flat, identity))
         recording = self.recordings.get(key)
         if recording is None:
@@ -515,6 +567,13 @@ class CapturedRegion(RuntimeOp):
         if recording.referenced():
             return "outputs-alive", None, flat
         return None, recording, flat
+
+    def _state(self, modules: list[nn.Module]) -> list[torch.Tensor]:
+        """Parameters and buffers of ``modules``, read through slots found again only when the
+        modules or their structure change (walking them was most of a region's admission)."""
+        if self._slots is None or not self._slots.holds_for(modules):
+            self._slots = StateSlots.of(modules)
+        return read_state(self._slots)
 
     def _seen_enough(self, key: tuple) -> bool:
         """Whether ``key`` has now been seen ``record_after`` times (a signature seen once, as a
@@ -539,7 +598,7 @@ class CapturedRegion(RuntimeOp):
         fn = self.fn
 
         def call(*leaves: Any) -> Any:
-            return fn(*(pytree.tree_unflatten(list(leaves[a:b]), spec)
+            return fn(*(leaves[a] if spec is None else pytree.tree_unflatten(list(leaves[a:b]), spec)
                         for a, b, spec in zip(starts, starts[1:], specs)))
 
         call = _reading_state(call, n_args, modules, flat[n_args:])
