@@ -7,6 +7,13 @@ acyclic) that never span a *barrier* — a grad-mode switch, an op that writes i
 whose effects are unknown — because fusing a region moves its nodes to one place in the graph,
 which is only safe across pure nodes. The grouping is written by hand (see :func:`_grow_regions`).
 
+A no_grad block (:func:`no_grad_blocks`: the trace's switch off, the nodes it ran without
+gradients, the switch back on) is no barrier when one region can hold it whole: every node in it
+is capturable, a parameter read, or a run-time op whose work does not depend on the grad mode
+(a read of the loss's state, a host check: it runs outside the region, before or after it), and
+the block's capturable nodes fall into one region. Its switches are then inside that region, in
+their order, and only there (:mod:`fxpasses.runtime.grad_mode`); otherwise they stay barriers.
+
 A region is worth a replay when it launches at least ``min_region_ops`` kernels *and* more
 kernels than the launches a replay adds: its two graph launches (forward, backward), and a copy
 for each tensor it receives (into the recording's static buffer; parameters and buffers are read
@@ -21,10 +28,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..facts import BucketedSizes, proven
+from ..runtime import RuntimeOp
 from ..runtime.trace_ops import ReadSource, ReadState
 from .capture_rules import Verdict, launches_kernels, verdict
 from .meta import tensors_in, value
@@ -38,10 +47,49 @@ def is_state(arg: object) -> bool:
     return arg.op == "get_attr" or (arg.op == "call_function" and isinstance(arg.target, (ReadState, ReadSource)))
 
 
-def classify(node: fx.Node, devices: Sequence[str] = ("cuda",),
-             static: frozenset = frozenset()) -> Verdict:
+def classify(node: fx.Node, devices: Sequence[str] = ("cuda",), static: frozenset = frozenset(),
+             absorbed: frozenset = frozenset()) -> Verdict:
     """Whether ``node`` can be captured, and if not, the reason code (see module docstring)."""
-    return verdict(node, devices, static)[0]
+    return verdict(node, devices, static, absorbed)[0]
+
+
+@dataclass(frozen=True)
+class NoGradBlock:
+    """A stretch the trace ran without gradients, entered with gradients on."""
+
+    off: fx.Node  # _set_grad_enabled(False)
+    on: fx.Node  # _set_grad_enabled(True)
+    inner: tuple[fx.Node, ...]  # the nodes between, in graph order
+
+
+def _is_switch(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is torch._C._set_grad_enabled
+
+
+def no_grad_blocks(graph: fx.Graph) -> list[NoGradBlock]:
+    """Every off-then-on pair of grad-mode switches with no other switch between them."""
+    blocks, off, inner, mode = [], None, [], True
+    for node in graph.nodes:
+        if not _is_switch(node):
+            if off is not None:
+                inner.append(node)
+            continue
+        enabled = node.args[0] if isinstance(node.args[0], bool) else None
+        if mode is True and enabled is False:
+            off, inner = node, []
+        elif off is not None and enabled is True:
+            blocks.append(NoGradBlock(off, node, tuple(inner)))
+            off = None
+        else:  # a switch inside a block, to a mode the trace did not record as a constant, ...
+            off = None
+        mode = enabled
+    return blocks
+
+
+def _outside_block_ok(node: fx.Node) -> bool:
+    """An eager node of a block that may run outside it, before or after the region."""
+    return node.op == "get_attr" or (node.op == "call_function" and isinstance(node.target, RuntimeOp)
+                                     and node.target.grad_free and node.target.pure)
 
 
 def bucketed_symbols(gm: fx.GraphModule) -> frozenset:
@@ -64,6 +112,11 @@ class CapturePlan:
     verdicts: dict[fx.Node, Verdict]
     regions: list[list[fx.Node]] = field(default_factory=list)
     too_small: list[list[fx.Node]] = field(default_factory=list)
+    blocks: list[NoGradBlock] = field(default_factory=list)  # each held whole by one region
+
+    def blocks_in(self, region: list[fx.Node]) -> list[NoGradBlock]:
+        inside = set(region)
+        return [b for b in self.blocks if b.off in inside]
 
     @staticmethod
     def kernel_ops(region: list[fx.Node]) -> int:
@@ -90,17 +143,29 @@ def plan_regions(gm: fx.GraphModule, devices: Sequence[str] = ("cuda",),
     """Classify every node and group the capturable ones into regions (see module docstring)."""
     static = bucketed_symbols(gm)
     verdicts = {n: classify(n, devices, static) for n in gm.graph.nodes}
-    plan = CapturePlan(verdicts)
+    blocks = [b for b in no_grad_blocks(gm.graph) if any(verdicts[n].capturable for n in b.inner)
+              and all(verdicts[n].capturable or _outside_block_ok(n) for n in b.inner)]
+    while True:  # a block whose capturable nodes fall into two regions keeps its barriers
+        absorbed = frozenset(s for b in blocks for s in (b.off, b.on))
+        verdicts.update({s: classify(s, devices, static, absorbed)
+                         for b in no_grad_blocks(gm.graph) for s in (b.off, b.on)})
+        classes, split = _grow_regions(gm.graph, verdicts, blocks)
+        if not split:
+            break
+        blocks = [b for b in blocks if b not in split]
+    plan = CapturePlan(verdicts, blocks=blocks)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for nodes in _grow_regions(gm.graph, verdicts):
+    for nodes in classes:
         bucket = plan.regions if plan.worth_capturing(nodes, min_region_ops, count_copies) else plan.too_small
         bucket.append(sorted(nodes, key=order.__getitem__))
     plan.regions.sort(key=lambda r: order[r[0]])
     return plan
 
 
-def _grow_regions(graph: fx.Graph, verdicts: dict[fx.Node, Verdict]) -> list[list[fx.Node]]:
-    """Regions as classes of capturable nodes with the same (segment, stage).
+def _grow_regions(graph: fx.Graph, verdicts: dict[fx.Node, Verdict], blocks: list[NoGradBlock]
+                  ) -> tuple[list[list[fx.Node]], list[NoGradBlock]]:
+    """Regions as classes of capturable nodes with the same (segment, stage); and the no_grad
+    ``blocks`` that cannot be held by one class (see below).
 
     A *segment* is the stretch of graph between two barriers: regions never span one. The
     *stage* of a node orders it against the eager nodes (not capturable, e.g. a host read) of its
@@ -109,6 +174,12 @@ def _grow_regions(graph: fx.Graph, verdicts: dict[fx.Node, Verdict]) -> list[lis
     node at the largest stage this allows. Along any path the segment never decreases, and within
     a segment the stage never decreases and grows after an eager node, so contracting every region
     keeps the graph acyclic; a segment has one region per eager node it must wait for, plus one.
+
+    A block's capturable nodes must share a stage: each is bounded by the lowest among them and
+    the stages are propagated again (lowering a node lowers what feeds it; the inequalities still
+    hold), until they agree. They cannot when a path from one of them to another passes an eager
+    node; such a block is returned, its switches to stay barriers. The switches, which have
+    neither inputs nor users, take their block's stage.
 
     Written by hand: torch.fx's CapabilityBasedPartitioner (torch 2.13) loops forever when a
     boolean mask and the tensor it indexes both have only getitem users, as every x[mask] has.
@@ -123,12 +194,42 @@ def _grow_regions(graph: fx.Graph, verdicts: dict[fx.Node, Verdict]) -> list[lis
     def eager(node: fx.Node) -> bool:
         return not verdicts[node].capturable and node.op not in ("placeholder", "get_attr", "output")
 
-    stage: dict[fx.Node, int] = {}
-    for node in reversed(nodes):  # users in a later segment come later whatever their stage
-        stage[node] = min((stage[u] - eager(node) for u in node.users
-                           if segment_of[u] == segment_of[node]), default=len(nodes))
+    members = {b: [n for n in b.inner if verdicts[n].capturable] for b in blocks}
+    split = [b for b in blocks if _eager_between(members[b], eager)]
+    kept = [b for b in blocks if b not in split]
+    bound: dict[fx.Node, int] = {}
+    for _ in range(len(nodes) + 1):  # the bounds only fall; a few rounds (one per chain of blocks)
+        stage: dict[fx.Node, int] = {}
+        for node in reversed(nodes):  # users in a later segment come later whatever their stage
+            stage[node] = min((stage[u] - eager(node) for u in node.users
+                               if segment_of[u] == segment_of[node]), default=len(nodes))
+            stage[node] = min(stage[node], bound.get(node, stage[node]))
+        lowest = {b: min(stage[n] for n in members[b]) for b in kept}
+        if all(stage[n] == lowest[b] for b in kept for n in members[b]):
+            break
+        bound = {n: lowest[b] for b in kept for n in members[b]}
+    else:  # cannot happen (see above); the blocks then keep their barriers
+        return _grow_regions(graph, verdicts, [])[0], blocks
+    for block in kept:
+        stage[block.off] = stage[block.on] = lowest[block]
     classes: dict[tuple[int, int], list[fx.Node]] = {}
     for node in nodes:
         if verdicts[node].capturable:
             classes.setdefault((segment_of[node], stage[node]), []).append(node)
-    return list(classes.values())
+    return list(classes.values()), split
+
+
+def _eager_between(members: list[fx.Node], eager) -> bool:
+    """Whether a path from one of ``members`` to another passes an eager node."""
+    inside = set(members)
+    frontier = [(u, eager(m)) for m in members for u in m.users]
+    seen: set[tuple[fx.Node, bool]] = set()
+    while frontier:
+        node, through = frontier.pop()
+        if (node, through) in seen:
+            continue
+        seen.add((node, through))
+        if through and node in inside:
+            return True
+        frontier += [(u, through or eager(node)) for u in node.users]
+    return False

@@ -41,6 +41,7 @@ class Probe:
     facts: NodeFacts | None
     devices: Sequence[str]
     static: frozenset = frozenset()  # data-dependent sizes that are static per recording (buckets)
+    absorbed: frozenset = frozenset()  # grad-mode switches of blocks a region holds whole
 
     @property
     def runtime_op(self) -> RuntimeOp | None:
@@ -65,6 +66,10 @@ def _structural(p: Probe) -> bool:
 
 def _grad_switch(p: Probe) -> bool:
     return p.node.op == "call_function" and p.node.target is torch._C._set_grad_enabled
+
+
+def _absorbed_switch(p: Probe) -> bool:
+    return p.node in p.absorbed
 
 
 def _has_effects(p: Probe) -> bool:
@@ -112,6 +117,7 @@ def _off_device(p: Probe) -> bool:
 
 ROWS: tuple[Row, ...] = (
     Row("graph structure", _structural, False, None),
+    Row("grad-mode switch bounding a no_grad block of capturable nodes", _absorbed_switch, True, None),
     Row("grad-mode switch", _grad_switch, False, "op-grad-mode", barrier=True),
     Row("run-time op with effects", _has_effects, False, "op-unknown", barrier=True),
     Row("run-time op that records itself", _runtime_uncapturable, False, "op-unknown"),
@@ -128,11 +134,13 @@ ROWS: tuple[Row, ...] = (
 )
 
 
-def verdict(node: fx.Node, devices: Sequence[str] = ("cuda",),
-            static: frozenset = frozenset()) -> tuple[Verdict, Row]:
+def verdict(node: fx.Node, devices: Sequence[str] = ("cuda",), static: frozenset = frozenset(),
+            absorbed: frozenset = frozenset()) -> tuple[Verdict, Row]:
     """The verdict of the first row of :data:`ROWS` that holds for ``node``, and that row.
-    ``static``: data-dependent sizes to treat as static (bucketed capacities)."""
-    probe = Probe(node, node_facts(node), tuple(devices), static)
+    ``static``: data-dependent sizes to treat as static (bucketed capacities); ``absorbed``:
+    grad-mode switches whose no_grad block a region may hold whole
+    (:func:`fxpasses.analysis.capture.plan_regions` decides)."""
+    probe = Probe(node, node_facts(node), tuple(devices), static, absorbed)
     row = next(r for r in ROWS if r.when(probe))
     detail = "" if row.capturable or row.code is None else row.name
     return Verdict(row.capturable, row.code, op_name(node), row.barrier, detail), row

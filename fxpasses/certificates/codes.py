@@ -218,7 +218,9 @@ _CODES = (
          "statistics); it runs eagerly, and no region is moved across it.",
          "Use the out-of-place op (x = x + y) where the value is not shared."),
     Code("op-grad-mode", "refusal",
-         "A grad-mode switch (no_grad / enable_grad): regions never span one; it runs eagerly.",
+         "A grad-mode switch (no_grad / enable_grad) that no region holds with its whole block "
+         "(the block calls user code, nests another switch, or its nodes cannot share a "
+         "region): regions never span it; it runs eagerly.",
          "Nothing to do: regions form on each side of the switch."),
     Code("op-random", "refusal",
          "The node draws random numbers; a replay would draw them differently from eager, so "

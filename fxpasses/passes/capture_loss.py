@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 
-from ..analysis.capture import CapturePlan, Verdict, is_state, plan_regions
+from ..analysis.capture import CapturePlan, NoGradBlock, Verdict, is_state, plan_regions
 from ..analysis.fusion import fuse_region
 from ..analysis.meta import tensors_in, value
 from ..analysis.witness import padding_witness, witness_holds
@@ -28,6 +28,7 @@ from ..facts import RowIndependentCall, proven
 from ..pipeline import PassResult
 from ..runtime import RuntimeOp
 from ..runtime.capture import CapturedRegion, Recorder
+from ..runtime.grad_mode import GradOff, GradRestore
 from ..runtime.ownership import OwnedOutputs
 from ..runtime.paired_capture import CapturedPairedCall
 from ..locations import node_location
@@ -35,6 +36,23 @@ from ..locations import node_location
 _PREFIX = "capture_region_"
 def _histogram(nodes: Sequence[fx.Node], verdicts: dict[fx.Node, Verdict]) -> dict[str, int]:
     return dict(Counter(verdicts[n].op for n in nodes).most_common(12))
+
+
+def _blocks_restoring_modes(gm: fx.GraphModule, nodes: list[fx.Node],
+                            blocks: Sequence[NoGradBlock]) -> list[fx.Node]:
+    """``nodes`` with each no_grad block's switches as GradOff / GradRestore: inside a region
+    the block restores the grad mode it found (:mod:`fxpasses.runtime.grad_mode`)."""
+    swapped: dict[fx.Node, fx.Node] = {}
+    for block in blocks:
+        with gm.graph.inserting_before(block.off):
+            off = gm.graph.call_function(GradOff(f"grad_off_{block.off.name}"), ())
+        with gm.graph.inserting_before(block.on):
+            on = gm.graph.call_function(GradRestore(f"grad_restore_{block.on.name}"), (off,))
+        for old, new in ((block.off, off), (block.on, on)):
+            new.meta = dict(old.meta)
+            swapped[old] = new
+            gm.graph.erase_node(old)
+    return [swapped.get(n, n) for n in nodes]
 
 
 class CaptureLoss:
@@ -114,7 +132,8 @@ class CaptureLoss:
 
     # -- rewrite --------------------------------------------------------------------------
     def _fuse(self, gm: fx.GraphModule, plan: CapturePlan) -> list[CapturedRegion]:
-        fused = [fuse_region(gm, nodes, f"{_PREFIX}{i}") for i, nodes in enumerate(plan.regions)]
+        fused = [fuse_region(gm, _blocks_restoring_modes(gm, nodes, plan.blocks_in(nodes)),
+                             f"{_PREFIX}{i}") for i, nodes in enumerate(plan.regions)]
         regions = []
         for node in fused:
             # parameters, buffers and other state read by the graph are used in place, never copied
@@ -154,7 +173,10 @@ class CaptureLoss:
             Check("on-capture-device", True, {"devices": self.devices}),
             Check("no-barrier-inside", True, {"partitioner": "fxpasses convex greedy regions; fxpasses.analysis.fusion",
                                               "split_at": "grad-mode switches, ops writing their inputs, "
-                                                          "user code, nodes without metadata"}),
+                                                          "user code, nodes without metadata",
+                                              "no_grad_blocks_held_whole": tuple(
+                                                  f"{b.off.name}..{b.on.name} ({len(b.inner)} nodes)"
+                                                  for b in plan.blocks_in(nodes))}),
         ]
         effect = {"region": f"{_PREFIX}{index}", "nodes": len(nodes),
                   "kernel_ops": plan.kernel_ops(nodes), "inputs": len(inputs),

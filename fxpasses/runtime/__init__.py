@@ -25,11 +25,14 @@ class RuntimeOp:
 
     ``pure``: no side effects beyond its outputs (nodes may be reordered around it).
     ``capturable``: it may run inside a CUDA graph region when its shapes are static.
+    ``grad_free``: what it does does not depend on the grad mode (a read of the loss's state, a
+    host check of a value): it may leave a no_grad block that a captured region holds.
     """
 
     __module__ = "fxpasses.runtime"
     pure = False
     capturable = False
+    grad_free = False
 
     def __init__(self, op_id: str):
         self.op_id = op_id

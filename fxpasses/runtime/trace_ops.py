@@ -27,6 +27,7 @@ def set_item(tensor: Any, index: Any, value: Any) -> Any:
 
 class _Guard(RuntimeOp):
     pure = True
+    grad_free = True
 
     def __init__(self, op_id: str, expected: Any, location: str):
         super().__init__(op_id)
@@ -71,6 +72,7 @@ class ReadSource(RuntimeOp):
     or the object the op holds: the loss, a module's globals, a closure cell), read on this call."""
 
     pure = True
+    grad_free = True
 
     def __init__(self, op_id: str, path: tuple[tuple[str, Any], ...], shown: str, root: Any = None):
         super().__init__(op_id)
@@ -93,6 +95,7 @@ class ReadState(RuntimeOp):
     buffer that ``module.to(...)`` or an assignment rebinds is seen, never a stale copy)."""
 
     pure = True
+    grad_free = True
 
     def __init__(self, op_id: str, module: Any, name: str):
         super().__init__(op_id)

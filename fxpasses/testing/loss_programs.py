@@ -18,7 +18,8 @@ Each op is one row of the table: name, kind, arity, a typing rule (argument type
 or None when the op does not apply) and the function the interpreter calls. Kinds:
 pointwise, reduction, matmul, view, inplace, select, flow (calls of the shared row-wise
 :class:`RowFlow`, whose ``log_prob`` PairRLE pairs), param (nn.Parameters and buffers of the loss
-used in arithmetic), leaf (a function declared a leaf: opaque to the passes, aliasing its input).
+used in arithmetic), no_grad (values computed inside ``torch.no_grad()``, parameters read there),
+leaf (a function declared a leaf: opaque to the passes, aliasing its input).
 """
 
 from __future__ import annotations
@@ -266,6 +267,20 @@ def _mul_into(x: Tensor, y: Tensor) -> Tensor:
     return out
 
 
+def _no_grad_gain(module: nn.Module, x: Tensor) -> Tensor:
+    """``x`` times a gain computed from it without gradients (a parameter read inside)."""
+    with torch.no_grad():
+        gain = torch.sigmoid(x * module.scalar) * 2.0 + 0.5
+    return x * gain
+
+
+def _no_grad_target(module: nn.Module, x: Tensor) -> Tensor:
+    """A target computed without gradients, as an assigner's: none flows back through it."""
+    with torch.no_grad():
+        target = torch.tanh(x * module.gain + module.scalar).abs()
+    return target
+
+
 def _fill_out(x: Tensor, m: Tensor, rank: int) -> Tensor:
     out = x.clone()
     out.masked_fill_(~_mask_column(m, rank), 0.0)
@@ -356,6 +371,9 @@ OP_TABLE: tuple[Op, ...] = (
     Op("loss_weight", "param", _loss_scalar, lambda m, t, x: m.loss_weight * x),
     Op("buffer_offset", "param", _features, lambda m, t, x: x - m.offset, needs_dim=True),
     Op("buffer_gain", "param", _same, lambda m, t, x: x * m.gain),
+    # no_grad blocks (an assigner's target, a weight computed without gradients)
+    Op("no_grad_gain", "no_grad", _same, lambda m, t, x: _no_grad_gain(m, x)),
+    Op("no_grad_target", "no_grad", _same, lambda m, t, x: _no_grad_target(m, x)),
     # a leaf function: one opaque node that aliases its input
     Op("passthrough", "leaf", _same, lambda m, t, x: passthrough(x)),
 )

@@ -74,8 +74,10 @@ def test_views_launch_nothing_and_ops_do():
 
 
 def test_the_table_ends_with_the_capturable_row_and_barriers_have_codes():
-    assert ROWS[-1].capturable and all(not r.capturable for r in ROWS[:-1])
+    assert ROWS[-1].capturable and all(r.code is None and not r.barrier for r in ROWS if r.capturable)
     assert all(r.code for r in ROWS if r.barrier)
+    names = [r.name for r in ROWS]  # the one other capturable row: a switch of a block held whole
+    assert [r.name for r in ROWS[:-1] if r.capturable] == [names[names.index("grad-mode switch") - 1]]
 
 
 

@@ -71,11 +71,13 @@ def test_partition_decisions_per_op_class():
     assert opaque_call.code == "op-unknown" and opaque_call.barrier
     (in_place,) = by_target("mul_")
     assert in_place.code == "op-in-place" and in_place.barrier
-    switches = by_target(torch._C._set_grad_enabled)
-    assert len(switches) == 2 and all(v.barrier and v.code == "op-grad-mode" for v in switches)
+    switches = by_target(torch._C._set_grad_enabled)  # the no_grad block is held whole
+    assert len(switches) == 2 and all(v.capturable and not v.barrier for v in switches)
     nodes = list(gm.graph.nodes)
     first, second = [i for i, n in enumerate(nodes) if n.target is torch._C._set_grad_enabled]
-    assert nodes[first + 1:second] in plan.regions  # the no_grad block (5 ops) is a region alone
+    (holding,) = [r for r in plan.regions if nodes[first] in r]
+    assert set(nodes[first:second + 1]) <= set(holding)  # both switches and the 5 ops
+    assert plan.blocks_in(holding) and plan.blocks_in(holding)[0].off is nodes[first]
     for region in plan.regions:  # no region spans a barrier
         positions = [list(gm.graph.nodes).index(n) for n in region]
         barriers = [i for i, n in enumerate(gm.graph.nodes) if plan.verdicts[n].barrier]
