@@ -34,7 +34,7 @@ PIECES: list[tuple[str, Any, str]] = [
     ("region admit", capture.CapturedRegion, "_admit"),
     ("region load", capture.Recording, "load"),
     ("region backward", capture.Recording, "gradients"),
-    ("read counts", select.ReadCounts, "__call__"),
+    ("count read", select.CheckCounts, "__call__"),
     ("own outputs", ownership.OwnedOutputs, "__call__"),
     ("tensor backward", torch.Tensor, "backward"),
 ]

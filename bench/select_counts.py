@@ -46,13 +46,13 @@ def counts(batch_size: int, image: int, steps: int) -> None:
     print("eager nodes by code and op:")
     for (code, op), n in sorted(eager.items()):
         print(f"  {code:22s} {op:45s} {n}")
-    reads = sum(v.get("read", 0) for v in _sites(fast, "read_counts").values())
+    reads = sum(v.get("read", 0) for v in _sites(fast, "check_counts").values())
     host_sync_nodes = sum(n for (code, _), n in eager.items() if code == "host-sync")
     for step in range(1, steps + 1):
         start = time.perf_counter()
         fast(make_batch(batch_size, seed=step, image_size=image)).total.backward()
-        now = sum(v.get("read", 0) for v in _sites(fast, "read_counts").values())
-        print(f"step {step}: {time.perf_counter() - start:.2f} s, ReadCounts calls {now - reads}, "
+        now = sum(v.get("read", 0) for v in _sites(fast, "check_counts").values())
+        print(f"step {step}: {time.perf_counter() - start:.2f} s, count reads {now - reads}, "
               f"host-sync nodes executed {host_sync_nodes}")
         reads = now
     recordings = {k: v.get("recorded", 0) for k, v in _sites(fast, "capture_region").items()}

@@ -15,8 +15,10 @@ Each call of an OptimizedLoss:
    way) abandons the call: it runs natively, counted by the guard's line; the second call since
    the last trace that every specialization abandons is traced instead (its decisions get a
    specialization of their own, within ``max_specializations``), unless an abandon says no trace
-   would decide differently (an empty selection). Any other exception is recorded (type, message,
-   node), the specialization is disabled, and the call is recomputed natively.
+   would decide differently (an empty selection). An abandon whose op adjusted itself (a
+   selection's count above its capacity, which grew) runs the call again at once, up to
+   ``_RETRIES`` times. Any other exception is recorded (type, message, node), the
+   specialization is disabled, and the call is recomputed natively.
 
 "Native" is always the same thing: calling the original ``loss_fn`` with the original arguments.
 """
@@ -58,6 +60,7 @@ _ABANDONED = object()  # every specialization that could run the call abandoned 
 _NONE_HOLDS = object()  # no specialization covers the call with its assumptions holding
 _WHOLE_LOSS_KINDS = ("hooks", "methods", "modules", "modes")
 _RECENT_CALLS = 32  # specializations are tried most often useful in this many calls first
+_RETRIES = 3  # runs again of a call whose run-time op adjusted itself (a selection level each)
 
 
 class OptimizedLoss(nn.Module):
@@ -218,19 +221,24 @@ class OptimizedLoss(nn.Module):
 
     def _run(self, special: Specialization, args: tuple, kwargs: dict, leaves: list[Any]) -> Any:
         gm = special.graph_module
-        try:
-            with torch.set_grad_enabled(True):  # restored on every exit, KeyboardInterrupt included
-                flat = gm.forward(*special.signature.inputs(leaves))  # keeps the traceback
-        except Abandon as stop:  # a decision of this trace goes the other way in this call
-            special.abandoned[stop.where] += 1
-            self._stats.abandoned[f"{stop.code} at {stop.where}"] += 1
-            self._abandon_code = stop.code
-            self._retrace_helps &= stop.retrace
-            return _ABANDONED
-        except Exception as exc:  # never lose the training step
-            self._stats.exceptions.append(RecordedException.of(exc, gm, special.index))
-            special.disabled = "optimized-path-raised"
-            return self._native(args, kwargs, "optimized-path-raised")
+        for attempt in range(_RETRIES + 1):
+            try:
+                with torch.set_grad_enabled(True):  # restored on every exit, KeyboardInterrupt included
+                    flat = gm.forward(*special.signature.inputs(leaves))  # keeps the traceback
+                break
+            except Abandon as stop:  # a decision of this trace goes the other way in this call
+                special.abandoned[stop.where] += 1
+                self._stats.abandoned[f"{stop.code} at {stop.where}"] += 1
+                if not stop.retry or attempt == _RETRIES:
+                    self._abandon_code = stop.code
+                    self._retrace_helps &= stop.retrace
+                    return _ABANDONED
+            except Exception as exc:  # never lose the training step
+                self._stats.exceptions.append(RecordedException.of(exc, gm, special.index))
+                special.disabled = "optimized-path-raised"
+                return self._native(args, kwargs, "optimized-path-raised")
+            # again, the abandoned attempt's values gone with its traceback (and its replays'
+            # memory released): a run-time op adjusted itself (a selection's capacity grew)
         self._stats.optimized += 1
         self._ran(special)
         return special.info.unflatten_output(flat)

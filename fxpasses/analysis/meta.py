@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..runtime import propagating_call
-from ..runtime.trace_ops import set_item
+from ..runtime.trace_ops import ReadSource, ReadState, set_item
 from .ops import NODE_FACTS, NodeFacts, aten_facts, is_torch_code, written_storages, storage_id
 
 
@@ -274,6 +274,31 @@ def _quiet_shape_env():
 
 def value(node: fx.Node) -> Any:
     return node.meta.get("val")
+
+
+def storages_of(node: fx.Node) -> set[int]:
+    """The storage ids ``node``'s tensors have in its graph's metadata; for the loss's state (a
+    parameter, a buffer, a tensor it holds: ``get_attr``, ``ReadState``, ``ReadSource``) also
+    those of the live tensor and of the fake copy propagation's ops ran on and recorded as read
+    or written (``meta['val']`` holds another copy)."""
+    ids = {storage_id(t) for t in tensors_in(value(node))}
+    gm = node.graph.owning_module
+    mode = getattr(gm, "meta", {}).get(_FAKE_MODE)
+    live = _live_state(gm, node)
+    if isinstance(live, torch.Tensor) and not isinstance(live, FakeTensor) and mode is not None:
+        ids |= {storage_id(live), storage_id(mode.from_tensor(live))}
+    return ids
+
+
+def _live_state(gm: Any, node: fx.Node) -> Any:
+    if node.op == "get_attr" and gm is not None:
+        value_of = gm
+        for part in node.target.split("."):
+            value_of = getattr(value_of, part, None)
+        return value_of
+    if node.op == "call_function" and isinstance(node.target, (ReadSource, ReadState)) and not node.args:
+        return node.target()
+    return None
 
 
 def is_dynamic(val: Any, static: frozenset = frozenset()) -> bool:

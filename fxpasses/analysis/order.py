@@ -17,8 +17,8 @@ import torch.fx as fx
 
 from ..runtime import RuntimeOp
 from ..runtime.trace_ops import ReadSource, WriteAttribute
-from .meta import tensors_in, value
-from .ops import may_write_inputs, node_facts, storage_id
+from .meta import storages_of
+from .ops import may_write_inputs, node_facts
 
 @dataclass(frozen=True)
 class Effects:
@@ -57,7 +57,7 @@ def _reads(node: fx.Node) -> frozenset[int] | None:
     for arg in node.all_input_nodes:
         if "val" not in arg.meta and arg.op.startswith("call"):
             return None
-        storages |= {storage_id(t) for t in tensors_in(value(arg))}
+        storages |= storages_of(arg)  # a real tensor's, and its fake copy's that ops wrote
     return frozenset(storages)
 
 

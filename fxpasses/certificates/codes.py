@@ -189,10 +189,21 @@ _CODES = (
     Code("select-parent-refused", "refusal",
          "The mask carries the rows of an earlier selection that was not rewritten, so its row "
          "count is still data-dependent.", "Read the certificate of the earlier selection."),
+    Code("select-effect-before-read", "refusal",
+         "Something visible happens before the mask is computed (a write to an input, a "
+         "parameter, a buffer or an attribute, a random draw, user code): a call whose count "
+         "does not fit its capacity is abandoned at the later read, and could not be unseen.",
+         "Move the write or the draw after the selections, or out of the loss."),
     Code("select-witness-mismatch", "refusal",
          "The float64 witness found the rewritten selection differs from the native one (values "
          "or gradients), or raises where the native does not.",
          "The analysis missed something: report it with the certificate JSON."),
+    Code("selection-capacity", "guard",
+         "At run time a selection's count exceeded the capacity its rows were gathered into "
+         "(chosen from earlier calls, before the count was known): the call was abandoned before "
+         "anything was visible and ran again at once with the capacity grown to the count's bucket.",
+         "Expected a few times early in training, as the largest count grows; each costs one "
+         "forward run twice."),
     Code("selection-empty", "guard",
          "At run time a selection rewritten to a static capacity came out empty (no real row to "
          "pad with); the call ran natively.",
@@ -249,7 +260,8 @@ _CODES = (
          "(a shape seen once, as data-dependent shapes often are, would be recorded for nothing).",
          "Nothing to do; CaptureLoss(record_after=1) records a signature on its first call."),
     Code("record-budget", "guard",
-         "The region was recorded for its budget of distinct input signatures; this signature "
+         "The region has made its budget of recordings (four times max_recordings in all, "
+         "evictions included), or every recording it keeps is still referenced; this signature "
          "runs natively.",
          "Raise CaptureLoss(max_recordings=...) or keep the region's input shapes stable."),
     Code("capture-failed", "failure",

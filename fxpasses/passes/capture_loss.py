@@ -58,7 +58,8 @@ def _blocks_restoring_modes(gm: fx.GraphModule, nodes: list[fx.Node],
 class CaptureLoss:
     """Capture the loss's static regions in CUDA graphs (see the module docstring).
 
-    ``max_recordings``: distinct input signatures recorded per region before it runs eagerly.
+    ``max_recordings``: recordings a region keeps (a new signature then replaces the least
+    recently replayed); it records at most four times as many in all, then runs new ones eagerly.
     ``record_after``: the call on which a signature is recorded (the earlier ones run eagerly):
     the second by default, so that a shape seen once (a data-dependent one) costs no recording.
     ``min_region_ops``: regions launching fewer ops are not worth a replay.
@@ -188,8 +189,9 @@ class CaptureLoss:
                   "memory_pool": "one private pool per region (forward, backward, all recordings)"}
         guards = (
             Guard("signature", "input shapes, strides, dtypes, devices, requires_grad, constants, "
-                  "grad mode and autocast match a recording (else record, within budget, on the "
-                  "signature's record_after-th call; natively until then)",
+                  "grad mode and autocast match a recording (else record on the signature's "
+                  "record_after-th call, replacing the least recently replayed beyond "
+                  "max_recordings, within four times max_recordings in all; natively until then)",
                   "record-budget", {"max_recordings": self.max_recordings, "record_after": self.record_after}),
             Guard("backward-done", "the previous replay's backward has run (or its graph was "
                   "freed)", "replay-pending-backward"),

@@ -1,24 +1,30 @@
 """The graph surgery of SelectRows: selections become gathers into a static capacity.
 
-For one level (the spaces whose masks are available together; see
-:mod:`fxpasses.analysis.selection`):
+For each space (a mask and its selections) of one level (see :mod:`fxpasses.analysis.selection`):
 
-    count  = m.sum()                                   # on the device
-    C, n   = ReadCounts(count, ...)                    # ONE host read for the level
+    (C,)   = Capacities()                          # host: chosen before the count is known
+    count  = m.sum()                               # on the device
     idx    = nonzero_static(m.flatten(), size=C, fill_value=-1).squeeze(-1)
-    idx    = where(idx >= 0, idx, idx.max())           # padding copies the last real row
-    x[m]  ==>  x.flatten(0, m.dim() - 1).index_select(0, idx)      # (C, ...): real rows first
-    sum(v) ==> sum(v.masked_fill(~valid, 0))           # valid = arange(C) < count
+    idx    = where(idx >= 0, idx, idx.amax().clamp(min=0))   # padding copies the last real row
+    x[m]  ==>  rows_of(x.flatten(0, m.dim() - 1)).index_select(0, idx)   # (C, ...): real rows first
+              (integer x: .masked_fill(count == 0, 0): an empty selection's index rows are 0)
+    sum(v) ==> sum(v.masked_fill(~valid, 0))       # valid = arange(C) < count
     mean(v) ==> sum(v.masked_fill(~valid, 0)) / (count * elements per row)
     loss(a, b, reduction=r) ==> reduce_r(loss(a, b, reduction="none").masked_fill(~valid, 0))
-    y[m2]  ==>  y[m2 & valid]                          # a child never selects padding rows
-    out    ==>  out.narrow(row_dim, 0, n)              # rows handed to the caller
+    y[m2]  ==>  y[m2 & valid]                      # a child never selects padding rows
+    (n,)   = CheckCounts(C, count)                 # the host read: as late as is safe
+    out    ==>  out.narrow(row_dim, 0, n)          # rows handed to the caller
 
 ``masked_fill``, not a product: a padding row's value is a real row's, finite where that row's
-is, but ``0 * inf`` would be NaN. The read comes where the last mask of the level is computed;
-selections placed earlier move after it with everything that depends on them, when the nodes
-moved and jumped over do not conflict and keep their grad mode (as PairCalls checks its reordering);
-otherwise each space reads its own count.
+is, but ``0 * inf`` would be NaN. No node waits for the count on the host, so nothing moves: the
+capacity comes first (it reads no tensor), and the read comes before the first node after the
+count that could show or suffer from a count that did not fit (:func:`check_point`): a visible
+effect, a host read of values downstream of the gathers, an index op whose index depends on them
+other than through an integer gather (cleaned as above) or its views, or the output. A count of
+zero leaves no real row: the padding then copies the first position, and those first rows (and
+an integer row of 0) must only reach the read, where the call is abandoned; ``rows_of`` (a
+:class:`~fxpasses.runtime.select.NonEmptyRows`) gives an empty batch one zero row to gather.
+Consecutive reads become one (:func:`merge_checks`).
 """
 
 from __future__ import annotations
@@ -30,28 +36,51 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..analysis.graph import downstream, grad_modes, to_digraph
-from ..analysis.meta import value
-from ..analysis.order import conflict
+from ..analysis.graph import downstream, to_digraph
+from ..analysis.capture import is_state
+from ..analysis.meta import storages_of, tensors_in, value
+from ..analysis.ops import node_facts
+from ..analysis.order import effects
 from ..analysis.selection import SpaceAnalysis
 from ..facts import BucketedSizes, prove
 from ..locations import node_location
-from ..runtime.select import ReadCounts
+from ..runtime.select import Capacities, CheckCounts, NonEmptyRows
+from ..runtime.trace_ops import Guard, WriteAttribute
+
+# aten ops that read memory at positions given by a tensor (a bad index fails the device)
+_INDEXING = ("aten.index", "aten.gather", "aten.scatter", "aten.take", "aten.embedding",
+             "aten.bincount", "aten.put", "aten._index_put", "aten.masked_scatter")
+
+
+@dataclass
+class SpaceRewrite:
+    """One rewritten space: its capacity (op, node and the getitem of its value), its count,
+    where both are known, and the values whose rows leave (by their nodes now)."""
+
+    capacities: Capacities
+    planned: fx.Node
+    capacity: fx.Node
+    count: fx.Node
+    start: fx.Node
+    exits: tuple[tuple[fx.Node, int], ...]
+    mask: str
 
 
 @dataclass
 class Rewritten:
-    """What the rewrite of a level did, for its certificates."""
+    """What the rewrite of a level did: its spaces, every node it made, its integer gathers
+    (zero when empty); the reads are placed once every level is rewritten (:func:`place_reads`)."""
 
-    reads: list[str] = field(default_factory=list)  # ReadCounts node names
-    grouped: bool = False
-    placement: dict = field(default_factory=dict)  # evidence of the grouping decision
+    spaces: list[SpaceRewrite] = field(default_factory=list)
+    made: set[fx.Node] = field(default_factory=set)
+    cleaned: set[fx.Node] = field(default_factory=set)
 
 
 def rewrite_level(gm: fx.GraphModule, analyses: list[SpaceAnalysis], level_id: str,
                   min_bucket: int, masks: dict[str, fx.Node], proof: str, *,
-                  group: bool = True, slice_exits: bool = False) -> Rewritten:
-    """Rewrite the spaces of one level in ``gm`` (see the module docstring).
+                  slice_exits: bool = False) -> Rewritten:
+    """Rewrite the spaces of one level in ``gm`` (see the module docstring); their reads come
+    later (:func:`place_reads`).
 
     ``masks``: mask nodes by mask name (a child's mask is the and-node its parent made; updated
     here for this level's children). ``proof``: the certificate id cited by the bucket fact.
@@ -60,110 +89,129 @@ def rewrite_level(gm: fx.GraphModule, analyses: list[SpaceAnalysis], level_id: s
     """
     graph = gm.graph
     named = {n.name: n for n in graph.nodes}
-    spaces = [(a, masks[a.space.mask] if a.space.mask in masks else named[a.space.mask])
-              for a in analyses]
-    counts = []
-    for a, mask in spaces:
-        with graph.inserting_after(mask):
-            counts.append(_made(graph.call_function(torch.sum, (mask,)), mask))
     result = Rewritten()
-    sites = [named[s] for a, _ in spaces for s in a.space.sites]
-    anchor, moved = _placement(graph, sites, counts, group, result.placement)
-    result.grouped = anchor is not None and len(spaces) > 1
-    groups = [list(range(len(spaces)))] if anchor is not None else [[i] for i in range(len(spaces))]
-    for number, members in enumerate(groups):
-        order = _order(graph)
-        read_after = max((counts[i] for i in members), key=order.__getitem__)
-        if len(members) > 1 and order[anchor] > order[read_after]:
-            # the counts end the block before the grad-mode switch back to the moved nodes'
-            # mode, the read and the level's new nodes follow it, with the moved nodes
-            for count in sorted((counts[i] for i in members), key=order.__getitem__):
-                anchor.prepend(count)
-            read_after = anchor
-        where = [node_location(named[spaces[i][0].space.sites[0]]) or spaces[i][0].space.mask
-                 for i in members]
-        op = ReadCounts(f"read_counts_{level_id}_{number}", where, min_bucket)
-        with graph.inserting_after(read_after):
-            read = _made(graph.call_function(op, tuple(counts[i] for i in members)),
-                         counts[members[-1]])
-        prove(read, BucketedSizes(proof, len(members)))
-        result.reads.append(read.name)
-        parts, cursor = [], read
-        for k in range(2 * len(members)):  # the buckets, then the counts
-            with graph.inserting_after(cursor):
-                cursor = _made(graph.call_function(operator.getitem, (read, k)), read)
-            parts.append(cursor)
-        if moved:  # the level's selections and what depends on them follow the read
-            _move(graph, moved, cursor, anchor)
-        for k, i in enumerate(members):
-            analysis, mask = spaces[i]
-            cursor = _space(gm, analysis, mask, counts[i], parts[k], parts[len(members) + k],
-                            cursor, masks, slice_exits)
+    made, cleaned = result.made, result.cleaned
+    for number, analysis in enumerate(analyses):
+        first = next(n for n in graph.nodes if n.op not in ("placeholder", "get_attr"))
+        space = analysis.space
+        mask = masks[space.mask] if space.mask in masks else named[space.mask]
+        site = node_location(named[space.sites[0]]) or space.mask
+        op = Capacities(f"capacity_{level_id}_{number}", site, min_bucket, space.level)
+        with graph.inserting_before(first):  # reads no tensor: first of all
+            planned = graph.call_function(op, ())
+        with graph.inserting_after(planned):
+            capacity = graph.call_function(operator.getitem, (planned, 0))
+        made |= {planned, capacity}
+        prove(planned, BucketedSizes(proof, 1))
+        with graph.inserting_after(mask):
+            count = _made(graph.call_function(torch.sum, (mask,)), mask, made)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        start = max(count, capacity, key=order.__getitem__)  # a mask may be a placeholder
+        rewritten = _space(gm, analysis, mask, count, capacity, start, masks, made, cleaned)
+        exits = analysis.exits if slice_exits else analysis.outputs
+        result.spaces.append(SpaceRewrite(op, planned, capacity, count, start,
+                                          tuple((rewritten[name], dim) for name, dim in exits),
+                                          space.mask))
     return result
 
 
-def _made(node: fx.Node, like: fx.Node) -> fx.Node:
+def place_reads(gm: fx.GraphModule, levels: list[Rewritten]) -> dict[str, dict]:
+    """Each space's read (a CheckCounts of its capacity and count) where :func:`check_point`
+    says, the rows that leave sliced to its count; consecutive reads then become one
+    (:func:`merge_checks`). Returns, by mask, the node the read went before and why."""
+    graph = gm.graph
+    made = set().union(*(level.made for level in levels))
+    cleaned = set().union(*(level.cleaned for level in levels))
+    placement = {}
+    for number, space in enumerate(s for level in levels for s in level.spaces):
+        before, why = check_point(gm, space.planned, space.start, made, cleaned)
+        with graph.inserting_before(before):
+            check = _made(graph.call_function(CheckCounts(f"check_counts_{number}", [space.capacities]),
+                                              (space.capacity, space.count)), space.count, made)
+        if space.exits:
+            with graph.inserting_after(check):
+                host_count = graph.call_function(operator.getitem, (check, 0))
+            _slice_exits(graph, space.exits, host_count)
+        placement[space.mask] = {"before": before.name, "reason": why}
+    return placement
+
+
+def _made(node: fx.Node, like: fx.Node, made: set[fx.Node]) -> fx.Node:
     """A new node of the rewrite, reporting the user's line of ``like``."""
     if "stack_trace" in like.meta:
         node.meta["stack_trace"] = like.meta["stack_trace"]
+    made.add(node)
     return node
 
 
-def _order(graph: fx.Graph) -> dict[fx.Node, int]:
-    return {n: i for i, n in enumerate(graph.nodes)}
-
-
 def _space(gm: fx.GraphModule, analysis: SpaceAnalysis, mask: fx.Node, count: fx.Node,
-           capacity: fx.Node, host_count: fx.Node, cursor: fx.Node, masks: dict[str, fx.Node],
-           slice_exits: bool) -> fx.Node:
-    """Index, validity and every rewrite of one space; returns the last node placed at ``cursor``."""
+           capacity: fx.Node, cursor: fx.Node, masks: dict[str, fx.Node], made: set[fx.Node],
+           cleaned: set[fx.Node]) -> dict[str, fx.Node]:
+    """Index, validity and every rewrite of one space, the index nodes placed after ``cursor``;
+    ``made`` gets every new node, ``cleaned`` the integer gathers zeroed when empty. Returns the
+    nodes by name, a rewritten site's name naming its gather."""
     graph = gm.graph
     named = {n.name: n for n in graph.nodes}
 
     def add(target: Any, *args: Any, **kwargs: Any) -> fx.Node:
         nonlocal cursor
         with graph.inserting_after(cursor):
-            cursor = _made(graph.call_function(target, args, kwargs), mask)
+            cursor = _made(graph.call_function(target, args, kwargs), mask, made)
         return cursor
 
     dims = analysis.space.rank
     flat = add(torch.flatten, mask) if dims > 1 else mask
     found = add(torch.squeeze, add(torch.nonzero_static, flat, size=capacity, fill_value=-1), -1)
-    index = add(torch.where, add(operator.ge, found, 0), found, add(torch.amax, found))
+    last = add(torch.clamp, add(torch.amax, found), min=0)  # no real row: the first position
+    index = add(torch.where, add(operator.ge, found, 0), found, last)
+    empty = add(operator.eq, count, 0)
     positions = add(torch.arange, capacity, device=add(getattr, mask, "device"))
     valid = add(operator.lt, positions, count)
     invalid = add(operator.invert, valid)
+    rows_of = NonEmptyRows(f"rows_of_{analysis.space.mask}")
     ranks = {name: value(named[name]).dim() for name, _ in analysis.child_masks}  # before rewriting
-    for name in analysis.space.sites:  # x[m] ==> x.flatten(0, m.dim() - 1).index_select(0, idx)
+    for name in analysis.space.sites:  # x[m] ==> rows_of(x.flatten(0, m.dim() - 1))[idx]
         site = named[name]
         source = site.args[0]
         with graph.inserting_before(site):
-            rows = _made(graph.call_function(torch.flatten, (source, 0, dims - 1)), site) \
+            rows = _made(graph.call_function(torch.flatten, (source, 0, dims - 1)), site, made) \
                 if dims > 1 else source
-            gathered = _made(graph.call_function(torch.index_select, (rows, 0, index)), site)
+            rows = _made(graph.call_function(rows_of, (rows,)), site, made)
+            gathered = _made(graph.call_function(torch.index_select, (rows, 0, index)), site, made)
+            if not _floating(value(source)):  # indices of an empty selection: 0, never garbage
+                gathered = _made(graph.call_method("masked_fill", (gathered, empty, 0)), site, made)
+                cleaned.add(gathered)
         site.replace_all_uses_with(gathered)
         graph.erase_node(site)
         named[name] = gathered  # a site may itself be reduced, a child's mask or an output
     for reduction in analysis.reductions:
-        _mask_reduction(graph, named, reduction, invalid, count)
+        _mask_reduction(graph, named, reduction, invalid, count, made)
     for name, dim in analysis.child_masks:  # y[m2] ==> y[m2 & valid]: never a padding row
         child = named[name]
         with graph.inserting_after(child):
-            shaped = _made(graph.call_method("view", (valid, _along(dim, ranks[name]))), child)
+            shaped = _made(graph.call_method("view", (valid, _along(dim, ranks[name]))), child, made)
         with graph.inserting_after(shaped):
-            kept = _made(graph.call_function(operator.and_, (child, shaped)), child)
+            kept = _made(graph.call_function(operator.and_, (child, shaped)), child, made)
         for user in list(child.users):
             if user.op == "call_function" and user.target is operator.getitem and user.args[1] is child:
                 user.update_arg(1, kept)
         masks[name] = kept
-    exits = analysis.exits if slice_exits else analysis.outputs
+    return named
+
+
+def _floating(val: Any) -> bool:
+    return isinstance(val, torch.Tensor) and (val.is_floating_point() or val.is_complex())
+
+
+def _slice_exits(graph: fx.Graph, exits: Any, host_count: fx.Node) -> None:
+    """Rows handed on: the real rows only."""
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
-    for name, dim in exits:  # rows handed on: the real rows only
-        node = named[name]
+    for node, dim in exits:
         with graph.inserting_before(output):
-            real = _made(graph.call_method("narrow", (node, dim, 0, host_count)), node)
+            real = graph.call_method("narrow", (node, dim, 0, host_count))
+        if "stack_trace" in node.meta:
+            real.meta["stack_trace"] = node.meta["stack_trace"]
         output.replace_input_with(node, real)
-    return cursor
 
 
 def _along(dim: int, rank: int) -> list[int]:
@@ -171,18 +219,18 @@ def _along(dim: int, rank: int) -> list[int]:
 
 
 def _mask_reduction(graph: fx.Graph, named: dict[str, fx.Node], r: Any, invalid: fx.Node,
-                    count: fx.Node) -> None:
+                    count: fx.Node, made: set[fx.Node]) -> None:
     """sum/mean over the rows of the real rows only (see the module docstring)."""
     node = named[r.node]
 
     def add(target: Any, *args: Any, method: bool = False, **kwargs: Any) -> fx.Node:
         with graph.inserting_before(node):
             create = graph.call_method if method else graph.call_function
-            return _made(create(target, args, kwargs), node)
+            return _made(create(target, args, kwargs), node, made)
 
     if r.argument:  # loss(..., reduction=r) ==> reduce_r(loss(..., reduction="none"))
         with graph.inserting_before(node):
-            rows = _made(graph.node_copy(node), node)
+            rows = _made(graph.node_copy(node), node, made)
         rows.kwargs = {**node.kwargs, "reduction": "none"}
     else:
         rows = named[r.rows]
@@ -200,65 +248,130 @@ def _mask_reduction(graph: fx.Graph, named: dict[str, fx.Node], r: Any, invalid:
     graph.erase_node(node)
 
 
-# -- one read for the level: where, and what moves ---------------------------------------------
+# -- where the read goes ---------------------------------------------------------------------
 
-def _placement(graph: fx.Graph, sites: list[fx.Node], counts: list[fx.Node], group: bool,
-               evidence: dict) -> tuple[fx.Node | None, list[fx.Node]]:
-    """Where the level's nodes that must follow its one read go (an anchor: after it), and the
-    nodes that move there; ``(None, [])`` when one read per space is needed instead.
-
-    No moved node may conflict with a node it jumps over (:func:`fxpasses.analysis.order.conflict`:
-    storages, random draws, attributes; as PairCalls checks its reordering)."""
-    order = _order(graph)
-    last = max(counts, key=order.__getitem__)
-    early = [s for s in sites if order[s] < order[last]]
-    evidence.update(early_sites=len(early))
-    if len(counts) == 1:
-        return last, []
-    if not group:
-        evidence.update(grouped=False, reason="grouping disabled")
-        return None, []
-    g = to_digraph(graph)
-    dependents = downstream(g, early) | set(early)
-    if last in dependents:
-        evidence.update(grouped=False, reason="a mask of the level depends on another's rows")
-        return None, []
-    moved = [n for n in graph.nodes if n in dependents and order[n] < order[last]]
-    if not moved:
-        evidence.update(grouped=True, moved_nodes=0)
-        return last, []
-    modes = grad_modes(graph)
-    wanted = {modes[n] for n in moved}
-    anchor = last
-    if len(wanted) == 1 and modes[last] not in wanted:  # move past the switch back to their mode
-        switch = next((n for n in graph.nodes if order[n] > order[last]
-                       and n.target is torch._C._set_grad_enabled and n.args[0] in wanted), None)
-        anchor = switch
-    if anchor is not None:  # what depends on the moved nodes before the anchor moves too
-        moved = [n for n in graph.nodes if n in dependents and order[n] < order[anchor]]
-        wanted = {modes[n] for n in moved}
-    jumped = [n for n in graph.nodes if anchor is not None and order[moved[0]] < order[n]
-              <= order[anchor] and n not in dependents]
-    # a moved node now runs after every jumped node: only those it used to precede swap
-    effects = [f"{m.name} / {j.name}: {why}" for m in moved for j in jumped
-               if order[j] > order[m] and (why := conflict(m, j)) is not None]
-    ok = len(wanted) == 1 and anchor is not None and not effects
-    evidence.update(grouped=ok, moved_nodes=len(moved), jumped_nodes=len(jumped),
-                    conflicts=tuple(effects[:10]), grad_modes=tuple(sorted(wanted)),
-                    analysis="fxpasses.analysis.order (storages, random draws, attributes)")
-    if not ok:
-        evidence["reason"] = "nodes that may not swap in between" if effects else \
-            "the moved nodes run in different grad modes" if len(wanted) != 1 else \
-            "no grad-mode switch back to the moved nodes' mode"
-        return None, []
-    return anchor, moved
+def check_point(gm: fx.GraphModule, planned: fx.Node, start: fx.Node, made: set[fx.Node],
+                cleaned: set[fx.Node]) -> tuple[fx.Node, str]:
+    """The node a space's read goes before, and why: the first after ``start`` (its count and
+    capacity) that could show or suffer from a count that did not fit (see the module
+    docstring). ``made``: the rewrite's own nodes (safe by construction); ``cleaned``: its
+    integer gathers, zero when empty."""
+    graph = gm.graph
+    padded = downstream(to_digraph(graph), [planned])  # what the capacity shapes
+    external = external_storages(gm)
+    cleaned = set(cleaned)
+    seen = False
+    for node in graph.nodes:
+        if node is start:
+            seen = True
+            continue
+        if not seen or node in made:
+            continue
+        if node.op == "output":
+            return node, "the output"
+        why = _shows(node, external) or (_suffers(node, padded, cleaned) if node in padded else None)
+        if why:
+            return node, why
+        if node in padded and _keeps_cleaned(node, cleaned):
+            cleaned.add(node)
+    raise AssertionError("a graph without an output")
 
 
-def _move(graph: fx.Graph, moved: list[fx.Node], after: fx.Node, anchor: fx.Node) -> None:
-    """Place ``moved`` (in their order) after ``anchor``, or right after ``after`` (the read's
-    last part) when the anchor comes before it."""
-    order = _order(graph)
-    cursor = after if order[anchor] <= order[after] else anchor
-    for node in moved:
-        cursor.append(node)
-        cursor = node
+def external_storages(gm: fx.GraphModule) -> set[int]:
+    """The storages of the loss's inputs and state: a write to one is visible."""
+    return set().union(*(storages_of(n) for n in gm.graph.nodes if n.op == "placeholder" or is_state(n)))
+
+
+def visible_before(gm: fx.GraphModule, node: fx.Node, external: set[int],
+                   cleared: frozenset[str] = frozenset()) -> tuple[str, str] | None:
+    """(node name, why) of the first node before ``node`` whose effect an abandoned call would
+    have made already (a read placed after ``node`` could then not abandon unseen), or None.
+    ``cleared``: nodes known to write nothing (a region the row walk went through: it refuses
+    any write of state)."""
+    for earlier in gm.graph.nodes:
+        if earlier is node:
+            return None
+        why = None if earlier.name in cleared else _shows(earlier, external)
+        if why:
+            return earlier.name, why
+    return None
+
+
+def _shows(node: fx.Node, external: set[int]) -> str | None:
+    """Why an abandon after ``node`` would not be invisible, or None."""
+    if node.op == "call_function" and isinstance(node.target, WriteAttribute):
+        return "an attribute write"
+    found = effects(node)
+    if found.unknown:
+        return "effects unknown"
+    if found.random:
+        return "a random draw"
+    if found.writes and found.writes & external:
+        return "a write to an input, parameter or buffer"
+    return None
+
+
+def _suffers(node: fx.Node, padded: set[fx.Node], cleaned: set[fx.Node]) -> str | None:
+    """Why ``node``, downstream of the gathers, may fail or decide on rows that did not fit."""
+    if isinstance(node.target, Guard) and node.target.reads_values and \
+            any(tensors_in(value(a)) for a in node.all_input_nodes):
+        return "a host read of values downstream of the gathers"  # bool(tensor), a compared value
+    facts = node_facts(node)
+    if facts is None or not facts.complete:
+        return "no metadata"
+    if facts.host_read:
+        return "a host read of values downstream of the gathers"
+    if any(op.startswith(_INDEXING) for op in facts.ops):
+        indices = [a for a in node.all_input_nodes if a in padded and
+                   any(not _floating(t) and t.dtype != torch.bool for t in tensors_in(value(a)))]
+        if any(a not in cleaned for a in indices):
+            return "an index op whose index depends on the gathered rows"
+    return None
+
+
+def _keeps_cleaned(node: fx.Node, cleaned: set[fx.Node]) -> bool:
+    """A view of a cleaned integer row (a reshape, an expand, a getitem of a slice)."""
+    facts = node_facts(node)
+    inputs = node.all_input_nodes
+    return facts is not None and facts.complete and not facts.computes and \
+        len(inputs) == 1 and inputs[0] in cleaned
+
+
+def merge_checks(gm: fx.GraphModule) -> list[str]:
+    """Consecutive reads (nothing between them but their counts' getitems) become one, so a
+    call waits once; returns the names of the reads left."""
+    graph = gm.graph
+    groups: list[list[fx.Node]] = []
+    for node in graph.nodes:
+        if isinstance(node.target, CheckCounts):
+            if groups and all(_between_ok(n, groups[-1]) for n in _between(groups[-1][-1], node)):
+                groups[-1].append(node)
+            else:
+                groups.append([node])
+    for group in groups:
+        if len(group) == 1:
+            continue
+        selections = [s for check in group for s in check.target.selections]
+        merged_op = CheckCounts(group[0].target.op_id, selections)
+        with graph.inserting_before(group[0]):
+            merged = graph.call_function(merged_op, tuple(a for check in group for a in check.args))
+        merged.meta = dict(group[0].meta)
+        offset = 0
+        for check in group:
+            for user in list(check.users):  # getitem(check, i) ==> getitem(merged, offset + i)
+                user.args = (merged, offset + user.args[1])
+            offset += len(check.target.selections)
+            graph.erase_node(check)
+    return [n.name for n in graph.nodes if isinstance(n.target, CheckCounts)]
+
+
+def _between(a: fx.Node, b: fx.Node) -> list[fx.Node]:
+    found, node = [], a.next
+    while node is not b:
+        found.append(node)
+        node = node.next
+    return found
+
+
+def _between_ok(node: fx.Node, group: list[fx.Node]) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem and node.args[0] in group

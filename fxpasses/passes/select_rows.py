@@ -5,23 +5,29 @@
 
 Each ``x[m]`` is a host synchronisation with a data-dependent row count, so CaptureLoss keeps
 everything downstream of it eager. SelectRows gathers the selected rows into a buffer of
-capacity ``C`` (the count's power-of-two bucket, at least ``min_bucket``), the padding rows
-copying a real row, and masks the padding at every reduction over the rows; counts used as
-divisors stay the true counts, on the device. One :class:`~fxpasses.runtime.select.ReadCounts`
-per level reads the counts of all its masks with one host synchronisation (two per step for the
-reference loss: foreground anchors, then visible keypoints). The shapes then depend only on the
-buckets, which CaptureLoss treats as static per recording.
+capacity ``C``, the padding rows copying a real row, and masks the padding at every reduction
+over the rows; counts used as divisors stay the true counts, on the device. The capacity is
+chosen before the count is known (:class:`~fxpasses.runtime.select.Capacities`: the power-of-two
+bucket of the largest count seen, at least ``min_bucket``), so nothing waits for the count: the
+counts are read once, late in the forward (:class:`~fxpasses.runtime.select.CheckCounts`; one
+synchronisation per step for the reference loss), and a count above its capacity makes the call
+run again at once with the capacity grown (``selection-capacity``). The shapes depend only on
+the capacities, which CaptureLoss treats as static per recording.
 
 Per space (a mask and its selections), all checks are evaluated:
 
 * ``mask-indexes-leading-dims`` (``select-mask-shape``);
+* ``nothing-visible-before-the-mask``: no write to an input, parameter, buffer or attribute, no
+  random draw and no node of unknown effects before the mask (``select-effect-before-read``):
+  the count is read later, and a call whose count does not fit must be abandoned unseen;
 * ``parent-rewritten``: a mask carrying an earlier selection's rows needs that selection
   rewritten (``select-parent-refused``);
 * ``rows-independent``: the region that reads the rows, traced at two row counts and walked with
   the row rule table (``rows-*`` codes, naming the op and its line);
 * ``rows-leave-through-boundaries`` (``select-boundary``);
 * ``witness``: a float64 comparison of the level's selections, native against rewritten, over
-  full, asymmetric, capacity-reached/-exceeded and empty masks (``select-witness-mismatch``).
+  full, asymmetric, capacity-reached/-exceeded masks, a capacity well above the count, one below
+  it (the call must be abandoned) and an empty mask (``select-witness-mismatch``).
 
 An empty selection is refused at run time: the call runs natively, counted as ``selection-empty``.
 
@@ -45,7 +51,7 @@ from ..analysis.selection import Space, SpaceAnalysis, analyze_space, find_space
 from ..certificates import Certificate, Check, Guard, Site
 from ..locations import node_location
 from ..pipeline import PassResult
-from .select_rewrite import rewrite_level
+from .select_rewrite import external_storages, merge_checks, place_reads, rewrite_level, visible_before
 from .select_witness import selection_witness
 
 EXACT = "exact"
@@ -55,25 +61,27 @@ REORDERED = "reduction order changes: not bitwise, float64 difference measured"
 class SelectRows:
     """Rewrite boolean-mask selections to a static capacity (see the module docstring).
 
-    ``min_bucket``: the smallest capacity. ``group``: one host read per level (else per mask).
+    ``min_bucket``: the smallest capacity.
     """
 
     name = "SelectRows"
 
-    def __init__(self, *, min_bucket: int = 64, group: bool = True):
+    def __init__(self, *, min_bucket: int = 64):
         if min_bucket < 1:
             raise ValueError(f"min_bucket must be >= 1, got {min_bucket}")
         self.min_bucket = min_bucket
-        self.group = group
 
     def __repr__(self) -> str:
-        return f"SelectRows(min_bucket={self.min_bucket}, group={self.group})"
+        return f"SelectRows(min_bucket={self.min_bucket})"
 
     def run(self, gm: fx.GraphModule) -> PassResult:
         spaces = find_spaces(gm)
         named = {n.name: n for n in gm.graph.nodes}
         analyses = {s.mask: analyze_space(gm, s) for s in spaces}
-        checks = {s.mask: self._checks(named, s, analyses[s.mask]) for s in spaces}
+        external = external_storages(gm)
+        cleared = frozenset(n for a in analyses.values() if a.code is None for n in a.region)
+        checks = {s.mask: self._checks(gm, named, s, analyses[s.mask], external, cleared)
+                  for s in spaces}
         applied: dict[str, SpaceAnalysis] = {}
         witnesses: dict[str, Any] = {}
         for level in sorted({s.level for s in spaces if s.level > 0}):
@@ -95,22 +103,30 @@ class SelectRows:
         certificates = {s.mask: self._certificate(named, s, analyses[s.mask], checks[s.mask],
                                                   witnesses.get(s.mask)) for s in spaces}
         masks: dict[str, fx.Node] = {}
+        levels = []
         for level in sorted({applied_space.space.level for applied_space in applied.values()}):
             members = [a for a in applied.values() if a.space.level == level]
             proof = certificates[members[0].space.mask].id
-            done = rewrite_level(gm, members, f"level{level}", self.min_bucket, masks, proof,
-                                 group=self.group)
-            for a in members:
-                cert = certificates[a.space.mask]
-                certificates[a.space.mask] = dataclasses.replace(cert, effect={
-                    **cert.effect, "host_reads": {
-                        "reads": tuple(done.reads), "grouped": done.grouped,
-                        "placement": done.placement}})
+            levels.append(rewrite_level(gm, members, f"level{level}", self.min_bucket, masks, proof))
+        placements = place_reads(gm, levels)
+        reads = tuple(merge_checks(gm)) if applied else ()
+        for mask, placement in placements.items():
+            cert = certificates[mask]
+            certificates[mask] = dataclasses.replace(cert, effect={
+                **cert.effect, "host_read": {"reads": reads, "placed_before": placement["before"],
+                                             "because": placement["reason"]}})
         return PassResult(gm, bool(applied), [certificates[s.mask] for s in spaces])
 
     # -- checks ---------------------------------------------------------------------------
-    def _checks(self, named: dict[str, fx.Node], space: Space, analysis: SpaceAnalysis) -> list[Check]:
+    def _checks(self, gm: fx.GraphModule, named: dict[str, fx.Node], space: Space,
+                analysis: SpaceAnalysis, external: set[int], cleared: frozenset[str]) -> list[Check]:
         shape = _mask_shape(named, space)
+        earlier = visible_before(gm, named[space.mask], external, cleared)
+        unseen = Check("nothing-visible-before-the-mask", earlier is None, {
+            "first_visible": earlier[0] if earlier else None, "why": earlier[1] if earlier else None,
+            "because": "the count is read after the selections: a call whose count does not fit "
+                       "is abandoned (run again, or natively), so nothing may have shown before"},
+            None if earlier is None else "select-effect-before-read")
         rows_code = analysis.code if analysis.code and analysis.code.startswith("rows-") else None
         boundary_code = analysis.code if analysis.code == "select-boundary" else None
         evidence = dict(analysis.evidence)
@@ -127,7 +143,7 @@ class SelectRows:
                 "masked_reductions": tuple(f"{r.kind} of {r.rows} at {r.node}"
                                            for r in analysis.reductions),
                 "row_independent_calls": analysis.calls}, boundary_code)
-        return [shape, rows, boundary]
+        return [shape, unseen, rows, boundary]
 
     def _witness(self, gm: fx.GraphModule, analyses: list[SpaceAnalysis]) -> tuple[Any, Check]:
         try:
@@ -153,14 +169,21 @@ class SelectRows:
         exact = not analysis.reductions and not analysis.calls and not contracting
         effect = {
             "level": space.level, "sites": len(sites), "region_nodes": len(analysis.region),
-            "capacity": f"next power of two of the count, at least {self.min_bucket}",
+            "capacity": f"chosen before the count is known: the next power of two of the largest "
+                        f"count seen, at least {self.min_bucket}",
+            "count_read": "once, as late as is safe (before any visible effect, host read or "
+                          "index op that depends on the gathered rows): a count above the "
+                          "capacity abandons the call, which runs again with the capacity grown",
             "padding": "copies of the last real row (never uninitialised memory)",
             "numeric_class": EXACT if exact else REORDERED,
             "masked_reductions": tuple(f"{r.kind} at {r.node}" for r in analysis.reductions),
             "divisors": "true counts, on the device",
-            "empty_selection": "abandoned at run time: the call runs natively (selection-empty)"}
+            "empty_selection": "abandoned at the read: the call runs natively (selection-empty)"}
         guards = (Guard("selection-not-empty", "every selection of the level has a row",
-                        "selection-empty"),)
+                        "selection-empty"),
+                  Guard("selection-fits", "every count is at most the capacity its rows were "
+                        "gathered into (else the capacity grows and the call runs again)",
+                        "selection-capacity"))
         site = Site((space.mask, *space.sites),
                     tuple(dict.fromkeys(loc for n in sites if (loc := node_location(n)))),
                     f"{len(sites)} selection(s) by mask {space.mask} (level {space.level})")

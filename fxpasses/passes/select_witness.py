@@ -7,6 +7,11 @@ on drawn masks:
 
 * ``full``: every position selected; ``asymmetric``: a different share per space;
 * ``capacity-reached`` / ``capacity-exceeded``: exactly the witness bucket (4) and one more;
+  the capacity in these is the count's bucket;
+* ``capacity-above``: the asymmetric counts in four times their bucket (a capacity chosen for a
+  larger count of an earlier call);
+* ``capacity-short``: one more than a capacity of 4 — the rewrite must abandon the call
+  (``selection-capacity``: it runs again with the capacity grown), never return a value;
 * ``one-empty``: the first space selects nothing — the rewrite must abandon the call (it runs
   natively), never return a value.
 
@@ -33,8 +38,9 @@ from ..certificates import Witness
 from ..pipeline import copy_graph_module
 from ..runtime import RuntimeOp
 from ..runtime.abandon import Abandon
-from ..runtime.select import ReadCounts
-from .select_rewrite import rewrite_level
+from ..runtime.paired_capture import bucket
+from ..runtime.select import Capacities, CheckCounts, NonEmptyRows
+from .select_rewrite import merge_checks, place_reads, rewrite_level
 
 WITNESS_BUCKET = 4
 PARENT_ROWS = 6  # the row count of the parent level in a child level's witness
@@ -57,10 +63,10 @@ def level_module(gm: fx.GraphModule, analyses: list[SpaceAnalysis]) -> fx.GraphM
 
 
 class _Witnessed(fx.Interpreter):
-    """Runs a level: a run-time op other than the host read computes without its counters."""
+    """Runs a level: a run-time op other than the selections' own computes without counters."""
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
-        if isinstance(target, RuntimeOp) and not isinstance(target, ReadCounts):
+        if isinstance(target, RuntimeOp) and not isinstance(target, (Capacities, CheckCounts, NonEmptyRows)):
             return target.propagate(*args, **kwargs)
         return super().call_function(target, args, kwargs)
 
@@ -74,8 +80,11 @@ def selection_witness(gm: fx.GraphModule, analyses: list[SpaceAnalysis], seed: i
     """
     native = level_module(gm, analyses)
     rewritten = copy_graph_module(native)
-    rewrite_level(rewritten, analyses, "witness", WITNESS_BUCKET, {}, "witness", slice_exits=True)
+    done = rewrite_level(rewritten, analyses, "witness", WITNESS_BUCKET, {}, "witness", slice_exits=True)
+    place_reads(rewritten, [done])
+    merge_checks(rewritten)
     rewritten.recompile()
+    capacities = {space.mask: space.capacities for space in done.spaces}
     placeholders = [n for n in native.graph.nodes if n.op == "placeholder"]
     masks = sorted({a.space.mask for a in analyses})
     sources = {n.args[0].name: n.args[1].name for n in native.graph.nodes
@@ -86,10 +95,10 @@ def selection_witness(gm: fx.GraphModule, analyses: list[SpaceAnalysis], seed: i
               for m in masks}
     try:
         shapes = {m: _shrunk(shape) for m, shape in traced.items()}
-        cases = _run_cases(native, rewritten, placeholders, shapes, sources, sizes, seed)
+        cases = _run_cases(native, rewritten, capacities, placeholders, shapes, sources, sizes, seed)
     except Exception:  # the level reads the mask's sizes somewhere: witness it as traced
         shapes = traced
-        cases = _run_cases(native, rewritten, placeholders, shapes, sources, sizes, seed)
+        cases = _run_cases(native, rewritten, capacities, placeholders, shapes, sources, sizes, seed)
     return Witness(seed=seed, dtype="torch.float64",
                    shapes={"masks": {m: shapes[m] for m in masks},
                            "traced_masks": {m: traced[m] for m in masks},
@@ -99,7 +108,8 @@ def selection_witness(gm: fx.GraphModule, analyses: list[SpaceAnalysis], seed: i
                    max_abs_value_diff=max(v[0] for v in cases.values()),
                    max_abs_grad_diff=max(v[1] for v in cases.values()),
                    compared=("values (relative to 1 + |native|)", "input gradients",
-                             "parameter gradients", "abandon on an empty selection"))
+                             "parameter gradients", "abandon on an empty selection",
+                             "abandon on a count above its capacity"))
 
 
 def _shrunk(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -110,17 +120,21 @@ def _shrunk(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _run_cases(native: fx.GraphModule, rewritten: fx.GraphModule, placeholders: list[fx.Node],
-               shapes: dict[str, tuple[int, ...]], sources: dict[str, str], sizes: dict,
-               seed: int) -> dict[str, tuple[float, float, dict]]:
+def _run_cases(native: fx.GraphModule, rewritten: fx.GraphModule, capacities: dict[str, Capacities],
+               placeholders: list[fx.Node], shapes: dict[str, tuple[int, ...]],
+               sources: dict[str, str], sizes: dict, seed: int) -> dict[str, tuple[float, float, dict]]:
     masks = sorted(shapes)
     out = {}
-    for case, counts in _cases([math.prod(shapes[m]) for m in masks]):
+    for case, counts, caps in _cases([math.prod(shapes[m]) for m in masks]):
         generator = torch.Generator().manual_seed(seed + len(out))
         chosen = {m: _mask(shapes[m], n, generator) for m, n in zip(masks, counts)}
         inputs = [_input(p, chosen, sources, sizes, generator) for p in placeholders]
-        gaps = _compare(native, rewritten, inputs, seed, 0 in counts)
-        out[case] = (gaps[0], gaps[1], {"selected": tuple(counts), **gaps[2]})
+        for m, cap in zip(masks, caps):
+            capacities[m].value = cap
+        expect = "selection-empty" if 0 in counts else \
+            "selection-capacity" if any(n > c for n, c in zip(counts, caps)) else None
+        gaps = _compare(native, rewritten, inputs, seed, expect)
+        out[case] = (gaps[0], gaps[1], {"selected": tuple(counts), "capacities": tuple(caps), **gaps[2]})
     return out
 
 
@@ -128,13 +142,23 @@ def _named(gm: fx.GraphModule, name: str) -> fx.Node:
     return next(n for n in gm.graph.nodes if n.name == name)
 
 
-def _cases(numels: list[int]) -> list[tuple[str, list[int]]]:
+def _cases(numels: list[int]) -> list[tuple[str, list[int], list[int]]]:
+    """(name, the count of each mask, the capacity each is gathered into)."""
     shares = [(0.5, 0.25, 0.75)[i % 3] for i in range(len(numels))]
-    out = [("full", list(numels)),
-           ("asymmetric", [max(1, int(n * s)) for n, s in zip(numels, shares)]),
+    asymmetric = [max(1, int(n * s)) for n, s in zip(numels, shares)]
+    exceeded = [min(n, WITNESS_BUCKET + 1) for n in numels]
+
+    def fitted(counts: list[int]) -> list[int]:
+        return [bucket(max(n, 1), WITNESS_BUCKET) for n in counts]
+
+    out = [("full", list(numels)), ("asymmetric", asymmetric),
            ("capacity-reached", [min(n, WITNESS_BUCKET) for n in numels]),
-           ("capacity-exceeded", [min(n, WITNESS_BUCKET + 1) for n in numels])]
-    out.append(("one-empty", [0] + [max(1, int(n * s)) for n, s in zip(numels[1:], shares[1:])]))
+           ("capacity-exceeded", exceeded)]
+    out = [(name, counts, fitted(counts)) for name, counts in out]
+    out.append(("capacity-above", asymmetric, [4 * c for c in fitted(asymmetric)]))
+    out.append(("capacity-short", exceeded, [WITNESS_BUCKET] * len(numels)))
+    empty = [0] + asymmetric[1:]
+    out.append(("one-empty", empty, fitted(empty)))
     return out
 
 
@@ -194,15 +218,17 @@ def _float64_dtype_arguments(module: fx.GraphModule) -> None:
 
 
 def _compare(native: fx.GraphModule, rewritten: fx.GraphModule, inputs: list[Any],
-             seed: int, empty: bool) -> tuple[float, float, dict]:
+             seed: int, expect: str | None) -> tuple[float, float, dict]:
+    """The gaps of values and gradients; an abandon is no gap exactly when ``expect`` names
+    its code (an empty selection, a count above its capacity: never a value)."""
     expected, expected_grads = _run(native, inputs, seed)
     try:
         got, got_grads = _run(rewritten, inputs, seed)
     except Abandon as stop:
-        gap = 0.0 if empty and stop.code == "selection-empty" else math.inf
+        gap = 0.0 if stop.code == expect else math.inf
         return gap, gap, {"outcome": f"abandoned ({stop.code})"}
-    if empty:  # an empty selection must abandon, never compute
-        return math.inf, math.inf, {"outcome": "computed on an empty selection"}
+    if expect is not None:  # it had to abandon, never compute
+        return math.inf, math.inf, {"outcome": f"computed where {expect} must abandon"}
     values = max((_gap(a, b) for a, b in zip(expected, got)), default=0.0)
     if len(expected) != len(got):
         values = math.inf

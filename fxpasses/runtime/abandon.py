@@ -7,7 +7,9 @@ abandon only before anything visible happened (no input, parameter or buffer wri
 returned), which the pass that put it in the graph certifies.
 
 ``retrace``: whether a new trace of that call could decide differently (a guard: yes, the call
-took another path; an empty selection: no, every trace would abandon it again).
+took another path; an empty selection: no, every trace would abandon it again). ``retry``: the op
+has adjusted itself so that the same specialization can run the call again at once (a selection
+whose count exceeded its capacity: the capacity grew to fit).
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from __future__ import annotations
 class Abandon(Exception):
     """The optimized forward stops here; the call runs natively (see the module docstring)."""
 
-    def __init__(self, code: str, where: str = "", detail: str = "", *, retrace: bool = True):
+    def __init__(self, code: str, where: str = "", detail: str = "", *, retrace: bool = True,
+                 retry: bool = False):
         super().__init__(f"{code} at {where or '?'}: {detail}")
         self.code = code
         self.where = where
         self.detail = detail
         self.retrace = retrace
+        self.retry = retry

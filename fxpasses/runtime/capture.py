@@ -4,7 +4,11 @@ A :class:`CapturedRegion` is the ``call_function`` target that replaces one fuse
 call it builds the input *signature* (shapes, strides, dtypes, devices, requires_grad, constant
 arguments, grad mode and autocast state) and replays the recording made for it; a new signature
 is recorded (warm-up on a side stream, then one CUDA graph for the forward and one for the
-backward, as ``torch.cuda.make_graphed_callables`` does), up to ``max_recordings`` per region.
+backward, as ``torch.cuda.make_graphed_callables`` does). A region keeps ``max_recordings``
+recordings: a new one then replaces the one replayed least recently (``evicted``; shapes that
+only grow, as selection capacities do, leave old ones that never recur), and after
+``RERECORDINGS`` times ``max_recordings`` recordings in all it records no more
+(``record-budget``): re-recording is bounded.
 
 Module state. A module passed as an argument (a paired call's flow) and the submodules of the
 recorded function itself (an ``nn.Linear`` inside a fused region) contribute their parameters and
@@ -59,6 +63,7 @@ from . import Propagator, RuntimeOp
 
 
 MAX_SIGHTINGS = 256  # unrecorded signatures a region remembers (see CapturedRegion._seen_enough)
+RERECORDINGS = 4  # a region records at most this many times max_recordings signatures in all
 
 
 class StaleReplayError(RuntimeError):
@@ -508,6 +513,7 @@ class CapturedRegion(RuntimeOp):
         self._pending: int | None = None  # generation whose backward has not run yet
         self._pool: Any = None
         self._slots: StateSlots | None = None
+        self.made = 0  # recordings made in all (evicted ones included)
 
     # -- the call ---------------------------------------------------------------------------
     def propagate(self, *args: Any) -> Any:
@@ -547,14 +553,19 @@ class CapturedRegion(RuntimeOp):
             | frozenset(range(len(leaves), len(flat)))
         key = (tuple(None if spec is None else repr(spec) for spec in specs),  # containers only
                signature(flat, identity))
-        recording = self.recordings.get(key)
-        if recording is None:
-            if len(self.recordings) >= self.max_recordings:
+        recording = self.recordings.pop(key, None)
+        if recording is not None:
+            self.recordings[key] = recording  # the most recently replayed last
+        else:
+            if self.made >= RERECORDINGS * self.max_recordings:
                 return "record-budget", None, flat
             if not self._seen_enough(key):
                 return "awaiting-repeat", None, flat
             if self._pending is not None:
                 return "replay-pending-backward", None, flat
+            if len(self.recordings) >= self.max_recordings and not self._evict():
+                return "record-budget", None, flat
+            self.made += 1
             try:
                 recording = self._record(flat, starts, identity, specs)
             except Exception as exc:  # never lose the step: this region runs eagerly from now on
@@ -574,6 +585,16 @@ class CapturedRegion(RuntimeOp):
         if self._slots is None or not self._slots.holds_for(modules):
             self._slots = StateSlots.of(modules)
         return read_state(self._slots)
+
+    def _evict(self) -> bool:
+        """Drop the recording replayed least recently that no tensor refers to (its graphs and
+        memory go back to the region's pool); False when every one is still referenced."""
+        for key, recording in self.recordings.items():
+            if not recording.referenced():
+                del self.recordings[key]
+                self.count("evicted")
+                return True
+        return False
 
     def _seen_enough(self, key: tuple) -> bool:
         """Whether ``key`` has now been seen ``record_after`` times (a signature seen once, as a

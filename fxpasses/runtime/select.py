@@ -1,23 +1,26 @@
-"""The one host read of a selection level: row counts in, capacities (buckets) out.
+"""Capacities chosen before the counts are known, and the one host read that checks them.
 
     # x[m] == x.flatten(0, m.dim() - 1)[idx][:count]   idx = the True positions of m, padded to C
 
-SelectRows replaces boolean-mask selections by gathers into a static capacity ``C`` (a bucket:
-the next power of two of the count, at least ``min_bucket``). The counts stay on the device for
-everything that runs inside recorded graphs (validity masks, the divisors of means); only the
-buckets, and the counts of rows handed back to the caller, are needed on the host. A
-:class:`ReadCounts` reads the counts of every selection of one level with ONE synchronisation
-(``torch.stack(counts).tolist()``).
+SelectRows replaces boolean-mask selections by gathers into a static capacity ``C``. The counts
+stay on the device for everything the graph computes (validity masks, the divisors of means), so
+nothing has to wait for them: :class:`Capacities` gives each selection its capacity from what
+earlier calls needed (the power-of-two bucket of the largest count seen, at least
+``min_bucket``), and one :class:`CheckCounts` reads the counts with ONE synchronisation late in
+the forward (``torch.stack(counts).tolist()``), when the GPU has the step queued, before
+anything of the call is visible. It abandons the call (:class:`~fxpasses.runtime.abandon.Abandon`)
 
-An empty selection has no real row to copy into its padding, so the call is abandoned
-(:class:`~fxpasses.runtime.abandon.Abandon`, code ``selection-empty``): ``OptimizedLoss`` runs it
-natively, counted (and never traced again for it: a new trace would abandon it too). The read
-happens before any value of the call reaches the caller.
+* ``selection-capacity``: a count exceeds its capacity (rows were cut off, the results are
+  wrong): the capacity grows to the count's bucket, and the call runs again at once with it
+  (``retry``); a selection over the rows of one that did not fit has an unreliable count, so
+  only the lowest level that does not fit grows;
+* ``selection-empty``: a count is zero: there is no real row to pad with, so the call runs
+  natively, counted (and never traced again for it: a new trace would abandon it too).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch._guards import detect_fake_mode
@@ -27,38 +30,97 @@ from .abandon import Abandon
 from .paired_capture import bucket
 
 
-class ReadCounts(RuntimeOp):
-    """``read(*counts) -> (bucket_1, ..., bucket_k, count_1, ..., count_k)`` as Python ints.
+class Capacities(RuntimeOp):
+    """``capacity() -> (C,)``: the capacity of one selection (a Python int), the bucket of the
+    largest count it has had (``min_bucket`` before any). ``site``: its source location, named
+    when it is empty or grows; ``level``: 1 for a mask over the loss's tensors, ``n + 1`` for a
+    mask over the rows of a level-``n`` selection."""
 
-    ``counts``: 0-dim integer tensors (one per selection of the level); ``sites``: the source
-    location of each, named when one is empty.
-    """
+    pure = True
+    grad_free = True
+
+    def __init__(self, op_id: str, site: str, min_bucket: int, level: int):
+        super().__init__(op_id)
+        self.site = site
+        self.min_bucket = min_bucket
+        self.level = level
+        self.value = min_bucket
+
+    def __call__(self) -> tuple[int]:
+        return (self.value,)
+
+    def grow(self, count: int) -> None:
+        self.value = max(self.value, bucket(count, self.min_bucket))
+        self.count("grown")
+
+    def propagate(self) -> tuple[torch.SymInt]:
+        """A fresh unbacked size, at least ``min_bucket``."""
+        size = detect_fake_mode().shape_env.create_unbacked_symint()
+        torch._check(size >= self.min_bucket)
+        return (size,)
+
+
+class CheckCounts(RuntimeOp):
+    """``check(C_1, n_1, C_2, n_2, ...) -> (n_1, n_2, ...)``: the counts of some selections
+    (0-dim integer tensors ``n_i``) as Python ints, read at once, each against the capacity
+    ``C_i`` its selection used in this call (see the module docstring). Where counts do not
+    fit, those of the lowest level grow: a higher level's count is then unreliable."""
 
     pure = True
     capturable = False
 
-    def __init__(self, op_id: str, sites: Sequence[str], min_bucket: int):
+    def __init__(self, op_id: str, selections: Sequence[Capacities]):
         super().__init__(op_id)
-        self.sites = tuple(sites)
-        self.min_bucket = min_bucket
+        self.selections = tuple(selections)
 
-    def __call__(self, *counts: torch.Tensor) -> tuple[int, ...]:
+    def __call__(self, *args: Any) -> tuple[int, ...]:
+        caps, tensors = args[0::2], args[1::2]
         self.count("read")
-        values = [int(v) for v in torch.stack(counts).tolist()]  # the one host synchronisation
-        for count, site in zip(values, self.sites):
+        counts = [int(v) for v in torch.stack(tensors).tolist()]  # the one synchronisation
+        short = []
+        for selection, cap, count in zip(self.selections, caps, counts):
             if count == 0:
                 self.count("selection-empty")
-                raise Abandon("selection-empty", site, "a selection is empty: no real row to pad with",
-                              retrace=False)  # any trace's read abandons it again
-        return (*(bucket(v, self.min_bucket) for v in values), *values)
+                raise Abandon("selection-empty", selection.site, "a selection is empty: no real "
+                              "row to pad with", retrace=False)  # any trace's read abandons it again
+            if count > cap:
+                short.append((selection, cap, count))
+        if short:
+            lowest = min(s.level for s, _, _ in short)
+            grown = [(s, cap, count) for s, cap, count in short if s.level == lowest]
+            for selection, _, count in grown:
+                selection.grow(count)
+            self.count("selection-capacity")
+            selection, cap, count = grown[0]
+            raise Abandon("selection-capacity", selection.site,
+                          f"{count} rows selected, capacity {cap}: grown to {selection.value}",
+                          retrace=False, retry=True)
+        return tuple(counts)
 
-    def propagate(self, *counts: torch.Tensor) -> tuple[torch.SymInt, ...]:
-        """Fresh unbacked sizes: buckets at least ``min_bucket``, counts in ``[1, bucket]``."""
-        shape_env = detect_fake_mode(list(counts)).shape_env
-        buckets = [shape_env.create_unbacked_symint() for _ in counts]
-        sizes = [shape_env.create_unbacked_symint() for _ in counts]
-        for capacity, size in zip(buckets, sizes):
-            torch._check(capacity >= self.min_bucket)
+    def propagate(self, *args: Any) -> tuple[torch.SymInt, ...]:
+        """Fresh unbacked counts in ``[1, capacity]``."""
+        caps, tensors = args[0::2], args[1::2]
+        shape_env = detect_fake_mode(list(tensors)).shape_env
+        found = []
+        for cap in caps:
+            size = shape_env.create_unbacked_symint()
             torch._check(size >= 1)
-            torch._check(size <= capacity)
-        return (*buckets, *sizes)
+            torch._check(size <= cap)
+            found.append(size)
+        return tuple(found)
+
+
+class NonEmptyRows(RuntimeOp):
+    """``rows_of(x) -> x``, or one zero row when ``x`` has none: a selection from an empty batch
+    gathers its padding from that row (the call is abandoned at the read, empty), never from
+    beyond the end. Decided on the static shape: a recording holds one branch."""
+
+    pure = True
+    capturable = True
+    grad_free = True
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows if rows.shape[0] > 0 else rows.new_zeros((1, *rows.shape[1:]))
+
+    def propagate(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows

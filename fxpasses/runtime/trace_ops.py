@@ -25,9 +25,13 @@ def set_item(tensor: Any, index: Any, value: Any) -> Any:
     return tensor
 
 
-class _Guard(RuntimeOp):
+class Guard(RuntimeOp):
+    """A check of a value Python took while tracing; a failure abandons the call.
+    ``reads_values``: it reads a tensor's data on the host (a length does not)."""
+
     pure = True
     grad_free = True
+    reads_values = True
 
     def __init__(self, op_id: str, expected: Any, location: str):
         super().__init__(op_id)
@@ -42,7 +46,7 @@ class _Guard(RuntimeOp):
         raise Abandon("guard-failed", self.location, f"{self.op_id}: traced {self.expected!r}, now {seen!r}")
 
 
-class ExpectValue(_Guard):
+class ExpectValue(Guard):
     """The value (a size, an ``.item()``, a comparison) equals the one seen while tracing."""
 
     def __call__(self, value: Any) -> None:
@@ -50,7 +54,7 @@ class ExpectValue(_Guard):
             self._fail(value)
 
 
-class ExpectTruth(_Guard):
+class ExpectTruth(Guard):
     """``bool(tensor)`` (a host read, as the loss's own ``if`` does) is the one seen."""
 
     def __call__(self, value: Any) -> None:
@@ -59,8 +63,10 @@ class ExpectTruth(_Guard):
             self._fail(seen)
 
 
-class ExpectLength(_Guard):
+class ExpectLength(Guard):
     """A sequence an op returned (``unbind``, ``split``) has the length seen while tracing."""
+
+    reads_values = False
 
     def __call__(self, value: Any) -> None:
         if len(value) != self.expected:

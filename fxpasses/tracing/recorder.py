@@ -99,7 +99,7 @@ class Recorder:
 
     def writes_before_guards(self) -> tuple[str, ...]:
         """Locations of writes to inputs, parameters or buffers that precede a guard node."""
-        last_guard = max((i for i, (kind, _) in enumerate(self._events) if kind == "guard"), default=-1)
+        last_guard = max((i for i, (kind, _) in enumerate(self._events) if kind == "guard"), default=0)
         return tuple(loc for kind, loc in self._events[:last_guard] if kind == "write")
 
     # -- the root module: parameters, buffers, modules, constants ---------------------------

@@ -1,5 +1,5 @@
 """On a CUDA device: SelectRows with PairRLE and CaptureLoss on the reference loss, in float64
-against native (values and every gradient), two host reads per call, the selected part replayed."""
+against native (values and every gradient), one host read per run of a call, the loss replayed."""
 
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ def _values_and_grads(fn, batch, params):
 
 
 def check_reference_loss(device: str, capture: CaptureLoss, calls: int = 4) -> None:
-    """Float64 equality with native over ``calls`` fresh batches, two reads per call, every
-    selection rewritten and the regions replayed (the body of the CUDA test, runnable anywhere)."""
+    """Float64 equality with native over ``calls`` fresh batches, one read per run of a call (a
+    call whose capacity grew runs again), every selection rewritten and the regions replayed
+    (the body of the CUDA test, runnable anywhere)."""
     torch.manual_seed(0)
     loss = DualBranchPoseLoss().double().to(device)
     fast = optimize(loss, passes=[PairRLE(), SelectRows(min_bucket=8), capture])
@@ -43,8 +44,9 @@ def check_reference_loss(device: str, capture: CaptureLoss, calls: int = 4) -> N
     assert stats.optimized == calls and not stats.native and not stats.exceptions, stats.render()
     select = [c for c in fast.certificates if c.pass_name == "SelectRows"]
     assert len(select) == 4 and all(c.applied for c in select)
-    reads = [v["read"] for k, v in stats.sites.items() if "read_counts" in k]
-    assert len(reads) == 2 and reads == [calls, calls]
+    reads = [v["read"] for k, v in stats.sites.items() if "check_counts" in k]
+    again = sum(n for k, n in stats.abandoned.items() if k.startswith("selection-capacity"))
+    assert reads == [calls + again]
     regions = [v for k, v in stats.sites.items() if "capture_region" in k]
     assert regions and all("capture-failed" not in v and v.get("replayed", 0) for v in regions)
 

@@ -218,14 +218,18 @@ def _step(loss, fast, args):
     got[0].backward()  # the step's backward: the next call may replay
 
 
-def test_recording_budget_then_eager():
+def test_recordings_beyond_the_budget_replace_the_least_recently_replayed_then_stop():
     loss = Mixed()
     fast, recorder = _captured(loss, max_recordings=2)
-    for rows in (8, 9, 10, 8):  # three signatures; the fourth call reuses the first recording
+    for rows in (8, 9, 8, 10, 9, 8):  # 10 replaces 9 (8 replayed since), 9 replaces 8, 8 replaces 10
         assert_equivalent(loss, fast, _args(rows=rows), rtol=1e-6, atol=1e-6, parameters=False)
         _step(loss, fast, _args(rows=rows))
     regions = _regions(fast).values()
-    assert regions and all(v == {"recorded": 2, "replayed": 3, "record-budget": 1} for v in regions)
+    assert regions and all(v == {"recorded": 5, "evicted": 3, "replayed": 6} for v in regions)
+    for rows in (11, 12, 13, 14):  # 4 x max_recordings made in all: no more recordings
+        _step(loss, fast, _args(rows=rows))
+    regions = _regions(fast).values()
+    assert all(v["recorded"] == 8 and v["record-budget"] == 1 for v in regions)
 
 
 def test_a_signature_is_recorded_when_it_recurs(monkeypatch):
@@ -384,7 +388,7 @@ def test_paired_flow_is_recorded_per_power_of_two_row_bucket():
         want = torch.autograd.grad(flow(a).sum() + 2 * flow(b).sum(), [a, b, *flow.parameters()])
         assert all(torch.allclose(g, w, atol=1e-6) for g, w in zip(got, want))
         del out_a, out_b, loss  # views of the recording's outputs: held, they force eager calls
-    assert site.counters == {"paired": 4, "recorded": 2, "replayed": 3, "record-budget": 1}
+    assert site.counters == {"paired": 4, "recorded": 3, "replayed": 4, "evicted": 1}
 
 
 class LogAbsDensity(torch.nn.Module):

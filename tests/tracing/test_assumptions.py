@@ -609,6 +609,31 @@ def test_a_write_before_a_decision_is_refused_and_runs_natively():
     assert loss.calls.item() == 2  # once natively inside fast(), once by the direct call
 
 
+class CountsTwice(nn.Module):
+    """Two in-place updates of a buffer and no decision at all: nothing to abandon, so no refusal
+    (the check once counted every event but the last as "before a guard" when there was none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        self.calls.mul_(2)
+        return (x * self.calls).sum()
+
+
+def test_writes_without_any_decision_are_not_refused():
+    loss, twin = CountsTwice(), CountsTwice()
+    fast = optimize(loss)
+    x = torch.randn(5, 2)
+    for _ in range(3):
+        assert torch.equal(fast(x), twin(x))
+        assert torch.equal(loss.calls, twin.calls)  # each call's writes made once
+    (trace_cert,) = fast.certificates
+    assert trace_cert.applied and fast.stats.optimized == 3
+
+
 PARTS = {"scale": Scale()}
 
 

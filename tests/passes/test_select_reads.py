@@ -1,0 +1,177 @@
+"""Where SelectRows reads its counts, and what a count that did not fit may reach before it.
+
+The capacity of a selection is chosen before its count is known; the count is read late, and a
+call whose count exceeds its capacity runs again. So nothing computed from the cut-off rows may be
+visible, decide anything on the host, or index memory before the read: each test puts one such
+node after a selection and checks that the read comes before it, and that the call's values,
+gradients and state equal native's over calls that grow the capacity (float64, CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fxpasses import optimize
+from fxpasses.passes import SelectRows
+
+
+def _rows(n: int, selected: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 2, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[torch.randperm(n, generator=g)[:selected]] = True
+    return x, mask
+
+
+class WritesState(nn.Module):
+    """A running mean of the selected rows, kept in a buffer: written once per call."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(2, dtype=torch.float64))
+
+    def forward(self, x, mask):
+        rows = x[mask]
+        loss = (rows * rows).sum()
+        with torch.no_grad():
+            self.mean.mul_(0.5).add_(rows.sum(0) / 100)
+        return loss + (x * self.mean).sum()
+
+
+class DecidesOnRows(nn.Module):
+    """A branch on a value of the selected rows (a host read)."""
+
+    def forward(self, x, mask):
+        rows = x[mask]
+        if rows[:, 0].sum() > 0:
+            return rows.sin().sum()
+        return rows.cos().sum()
+
+
+class IndexesByRows(nn.Module):
+    """An index made from the selected rows' values, and one gathered as it is."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.linspace(0, 1, 5, dtype=torch.float64))
+
+    def forward(self, x, mask, slot):
+        rows = x[mask]
+        made = (rows[:, 0].abs() * 3).long().clamp(0, 4)  # from the values: may be anything
+        return (self.table[made] * rows[:, 1]).sum()
+
+
+class IndexesBySlot(nn.Module):
+    """An integer input, selected and used as an index as it is."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.linspace(0, 1, 5, dtype=torch.float64))
+
+    def forward(self, x, mask, slot):
+        rows, slots = x[mask], slot[mask]
+        return (self.table[slots] * rows[:, 1]).sum() + rows.pow(2).sum()
+
+
+def _read(fast) -> dict:
+    """Where the read went (every specialization's SelectRows certificate says the same)."""
+    certs = [c for c in fast.certificates if c.pass_name == "SelectRows"]
+    assert certs and all(c.applied for c in certs), certs
+    (because,) = {c.effect["host_read"]["because"] for c in certs}
+    return {"because": because}
+
+
+def _same_over_calls(loss, calls, *, state=lambda loss: ()):
+    """Values, gradients (input and parameters) and ``state`` equal native's after each call;
+    the calls grow the count past the capacity (min_bucket 4)."""
+    native = loss
+    twin = type(loss)()
+    twin.load_state_dict(loss.state_dict())
+    fast = optimize(twin, passes=[SelectRows(min_bucket=4)])
+    for args in calls:
+        results = []
+        for fn, module in ((native, native), (fast, twin)):
+            module.zero_grad(set_to_none=True)
+            fresh = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+            out = fn(*fresh)
+            out.backward()
+            results.append([out.detach(), *(a.grad for a in fresh if a.requires_grad),
+                            *(p.grad for p in module.parameters()), *state(module)])
+        for want, got in zip(*results):
+            assert (want is None) == (got is None)
+            if want is not None:
+                torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    return fast
+
+
+def _growing(extra=()):
+    return [(*_rows(12, n, seed), *extra) for seed, n in enumerate((3, 4, 9, 12, 5))]
+
+
+def test_the_read_comes_before_a_write_to_state_so_a_call_run_again_writes_once():
+    fast = _same_over_calls(WritesState(), _growing(), state=lambda m: (m.mean.clone(),))
+    assert _read(fast)["because"] == "a write to an input, parameter or buffer"
+    assert any(k.startswith("selection-capacity") for k in fast.stats.abandoned)  # it grew
+    assert not fast.stats.native
+
+
+def test_the_read_comes_before_a_host_read_of_the_rows():
+    fast = _same_over_calls(DecidesOnRows(), _growing())
+    assert _read(fast)["because"] == "a host read of values downstream of the gathers"
+
+
+def test_the_read_comes_before_an_index_made_from_the_rows():
+    slot = torch.arange(12) % 5
+    fast = _same_over_calls(IndexesByRows(), _growing((slot,)))
+    assert _read(fast)["because"] == "an index op whose index depends on the gathered rows"
+
+
+def test_an_index_gathered_as_it_is_does_not_hold_the_read_back():
+    slot = torch.arange(12) % 5
+    fast = _same_over_calls(IndexesBySlot(), _growing((slot,)))
+    assert _read(fast)["because"] == "the output"
+
+
+def test_an_empty_batch_runs_natively_without_an_index_past_the_end():
+    loss = IndexesBySlot()
+    fast = optimize(loss, passes=[SelectRows(min_bucket=4)])
+    slot = torch.arange(12) % 5
+    fast(*_rows(12, 5, 0), slot)  # traced with rows
+    x, mask = _rows(0, 0, 1)
+    empty_slot = torch.zeros(0, dtype=torch.long)
+    got = fast(x, mask, empty_slot)
+    assert torch.equal(got, loss(x, mask, empty_slot))
+    assert fast.stats.native["selection-empty"] == 1
+
+
+def test_an_empty_selections_integer_rows_never_index_past_the_end():
+    loss = IndexesBySlot()
+    fast = optimize(loss, passes=[SelectRows(min_bucket=4)])
+    slot = torch.arange(12) % 5
+    fast(*_rows(12, 5, 0), slot)
+    x, mask = _rows(12, 0, 1)  # nothing selected: the padding copies the first position
+    garbage = torch.full((12,), 99)  # an index no selected row holds, as an unused slot may
+    assert torch.equal(fast(x, mask, garbage), loss(x, mask, garbage))
+    assert fast.stats.native["selection-empty"] == 1 and not fast.stats.exceptions
+
+
+class WritesFirst(nn.Module):
+    """A buffer written before the mask is known: an abandoned call would have written it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, x, mask):
+        with torch.no_grad():
+            self.calls.add_(1)
+        rows = x[mask & (x[:, 0] > -10)]
+        return (rows * rows).sum() + self.calls * 0
+
+
+def test_a_write_before_the_mask_refuses_the_rewrite():
+    loss = WritesFirst()
+    fast = _same_over_calls(loss, _growing(), state=lambda m: (m.calls.clone(),))
+    (cert,) = [c for c in fast.certificates if c.pass_name == "SelectRows"]
+    assert not cert.applied and "select-effect-before-read" in cert.codes
