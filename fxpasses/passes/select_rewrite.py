@@ -24,7 +24,8 @@ other than through an integer gather (cleaned as above) or its views, or the out
 zero leaves no real row: the padding then copies the first position, and those first rows (and
 an integer row of 0) must only reach the read, where the call is abandoned; ``rows_of`` (a
 :class:`~fxpasses.runtime.select.NonEmptyRows`) gives an empty batch one zero row to gather.
-Consecutive reads become one (:func:`merge_checks`).
+Reads that go to the same place are one, the counts' copy to the host queued as soon as they are
+computed (:func:`place_reads`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from ..analysis.order import effects
 from ..analysis.selection import SpaceAnalysis
 from ..facts import BucketedSizes, prove
 from ..locations import node_location
-from ..runtime.select import Capacities, CheckCounts, NonEmptyRows
+from ..runtime.select import Capacities, CheckCounts, NonEmptyRows, StartCounts
 from ..runtime.trace_ops import Guard, WriteAttribute
 
 # aten ops that read memory at positions given by a tensor (a bad index fails the device)
@@ -115,25 +116,40 @@ def rewrite_level(gm: fx.GraphModule, analyses: list[SpaceAnalysis], level_id: s
     return result
 
 
-def place_reads(gm: fx.GraphModule, levels: list[Rewritten]) -> dict[str, dict]:
-    """Each space's read (a CheckCounts of its capacity and count) where :func:`check_point`
-    says, the rows that leave sliced to its count; consecutive reads then become one
-    (:func:`merge_checks`). Returns, by mask, the node the read went before and why."""
+def place_reads(gm: fx.GraphModule, levels: list[Rewritten]) -> tuple[dict[str, dict], list[str]]:
+    """The reads of the rewritten spaces: each space's goes where :func:`check_point` says, the
+    spaces whose reads go to the same place share one (a call waits once), its counts' copy to
+    the host queued right after the last of them is computed
+    (:class:`~fxpasses.runtime.select.StartCounts`); the rows that leave are sliced to their
+    counts. Returns, by mask, the node its read went before and why; and the reads' names."""
     graph = gm.graph
     made = set().union(*(level.made for level in levels))
     cleaned = set().union(*(level.cleaned for level in levels))
+    groups: dict[fx.Node, list[SpaceRewrite]] = {}
     placement = {}
-    for number, space in enumerate(s for level in levels for s in level.spaces):
+    for space in (s for level in levels for s in level.spaces):  # lower levels first
         before, why = check_point(gm, space.planned, space.start, made, cleaned)
-        with graph.inserting_before(before):
-            check = _made(graph.call_function(CheckCounts(f"check_counts_{number}", [space.capacities]),
-                                              (space.capacity, space.count)), space.count, made)
-        if space.exits:
-            with graph.inserting_after(check):
-                host_count = graph.call_function(operator.getitem, (check, 0))
-            _slice_exits(graph, space.exits, host_count)
+        groups.setdefault(before, []).append(space)
         placement[space.mask] = {"before": before.name, "reason": why}
-    return placement
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    reads = []
+    for number, (before, members) in enumerate(groups.items()):
+        counts = [s.count for s in members]
+        with graph.inserting_after(max(counts, key=order.__getitem__)):
+            started = _made(graph.call_function(StartCounts(f"start_counts_{number}"), tuple(counts)),
+                            counts[-1], made)
+        with graph.inserting_before(before):
+            check = _made(graph.call_function(CheckCounts(f"check_counts_{number}",
+                                                          [s.capacities for s in members]),
+                                              (*(s.capacity for s in members), started)),
+                          counts[-1], made)
+        reads.append(check.name)
+        for k, space in enumerate(members):
+            if space.exits:
+                with graph.inserting_after(check):
+                    host_count = graph.call_function(operator.getitem, (check, k))
+                _slice_exits(graph, space.exits, host_count)
+    return placement, reads
 
 
 def _made(node: fx.Node, like: fx.Node, made: set[fx.Node]) -> fx.Node:
@@ -335,43 +351,3 @@ def _keeps_cleaned(node: fx.Node, cleaned: set[fx.Node]) -> bool:
     inputs = node.all_input_nodes
     return facts is not None and facts.complete and not facts.computes and \
         len(inputs) == 1 and inputs[0] in cleaned
-
-
-def merge_checks(gm: fx.GraphModule) -> list[str]:
-    """Consecutive reads (nothing between them but their counts' getitems) become one, so a
-    call waits once; returns the names of the reads left."""
-    graph = gm.graph
-    groups: list[list[fx.Node]] = []
-    for node in graph.nodes:
-        if isinstance(node.target, CheckCounts):
-            if groups and all(_between_ok(n, groups[-1]) for n in _between(groups[-1][-1], node)):
-                groups[-1].append(node)
-            else:
-                groups.append([node])
-    for group in groups:
-        if len(group) == 1:
-            continue
-        selections = [s for check in group for s in check.target.selections]
-        merged_op = CheckCounts(group[0].target.op_id, selections)
-        with graph.inserting_before(group[0]):
-            merged = graph.call_function(merged_op, tuple(a for check in group for a in check.args))
-        merged.meta = dict(group[0].meta)
-        offset = 0
-        for check in group:
-            for user in list(check.users):  # getitem(check, i) ==> getitem(merged, offset + i)
-                user.args = (merged, offset + user.args[1])
-            offset += len(check.target.selections)
-            graph.erase_node(check)
-    return [n.name for n in graph.nodes if isinstance(n.target, CheckCounts)]
-
-
-def _between(a: fx.Node, b: fx.Node) -> list[fx.Node]:
-    found, node = [], a.next
-    while node is not b:
-        found.append(node)
-        node = node.next
-    return found
-
-
-def _between_ok(node: fx.Node, group: list[fx.Node]) -> bool:
-    return node.op == "call_function" and node.target is operator.getitem and node.args[0] in group

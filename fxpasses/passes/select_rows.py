@@ -51,7 +51,7 @@ from ..analysis.selection import Space, SpaceAnalysis, analyze_space, find_space
 from ..certificates import Certificate, Check, Guard, Site
 from ..locations import node_location
 from ..pipeline import PassResult
-from .select_rewrite import external_storages, merge_checks, place_reads, rewrite_level, visible_before
+from .select_rewrite import external_storages, place_reads, rewrite_level, visible_before
 from .select_witness import selection_witness
 
 EXACT = "exact"
@@ -108,12 +108,11 @@ class SelectRows:
             members = [a for a in applied.values() if a.space.level == level]
             proof = certificates[members[0].space.mask].id
             levels.append(rewrite_level(gm, members, f"level{level}", self.min_bucket, masks, proof))
-        placements = place_reads(gm, levels)
-        reads = tuple(merge_checks(gm)) if applied else ()
+        placements, reads = place_reads(gm, levels)
         for mask, placement in placements.items():
             cert = certificates[mask]
             certificates[mask] = dataclasses.replace(cert, effect={
-                **cert.effect, "host_read": {"reads": reads, "placed_before": placement["before"],
+                **cert.effect, "host_read": {"reads": tuple(reads), "placed_before": placement["before"],
                                              "because": placement["reason"]}})
         return PassResult(gm, bool(applied), [certificates[s.mask] for s in spaces])
 

@@ -39,8 +39,8 @@ from ..pipeline import copy_graph_module
 from ..runtime import RuntimeOp
 from ..runtime.abandon import Abandon
 from ..runtime.paired_capture import bucket
-from ..runtime.select import Capacities, CheckCounts, NonEmptyRows
-from .select_rewrite import merge_checks, place_reads, rewrite_level
+from ..runtime.select import Capacities, CheckCounts, NonEmptyRows, StartCounts
+from .select_rewrite import place_reads, rewrite_level
 
 WITNESS_BUCKET = 4
 PARENT_ROWS = 6  # the row count of the parent level in a child level's witness
@@ -66,7 +66,7 @@ class _Witnessed(fx.Interpreter):
     """Runs a level: a run-time op other than the selections' own computes without counters."""
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
-        if isinstance(target, RuntimeOp) and not isinstance(target, (Capacities, CheckCounts, NonEmptyRows)):
+        if isinstance(target, RuntimeOp) and not isinstance(target, (Capacities, CheckCounts, NonEmptyRows, StartCounts)):
             return target.propagate(*args, **kwargs)
         return super().call_function(target, args, kwargs)
 
@@ -82,7 +82,6 @@ def selection_witness(gm: fx.GraphModule, analyses: list[SpaceAnalysis], seed: i
     rewritten = copy_graph_module(native)
     done = rewrite_level(rewritten, analyses, "witness", WITNESS_BUCKET, {}, "witness", slice_exits=True)
     place_reads(rewritten, [done])
-    merge_checks(rewritten)
     rewritten.recompile()
     capacities = {space.mask: space.capacities for space in done.spaces}
     placeholders = [n for n in native.graph.nodes if n.op == "placeholder"]

@@ -46,6 +46,7 @@ is recomputed eagerly from the saved inputs, so it is differentiable, counted as
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -184,6 +185,7 @@ class Recording:
     # input position -> positions of the outputs whose gradient reaches it (None: not known)
     sources: dict[int, frozenset[int]] | None = None
     memory: frozenset[int] = frozenset()  # data pointers of the static storages
+    used: int = 0  # when its region last replayed (or made) it: the least recent goes first
     _storages: list[tuple[StorageWeakRef, int]] = field(default_factory=list)
 
     def track_memory(self) -> None:
@@ -514,6 +516,7 @@ class CapturedRegion(RuntimeOp):
         self._pool: Any = None
         self._slots: StateSlots | None = None
         self.made = 0  # recordings made in all (evicted ones included)
+        self._clock = itertools.count()  # a recording's ``used``: when it was last replayed
 
     # -- the call ---------------------------------------------------------------------------
     def propagate(self, *args: Any) -> Any:
@@ -553,9 +556,9 @@ class CapturedRegion(RuntimeOp):
             | frozenset(range(len(leaves), len(flat)))
         key = (tuple(None if spec is None else repr(spec) for spec in specs),  # containers only
                signature(flat, identity))
-        recording = self.recordings.pop(key, None)
+        recording = self.recordings.get(key)  # (hashing the key is a good part of admission)
         if recording is not None:
-            self.recordings[key] = recording  # the most recently replayed last
+            recording.used = next(self._clock)
         else:
             if self.made >= RERECORDINGS * self.max_recordings:
                 return "record-budget", None, flat
@@ -571,6 +574,7 @@ class CapturedRegion(RuntimeOp):
             except Exception as exc:  # never lose the step: this region runs eagerly from now on
                 self.failure = f"{type(exc).__name__}: {exc}"[:500]
                 return "capture-failed", None, flat
+            recording.used = next(self._clock)
             self.recordings[key] = recording
             self.count("recorded")
         if self._pending is not None:
@@ -589,7 +593,7 @@ class CapturedRegion(RuntimeOp):
     def _evict(self) -> bool:
         """Drop the recording replayed least recently that no tensor refers to (its graphs and
         memory go back to the region's pool); False when every one is still referenced."""
-        for key, recording in self.recordings.items():
+        for key, recording in sorted(self.recordings.items(), key=lambda kv: kv[1].used):
             if not recording.referenced():
                 del self.recordings[key]
                 self.count("evicted")

@@ -6,9 +6,10 @@ SelectRows replaces boolean-mask selections by gathers into a static capacity ``
 stay on the device for everything the graph computes (validity masks, the divisors of means), so
 nothing has to wait for them: :class:`Capacities` gives each selection its capacity from what
 earlier calls needed (the power-of-two bucket of the largest count seen, at least
-``min_bucket``), and one :class:`CheckCounts` reads the counts with ONE synchronisation late in
-the forward (``torch.stack(counts).tolist()``), when the GPU has the step queued, before
-anything of the call is visible. It abandons the call (:class:`~fxpasses.runtime.abandon.Abandon`)
+``min_bucket``), :class:`StartCounts` queues the counts' copy to the host as soon as they are
+computed, and one :class:`CheckCounts` waits for that copy alone (ONE synchronisation) late in
+the forward, when the GPU has the rest of the step queued, before anything of the call is
+visible. It abandons the call (:class:`~fxpasses.runtime.abandon.Abandon`)
 
 * ``selection-capacity``: a count exceeds its capacity (rows were cut off, the results are
   wrong): the capacity grows to the count's bucket, and the call runs again at once with it
@@ -60,11 +61,46 @@ class Capacities(RuntimeOp):
         return (size,)
 
 
+class PendingCounts:
+    """Counts on their way to the host: a pinned buffer a copy was queued into, and the event
+    that says it arrived (None on the CPU: the values are there)."""
+
+    def __init__(self, counts: Sequence[torch.Tensor]):
+        stacked = torch.stack(list(counts))
+        if stacked.is_cuda:
+            self.host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+            self.host.copy_(stacked, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host, self.event = stacked, None
+
+    def values(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()  # the one wait: for the work before the copy, not after it
+        return [int(v) for v in self.host.tolist()]
+
+
+class StartCounts(RuntimeOp):
+    """``start(n_1, ...) -> PendingCounts``: the counts' copy to the host, queued as soon as they
+    are computed; the graph goes on, and :class:`CheckCounts` waits for the copy only. A
+    captured region ends here: what follows runs while the copy travels."""
+
+    pure = True
+    grad_free = True
+
+    def __call__(self, *counts: torch.Tensor) -> PendingCounts:
+        return PendingCounts(counts)
+
+    def propagate(self, *counts: torch.Tensor) -> None:
+        return None
+
+
 class CheckCounts(RuntimeOp):
-    """``check(C_1, n_1, C_2, n_2, ...) -> (n_1, n_2, ...)``: the counts of some selections
-    (0-dim integer tensors ``n_i``) as Python ints, read at once, each against the capacity
-    ``C_i`` its selection used in this call (see the module docstring). Where counts do not
-    fit, those of the lowest level grow: a higher level's count is then unreliable."""
+    """``check(C_1, ..., C_k, pending) -> (n_1, ..., n_k)``: the counts of some selections,
+    started by :class:`StartCounts`, as Python ints, each against the capacity ``C_i`` its
+    selection used in this call (see the module docstring). Where counts do not fit, those of
+    the lowest level grow: a higher level's count is then unreliable."""
 
     pure = True
     capturable = False
@@ -74,9 +110,9 @@ class CheckCounts(RuntimeOp):
         self.selections = tuple(selections)
 
     def __call__(self, *args: Any) -> tuple[int, ...]:
-        caps, tensors = args[0::2], args[1::2]
+        caps, pending = args[:-1], args[-1]
         self.count("read")
-        counts = [int(v) for v in torch.stack(tensors).tolist()]  # the one synchronisation
+        counts = pending.values()  # the one synchronisation
         short = []
         for selection, cap, count in zip(self.selections, caps, counts):
             if count == 0:
@@ -99,8 +135,8 @@ class CheckCounts(RuntimeOp):
 
     def propagate(self, *args: Any) -> tuple[torch.SymInt, ...]:
         """Fresh unbacked counts in ``[1, capacity]``."""
-        caps, tensors = args[0::2], args[1::2]
-        shape_env = detect_fake_mode(list(tensors)).shape_env
+        caps = args[:-1]
+        shape_env = detect_fake_mode().shape_env
         found = []
         for cap in caps:
             size = shape_env.create_unbacked_symint()

@@ -189,10 +189,11 @@ def test_empty_selections_run_natively_without_new_traces():
     assert len(fast.specializations) == traced
 
 
-def test_everything_is_captured_in_one_region():
+def test_everything_is_captured_in_two_regions():
     _, fast = optimized("all")
     capture = [c for c in fast.certificates if c.pass_name == "CaptureLoss"]
-    assert sum(c.applied and "region" in c.effect for c in capture) == 1
+    # what the counts need, then the rest while their copy to the host travels
+    assert sum(c.applied and "region" in c.effect for c in capture) == 2
     eager = [ch for c in capture for ch in c.checks if not ch.ok]
     assert not [ch for ch in eager if ch.code != "region-too-small"], eager
     graph = fast.graph_module.graph
