@@ -34,21 +34,10 @@ class OwnedOutputs(RuntimeOp):
 
     def __call__(self, *outputs: Any) -> tuple[Any, ...]:
         memory = frozenset().union(*(r.memory() for r in self.regions))
-        owned = list(outputs)
-        scalars: dict[tuple, list[int]] = {}
-        for i, out in enumerate(outputs):
+        owned = []
+        for out in outputs:
             if isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() in memory:
                 self.count("outputs-copied")
-                if out.dim() == 0:  # a loss term: copied with its kind at once, below
-                    scalars.setdefault((out.dtype, out.device, out.requires_grad), []).append(i)
-                else:
-                    owned[i] = out.clone()
-        for positions in scalars.values():
-            if len(positions) == 1:
-                owned[positions[0]] = outputs[positions[0]].clone()
-                continue
-            # one copy and two autograd nodes for them all, not a clone each
-            copies = torch.stack([outputs[i] for i in positions]).unbind(0)
-            for i, copy in zip(positions, copies):
-                owned[i] = copy
+                out = out.clone()
+            owned.append(out)
         return tuple(owned)

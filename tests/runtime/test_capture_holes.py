@@ -261,3 +261,24 @@ def test_4_a_call_while_another_thread_is_inside_the_region_runs_eagerly():
     leave.set()
     other.join()
     assert region.counters == {"concurrent-call": 1}
+
+
+def test_outputs_copied_out_of_graph_memory_can_be_changed_in_place():
+    """A caller may scale a returned loss in place (``loss *= accumulation``), as natively: the
+    copies are tensors of their own, never views of one shared copy (an unbind's views refuse
+    in-place changes)."""
+    class Terms(torch.nn.Module):
+        def forward(self, x):
+            y = (x * 1.5).tanh().exp()
+            return y.sum(), (y * y).mean(), y.amax()
+
+    fast = optimize(Terms(), passes=[CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder(),
+                                                  record_after=1, count_copies=False)])
+    for seed in range(3):
+        x = torch.randn(4, 3, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+        total, mean, peak = fast(x)
+        want = Terms()(x)
+        total *= 2  # in place, on an output that requires grad
+        (total + mean + peak).backward()
+        assert torch.allclose(total, 2 * want[0]) and torch.allclose(mean, want[1])
+    assert any(v.get("replayed") for k, v in fast.stats.sites.items() if "capture_region" in k)
