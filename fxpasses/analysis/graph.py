@@ -63,13 +63,15 @@ def gradient_may_reach_output(node: fx.Node) -> bool:
     """Whether a gradient of the graph's outputs may flow back into ``node``'s value.
 
     False only when every path from ``node`` to the output passes through an op that stops
-    gradients: ``detach``, or a result that holds no floating tensor (a comparison, ``argmax``,
-    an integer cast, ``.item()``). Anything the analysis cannot see through answers True: a node
+    gradients: ``detach``, an op run with gradients off (``torch.no_grad()``) that writes to no
+    input, or a result that holds no floating tensor (a comparison, ``argmax``, an integer cast,
+    ``.item()``). Anything the analysis cannot see through answers True: a node
     without complete shape-propagation facts, one that is not torch's own code (it may keep the
     value, e.g. as an attribute), one that writes to memory not made below ``node`` (the value may
     reach another tensor).
     """
     contained = _fresh_storages_below(node)
+    modes = grad_modes(node.graph)
     stack, seen = list(node.users), set()
     while stack:
         n = stack.pop()
@@ -86,7 +88,7 @@ def gradient_may_reach_output(node: fx.Node) -> bool:
         # write anywhere else may carry it away
         if facts.writes_input and not facts.writes <= contained:
             return True
-        if _stops_gradient(n, value(n)):
+        if not (modes[n] or facts.writes_input) or _stops_gradient(n, value(n)):
             continue
         stack.extend(n.users)
     return False

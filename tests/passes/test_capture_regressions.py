@@ -14,7 +14,8 @@ native loss. Each test fails while its defect is present (issue 9) and passes on
   regions, the second fed by the first's output changed in place, it counted a path twice;
 * ``backward(retain_graph=True)``, then a later call, then that backward again: silently wrong;
 * PairRLE (alone): rows whose log-probabilities are only detached get a zero gradient, not None,
-  also when the value passes an in-place op on memory computed from it;
+  also when the value passes an in-place op on memory computed from it, and when it is only
+  read under ``torch.no_grad()`` (an assigner's target);
 * a region argument that is a tuple of tensors (a split passed on to a later region) was kept as
   a constant of the recording: no gradient flowed through it;
 * an optimized loss that calls a leaf function is never freed, nor its captured regions (their
@@ -148,6 +149,31 @@ def test_pairing_gives_no_gradient_to_rows_whose_log_probs_are_detached():
     loss = _float64(DetachedBranch)
     fast = optimize(loss, passes=[PairRLE()])
     assert_equivalent(loss, fast, (_rows(5, 1), _rows(3, 2)), rtol=RTOL, atol=ATOL)
+
+
+class NoGradTargetBranch(nn.Module):
+    """One branch's log-probabilities only feed a target computed under ``torch.no_grad()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flow = Flow()
+
+    def forward(self, a, b):
+        scores, nll = self.flow.log_prob(a), -self.flow.log_prob(b).mean()
+        with torch.no_grad():
+            target = torch.tanh(scores * 0.5).abs()
+        return nll + target.sum()
+
+
+def test_pairing_gives_no_gradient_to_rows_whose_log_probs_are_read_only_without_grad():
+    """Census, seeds 1000 and 1011 (2026-12-01): the log-probabilities of ``a`` computed with
+    gradients on, then only read inside ``torch.no_grad()``; natively ``a.grad`` is None, the
+    paired call gave it zeros."""
+    loss = _float64(NoGradTargetBranch)
+    fast = optimize(loss, passes=[PairRLE()])
+    assert_equivalent(loss, fast, (_rows(5, 1), _rows(3, 2)), rtol=RTOL, atol=ATOL)
+    fast(_rows(5, 1), _rows(3, 2))  # assert_equivalent ran a copy
+    assert [c.applied for c in fast.certificates if c.pass_name == "PairRLE"] == [True]
 
 
 def logged(x):
