@@ -1,6 +1,7 @@
 """A census of random losses: run N cases, never stop at a failure, count failures by class.
 
     python -m fxpasses.testing.census --cases 10000 [--seed 0] [--minutes M] [--examples out.txt]
+                                      [--jobs J]   # J processes, seeds seed..seed+J-1, one summary
 
     examples = pickle.load(open("out.txt.pickle", "rb"))  # failure class -> its smallest case
     print(check_case(examples[cls]))                     # run one again
@@ -16,11 +17,13 @@ case of each class (fewest instructions) is kept as an example. Progress goes to
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import pickle
 import re
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, Phase, given, seed as hypothesis_seed, settings
@@ -72,6 +75,20 @@ class Census:
             if key not in self.examples or size < len(self.examples[key].program.instructions):
                 self.examples[key] = report.case
 
+    def merge(self, other: "Census") -> None:
+        """Add ``other``'s counts (another process's cases) to these."""
+        self.cases += other.cases
+        self.failing_cases += other.failing_cases
+        self.seconds += other.seconds
+        self.cpu_seconds += other.cpu_seconds
+        for mine, theirs in ((self.failures, other.failures), (self.refusals, other.refusals),
+                             (self.coverage, other.coverage)):
+            mine.update(theirs)
+        for key, case in other.examples.items():
+            if key not in self.examples or (len(case.program.instructions)
+                                            < len(self.examples[key].program.instructions)):
+                self.examples[key] = case
+
     def summary(self) -> str:
         cases = max(self.cases, 1)
         lines = [f"{self.cases} cases in {self.seconds:.0f} s wall ({self.seconds / cases:.3f} s per "
@@ -88,10 +105,21 @@ class _TimeUp(Exception):
     pass
 
 
+def write_examples(census: Census, path: str) -> None:
+    """The smallest case of each failure class, as text at ``path`` and pickled beside it."""
+    with open(path, "w") as out:
+        for key, case in sorted(census.examples.items()):
+            out.write(f"== {key}\n{case}\n\n")
+    with open(f"{path}.pickle", "wb") as out:
+        pickle.dump(census.examples, out)
+
+
 def run_census(cases: int, seed: int = 0, progress_every: float = 30.0,
-               minutes: float | None = None) -> Census:
+               minutes: float | None = None, examples: str | None = None,
+               name: str = "census") -> Census:
     """Check ``cases`` random losses (hypothesis, seeded), or as many as ``minutes`` allow;
-    never stops at a failure."""
+    never stops at a failure. A new failure class is named on stderr when it first occurs and,
+    with ``examples``, written out at once (a run cut short keeps what it found)."""
     census = Census()
     last = start = time.perf_counter()
     cpu = time.process_time()
@@ -104,20 +132,44 @@ def run_census(cases: int, seed: int = 0, progress_every: float = 30.0,
         nonlocal last
         if minutes is not None and time.perf_counter() - start > 60 * minutes:
             raise _TimeUp
+        known = set(census.failures)
         try:
             census.add(check_case(case))
         except Exception as exc:  # a census never stops: count it, keep the case
             census.add_error(case, exc)
+        for key in sorted(set(census.failures) - known):
+            print(f"{name}: case {census.cases}: new failure class: {key}", file=sys.stderr,
+                  flush=True)
+        if examples and set(census.failures) != known:
+            write_examples(census, examples)
         if time.perf_counter() - last > progress_every:
             last = time.perf_counter()
-            print(f"census: {census.cases}/{cases} cases, {census.failing_cases} failing, "
+            print(f"{name}: {census.cases}/{cases} cases, {census.failing_cases} failing, "
                   f"{census.seconds / census.cases:.3f} s per case", file=sys.stderr, flush=True)
 
     try:
         one()
     except _TimeUp:
-        print(f"census: time is up after {census.cases} cases", file=sys.stderr, flush=True)
+        print(f"{name}: time is up after {census.cases} cases", file=sys.stderr, flush=True)
     census.cpu_seconds = time.process_time() - cpu
+    return census
+
+
+def _shard(cases: int, seed: int, minutes: float | None, examples: str | None) -> Census:
+    return run_census(cases, seed, minutes=minutes, name=f"census seed {seed}",
+                      examples=examples and f"{examples}.seed{seed}")
+
+
+def run_shards(cases: int, seed: int, jobs: int, minutes: float | None,
+               examples: str | None) -> Census:
+    """``cases`` split over ``jobs`` processes, seeds ``seed``..``seed + jobs - 1``, merged."""
+    shares = [cases // jobs + (i < cases % jobs) for i in range(jobs)]
+    census = Census()
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        for part in pool.map(_shard, shares, range(seed, seed + jobs), [minutes] * jobs,
+                             [examples] * jobs):
+            census.merge(part)
     return census
 
 
@@ -128,17 +180,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--examples", help="write the smallest case of each failure class here "
                         "(text), and to EXAMPLES.pickle (a dict: class -> LossCase)")
     parser.add_argument("--minutes", type=float, help="stop after this much wall time")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="processes, each with its own seed (seed, seed+1, ...)")
     args = parser.parse_args(argv)
+    if args.cases < 1 or args.jobs < 1 or args.jobs > args.cases:
+        parser.error("--cases and --jobs must be positive, with at most one job per case")
     start = time.perf_counter()
-    census = run_census(args.cases, args.seed, minutes=args.minutes)
+    if args.jobs == 1:
+        census = run_census(args.cases, args.seed, minutes=args.minutes, examples=args.examples)
+    else:
+        census = run_shards(args.cases, args.seed, args.jobs, args.minutes, args.examples)
     print(census.summary())
     print(f"wall time {time.perf_counter() - start:.0f} s")
     if args.examples:
-        with open(args.examples, "w") as out:
-            for key, case in sorted(census.examples.items()):
-                out.write(f"== {key}\n{case}\n\n")
-        with open(f"{args.examples}.pickle", "wb") as out:
-            pickle.dump(census.examples, out)
+        write_examples(census, args.examples)
     return 1 if census.failing_cases else 0
 
 
