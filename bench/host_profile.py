@@ -7,31 +7,21 @@ after the arm's first call and a warm-up.
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import os
 import pstats
 import sys
 
-import torch
-
 import interleaved as il  # bench/interleaved.py, beside this script
 from fxpasses.timing import device_sync
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--loss", choices=("reference", "wild"), default="reference")
-    parser.add_argument("--arm", default="all", choices=sorted(["eager", *il.PASSES]))
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--image-size", type=int, default=640)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser = il.one_arm_parser(__doc__, steps=20)
     parser.add_argument("--out", default="out/host_profile")
     args = parser.parse_args(argv)
-    work = (il.reference_workload if args.loss == "reference" else il.wild_workload)(args)
-    fn = il.make_arm(args.arm, work.loss)
+    work, fn = il.one_arm(args)
     sync = device_sync(args.device)
     for seed in range(5):  # first call and warm-up (recordings)
         work.step(fn, work.batch(1_000 + seed))

@@ -13,7 +13,6 @@ that synchronisation (the GPU finishing what the host issued), ``wait`` other
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -66,18 +65,11 @@ def _recordings(fn: Any) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--loss", choices=("reference", "wild"), default="reference")
-    parser.add_argument("--arm", default="all", choices=sorted(["eager", *il.PASSES]))
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--image-size", type=int, default=640)
-    parser.add_argument("--steps", type=int, default=30)
+    parser = il.one_arm_parser(__doc__, steps=30)
     parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
-    work = (il.reference_workload if args.loss == "reference" else il.wild_workload)(args)
-    fn = il.make_arm(args.arm, work.loss)
+    work, fn = il.one_arm(args)
     sync = device_sync(args.device)
     timers = Timers()
     originals = []
@@ -95,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         for seed in range(args.warmup + 1):
             work.step(fn, work.batch(1_000 + seed))
         sync()
-        kept, seed, steps = [], args.warmup + 1, 0
+        seed, steps = args.warmup + 1, 0
         while steps < args.steps and seed < 10 * args.steps + 100:
             b = work.batch(1_000 + seed)
             seed += 1

@@ -82,6 +82,25 @@ def wild_workload(args: argparse.Namespace) -> Workload:
     return Workload(loss, batch, lambda fn, b: step(lambda x: fn(*x), b, lambda out: out[0]))
 
 
+def one_arm_parser(doc: str, steps: int) -> argparse.ArgumentParser:
+    """The arguments of the scripts that look into one arm on one workload (host_profile.py,
+    host_timers.py, timeline.py): --loss, --arm, --batch, --image-size, --steps, --device."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--loss", choices=("reference", "wild"), default="reference")
+    parser.add_argument("--arm", default="all", choices=sorted(["eager", *PASSES]))
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--image-size", type=int, default=640)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return parser
+
+
+def one_arm(args: argparse.Namespace) -> tuple[Workload, Callable]:
+    """The workload and the arm :func:`one_arm_parser`'s arguments name."""
+    work = (reference_workload if args.loss == "reference" else wild_workload)(args)
+    return work, make_arm(args.arm, work.loss)
+
+
 def make_arm(name: str, loss: Any) -> Callable:
     if name == "eager":
         return loss

@@ -15,7 +15,6 @@ prints the same summary from a saved trace.
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import os
@@ -114,15 +113,9 @@ def _profile(work: il.Workload, fn: Any, batches: list[Any], path: str, stack: b
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--loss", choices=("reference", "wild"), default="reference")
-    parser.add_argument("--arm", default="all", choices=sorted(["eager", *il.PASSES]))
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--image-size", type=int, default=640)
-    parser.add_argument("--steps", type=int, default=3)
+    parser = il.one_arm_parser(__doc__, steps=3)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--stack", action="store_true", help="also profile with Python functions")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="out/timeline")
     parser.add_argument("--read", help="summarize a saved trace (.json.gz) instead")
     args = parser.parse_args(argv)
@@ -132,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: this torch sees no CUDA device")
-    work = (il.reference_workload if args.loss == "reference" else il.wild_workload)(args)
-    fn = il.make_arm(args.arm, work.loss)
+    work, fn = il.one_arm(args)
     seed = 0
     for _ in range(args.warmup + 1):
         work.step(fn, work.batch(1_000 + seed))
