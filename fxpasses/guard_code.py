@@ -21,12 +21,17 @@ which one failed (or that none did). It reads each module's ``__dict__`` once, f
 (the exact path walks the modules once per kind, and in training, with cold caches, each module
 touched costs more than the comparisons), in one loop over a record per module (unrolled, the
 checks' own bytecode is cold too: 140 against 103 µs for 42 modules after the cache is flushed).
+Where the interpreter keeps dict version tags (:data:`DICT_VERSION`), a module whose ``__dict__``
+and ``_modules``, a class whose dict, and a plain loss object whose ``__dict__`` has not been
+written since its state last held is passed on two integer reads; a written one is checked in
+full, and its versions move on when it holds.
 """
 
 from __future__ import annotations
 
+import gc
 import keyword
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -36,6 +41,36 @@ from .guards import (AUTOCAST_OFF, GUARD_HELPERS, GUARD_KINDS, Assumption, LossR
 from .tracing.sources import Source
 
 FAILED_READ = -2  # a read raised: run the exact path
+
+
+def _dict_version_reader() -> Optional[Callable[[dict], int]]:
+    """CPython's version tag of a dict (PEP 509: it changes on every write to the dict, an
+    identical value stored again excepted), as ``torch._C._dynamo.guards.dict_version`` reads it
+    (private to torch: Dynamo's dict guards). None where torch lacks it or this interpreter does
+    not keep the tag (PEP 699 deprecates it from 3.12): the checks then read the state itself."""
+    try:
+        from torch._C._dynamo.guards import dict_version
+        probe: dict = {"k": None}
+        before = dict_version(probe)
+        probe["k"] = object()
+        written = dict_version(probe)
+        probe["k"] = probe["k"]  # the same value again
+        same = dict_version(probe)
+        del probe["k"]
+        if before != written == same != dict_version(probe):
+            return dict_version
+    except Exception:  # torch or the interpreter without it: read the state
+        pass
+    return None
+
+
+DICT_VERSION = _dict_version_reader()
+
+
+def _class_dict(cls: type) -> Optional[dict]:
+    """The dict behind ``cls.__dict__`` (a read-only proxy of it), or None."""
+    inner = gc.get_referents(cls.__dict__)
+    return inner[0] if len(inner) == 1 and type(inner[0]) is dict else None
 _READ_ERRORS = "(AttributeError, KeyError, IndexError, TypeError, ValueError)"
 
 
@@ -176,7 +211,8 @@ def compile_whole_check(assumptions: Sequence[Assumption], loss: Any, modules: S
                         "    except Exception:  # a read that raises: the exact path decides",
                         "        return False", "    return True"])
     namespace = {**w.names, "LossRoots": LossRoots, "RemovableHandle": RemovableHandle,
-                 "same_callables": _same_callables, "module_overrides": _module_overrides}
+                 "same_callables": _same_callables, "module_overrides": _module_overrides,
+                 "version": DICT_VERSION}
     exec(compile(source, f"<fxpasses whole-loss guards of {len(modules)} modules>", "exec"), namespace)
     check = namespace["check"]
     check.source = source
@@ -195,7 +231,8 @@ def _whole_lines(w: _Writer, by_kind: dict[str, Assumption], loss: Any, modules:
     methods = "methods" in by_kind
     if methods and not isinstance(loss, nn.Module) and "loss callables" in parts:
         values = tuple(vars(loss).values())
-        seen = w.constant([tuple(vars(loss)), tuple(map(id, values)), values], "seen_")
+        seen = w.constant([tuple(vars(loss)), tuple(map(id, values)), values,
+                           DICT_VERSION and DICT_VERSION(vars(loss))], "seen_")
         lines.append(f"{body}if not same_callables({w.constant(loss, 'loss_')}, {seen}, "
                      f"{w.constant(_instance_methods(loss), 'expected_')}): return False")
     if "modules" in parts:
@@ -208,15 +245,17 @@ def _same_callables(obj: Any, seen: list, expected: tuple) -> bool:
     """Whether the callables stored on ``obj`` are those recorded (``expected``, as
     :func:`~fxpasses.guards._instance_methods` reads them). Fast when no attribute was rebound
     since ``seen`` (names, ids of the values, the values, held so that ids are not reused): the
-    values are not read then, only the dict. Else the exact read, and ``seen`` moves on when it
-    holds (a float updated each epoch costs one exact read per change)."""
+    values are not read then, only the dict (with :data:`DICT_VERSION`, only its version tag when
+    the dict is the one seen). Else the exact read, and ``seen`` moves on when it holds (a float
+    updated each epoch costs one exact read per change)."""
     d = vars(obj)
-    if tuple(d) == seen[0] and tuple(map(id, d.values())) == seen[1]:
+    if DICT_VERSION is not None and DICT_VERSION(d) == seen[3]:
         return True
-    if _instance_methods(obj) != expected:
+    if not (tuple(d) == seen[0] and tuple(map(id, d.values())) == seen[1]) and \
+            _instance_methods(obj) != expected:
         return False
     values = tuple(d.values())
-    seen[:] = [tuple(d), tuple(map(id, values)), values]
+    seen[:] = [tuple(d), tuple(map(id, values)), values, DICT_VERSION and DICT_VERSION(d)]
     return True
 
 
@@ -226,7 +265,10 @@ def _module_lines(w: _Writer, modules: Sequence[nn.Module], methods: bool, child
     ``__dict__``: in training, with cold caches, 42 unrolled blocks of checks cost a third more
     than one loop (their bytecode and constants are cold too). Equal parts of the records (the
     attribute names of 18 ``nn.Linear``) are one object, and a module without children is
-    checked without building a tuple: less memory to bring back into the cache."""
+    checked without building a tuple: less memory to bring back into the cache. With
+    :data:`DICT_VERSION`, each record ends with what was seen when the module's state last held
+    (its ``__dict__``, that dict's version, its ``_modules``, that dict's version): unwritten
+    since, the module is passed; checked in full and holding, the record moves on."""
     if not modules:
         return
     shared: dict[tuple, tuple] = {}
@@ -234,14 +276,18 @@ def _module_lines(w: _Writer, modules: Sequence[nn.Module], methods: bool, child
     records = []
     for m in modules:
         shadowing, compiled = _module_overrides(m) if methods else ((), id(None))
+        seen = [m.__dict__, DICT_VERSION(m.__dict__), m._modules, DICT_VERSION(m._modules)] \
+            if DICT_VERSION else None
         records.append((m, m.training, one(tuple(map(id, m._modules.values()))), one(tuple(m.__dict__)),
                         _method_names(type(m)) if methods else frozenset(), shadowing,
-                        None if compiled == id(None) else compiled))
+                        None if compiled == id(None) else compiled, seen))
     w.constant(tuple(tuple(m._modules.values()) for m in modules), "children_")  # held: ids not reused
     lines = w.lines
-    lines.append(f"{body}for m, training, kids, keys, names, shadowing, compiled in {w.constant(tuple(records), 'records_')}:")
+    lines.append(f"{body}for m, training, kids, keys, names, shadowing, compiled, seen in {w.constant(tuple(records), 'records_')}:")
     inner = body + "    "
     lines.append(f"{inner}d = m.__dict__")
+    if DICT_VERSION:
+        lines.append(f"{inner}if d is seen[0] and version(d) == seen[1] and version(seen[2]) == seen[3]: continue")
     if modes:
         lines.append(f"{inner}if d['training'] is not training and d['training'] != training: return False")
     if children:
@@ -255,17 +301,26 @@ def _module_lines(w: _Writer, modules: Sequence[nn.Module], methods: bool, child
         lines.append(f"{inner}if compiled is None:")
         lines.append(f"{inner}    if d.get('_compiled_call_impl') is not None: return False")
         lines.append(f"{inner}elif module_overrides(m)[1] != compiled: return False")
+    if DICT_VERSION:  # it holds as it is now
+        lines.append(f"{inner}seen[:] = d, version(d), d['_modules'], version(d['_modules'])")
 
 
 def _class_lines(w: _Writer, classes: Sequence[type], body: str) -> None:
     """Each class's attributes: the same names, each bound to the same object (held, so their
     ids are not reused). Stricter than the methods kind (a non-method value rebound fails here
     and the exact path decides), and read in two passes over the class's dict instead of one
-    Python comparison per attribute; one loop for all classes."""
+    Python comparison per attribute; one loop for all classes. With :data:`DICT_VERSION`, a class
+    whose dict was not written since it last held is passed on its version tag."""
     if not classes:
         return
-    records = tuple((cls, tuple(vars(cls)), tuple(map(id, vars(cls).values()))) for cls in classes)
+    def seen(cls: type) -> Optional[list]:
+        inner = _class_dict(cls) if DICT_VERSION else None
+        return None if inner is None else [inner, DICT_VERSION(inner)]
+    records = tuple((cls, tuple(vars(cls)), tuple(map(id, vars(cls).values())), seen(cls))
+                    for cls in classes)
     w.constant(tuple(tuple(vars(cls).values()) for cls in classes), "held_")
-    w.lines.append(f"{body}for cls, keys, ids in {w.constant(records, 'classes_')}:")
+    w.lines.append(f"{body}for cls, keys, ids, seen in {w.constant(records, 'classes_')}:")
+    w.lines.append(f"{body}    if seen is not None and version(seen[0]) == seen[1]: continue")
     w.lines.append(f"{body}    d = cls.__dict__")
     w.lines.append(f"{body}    if tuple(d) != keys or tuple(map(id, d.values())) != ids: return False")
+    w.lines.append(f"{body}    if seen is not None: seen[1] = version(seen[0])")

@@ -9,7 +9,7 @@ import types
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from fxpasses.guard_code import FAILED_READ, compile_check
 from fxpasses.guards import Assumption, LossRoots, first_failure, snapshot, whole_loss_assumptions
@@ -184,9 +184,25 @@ def _apply_whole(loss, modules, changes):
 _WHOLE_SETUP = st.tuples(st.sampled_from(["plain", "shadow-forward", "compile"]), st.integers(0, 20))
 
 
-@settings(max_examples=300, deadline=None, derandomize=True)
+@pytest.fixture(params=["version tags", "no version tags"])
+def dict_versions(request, monkeypatch):
+    """Both ways of the generated checks: with the interpreter's dict version tags and without
+    (an interpreter that no longer keeps them)."""
+    import fxpasses.guard_code as guard_code
+    if request.param == "version tags" and guard_code.DICT_VERSION is None:
+        pytest.skip("this interpreter keeps no dict version tags")
+    if request.param == "no version tags":
+        monkeypatch.setattr(guard_code, "DICT_VERSION", None)
+    return request.param
+
+
+@settings(max_examples=300, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(_WHOLE_SETUP, _WHOLE_CHANGES)
-def test_the_generated_whole_loss_check_never_passes_what_the_exact_path_fails(setup, changes):
+def test_the_generated_whole_loss_check_never_passes_what_the_exact_path_fails(dict_versions, setup,
+                                                                               changes):
+    """Checked after every change: a check that held moves its records on (version tags), and
+    a change after that must still be found."""
     from fxpasses.guard_code import compile_whole_check
     from fxpasses.guards import user_classes
     loss, modules = _loss_tree()
@@ -198,10 +214,12 @@ def test_the_generated_whole_loss_check_never_passes_what_the_exact_path_fails(s
                                                                             "modules", "modes"))
     check = compile_whole_check(whole, loss, modules, classes)
     assert check() and first_failure(whole, roots()) is None
-    _apply_whole(loss, modules, changes)
-    exact = first_failure(whole, roots())
-    if check():
-        assert exact is None
+    exact = None
+    for change in changes:
+        _apply_whole(loss, modules, [change])
+        exact = first_failure(whole, roots())
+        if check():
+            assert exact is None
     guarded = {"eval", "replace-child", "reorder-children", "add-child", "shadow-forward", "shadow-extra-repr", "hook", "compile",
                "class-method", "class-method-replaced"}
     stricter = {"class-constant"}  # a class value rebound: the generated check defers to the exact path
@@ -256,7 +274,7 @@ def test_flat_comparison_tells_types_order_and_containers_apart():
     assert same_flat([nan], *flat_form(snapshot([nan])))  # the same NaN object: equal, as snapshots
 
 
-def test_a_plain_loss_object_rebinding_a_value_holds_and_a_new_method_does_not():
+def test_a_plain_loss_object_rebinding_a_value_holds_and_a_new_method_does_not(dict_versions):
     from fxpasses.guard_code import compile_whole_check
     from fxpasses.guards import user_classes
 
@@ -284,6 +302,10 @@ def test_a_plain_loss_object_rebinding_a_value_holds_and_a_new_method_does_not()
     loss.helper = len
     assert check() and exact()
     loss.__call__ = lambda x: x  # a method shadowed on the instance
+    assert not check() and not exact()
+    del loss.__call__
+    assert check() and exact()
+    type(loss).__call__ = lambda self, x: x  # the class's method replaced
     assert not check() and not exact()
 
 
