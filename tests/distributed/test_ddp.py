@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
+pytestmark = pytest.mark.long  # whole pose losses end to end: see pyproject.toml
+
 WORLD_SIZE = 2
 TIMEOUT_S = 120.0
 

@@ -19,6 +19,8 @@ from fxpasses.passes import CaptureLoss, PairRLE, SelectRows
 from fxpasses.runtime.emulated import EmulatedRecorder
 from fxpasses.workloads.pose import DualBranchPoseLoss, PoseNetwork, make_image_batch, train_step
 
+pytestmark = pytest.mark.long  # whole pose losses end to end: see pyproject.toml
+
 STEPS = 5
 RTOL, ATOL = 1e-10, 1e-12  # atol: parameters that start at zero (biases) have no scale of their own
 PASSES = {

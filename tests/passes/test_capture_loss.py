@@ -292,6 +292,7 @@ def pose_float64():
 
 # Each comparison optimizes a copy of ``fast`` again (the oracle deep-copies it): one batch by
 # default, three under -m slow.
+@pytest.mark.long
 @pytest.mark.parametrize("batches", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_pose_loss_with_both_passes_matches_native_in_float64(pose_float64, batches):
     loss, fast = pose_float64
@@ -309,6 +310,7 @@ def test_pose_loss_with_both_passes_matches_native_in_float64(pose_float64, batc
     assert site["paired"] == site.get("replayed", 0) + site.get("record-budget", 0) >= 1
 
 
+@pytest.mark.long
 def test_tensor_alpha_changed_between_replays_is_honoured(pose_float64):
     loss, fast = pose_float64
     batch = make_batch(2, seed=7, image_size=96, dtype=torch.float64)
@@ -342,6 +344,7 @@ def test_regions_returning_sizes_and_ints_replay_with_their_constants():
     assert site.counters == {"recorded": 1, "replayed": 3}
 
 
+@pytest.mark.long
 def test_pose_outputs_held_across_steps_keep_their_values():
     loss = DualBranchPoseLoss()
     fast = optimize(loss, passes=[PairRLE(), CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder(), record_after=1)])

@@ -13,6 +13,8 @@ from fxpasses.testing import CountLinear, assert_equivalent
 from fxpasses.testing.strategies import pose_inputs
 from fxpasses.workloads.pose import DualBranchPoseLoss, SplitRealNVP, make_batch
 
+pytestmark = pytest.mark.long  # whole pose losses end to end: see pyproject.toml
+
 
 def _linear_calls(fn, batch) -> int:
     with CountLinear() as counter:

@@ -16,6 +16,8 @@ from fxpasses.runtime.emulated import EmulatedRecorder
 from fxpasses.testing.strategies import pose_inputs
 from fxpasses.workloads.pose import DualBranchPoseLoss, make_batch
 
+pytestmark = pytest.mark.long  # whole pose losses end to end: see pyproject.toml
+
 IMAGE = 96
 
 

@@ -19,7 +19,7 @@ from fxpasses.testing.strategies import pose_inputs
 from fxpasses.workloads.pose import (RealNVP, StandInModel, WildPoseLoss, make_batch,
                                      public_format)
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.long]
 
 
 def _criterion(dtype: torch.dtype = torch.float64) -> WildPoseLoss:
