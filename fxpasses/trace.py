@@ -272,6 +272,12 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
                               "a call's result, not an attribute, global or closure the trace "
                               "follows): hold the function or its state on the loss, or make the "
                               "function a leaf")
+        cached = tracker.cached_state_read()
+        if cached:
+            raise Unsupported(f"the loss reads {cached[0]}, an object a cached call "
+                              "(functools.lru_cache or cache) keeps: no later call can read it "
+                              "again, so a change to it would go unseen; hold it on the loss, "
+                              "pass it as an argument or bind it to a global")
         written = rec.unrecorded_writes()
         if written:
             raise Unsupported(f"the loss writes in place into a tensor it reads from {written[0]} "

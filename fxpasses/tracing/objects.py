@@ -85,6 +85,15 @@ def _recorded_read(obj: Any, name: str, depth: int = 2) -> bool:
 _MADE_BY_THEIR_CALLER = ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>")
 
 
+def _immutable(value: Any) -> bool:
+    """Nothing a later change to it could make stale: a constant, a float, a tensor (the graph
+    holds the very tensor), a function or class (the code it runs is traced), or a tuple or
+    frozenset of those."""
+    if isinstance(value, (*_CONSTANTS, float, complex, torch.Tensor, *_NOT_DATA)):
+        return True
+    return type(value) in (tuple, frozenset) and all(_immutable(v) for v in value)
+
+
 def _holds_traced(value: Any) -> bool:
     items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, set)) else ()
     return any(isinstance(item, (TracedTensor, TracedScalar)) for item in items)
@@ -118,6 +127,10 @@ class ObjectTracker:
         # the trace ends: see closure_state_kept)
         self._closed_over: dict[int, tuple[Any, str]] = {}
         self._closures_followed: set[Any] = set()  # codes whose running closure is guarded
+        # mutable objects a cached function (functools.lru_cache / cache) named as a global
+        # returned: held by the cache, read again by nothing (see cached_state_read)
+        self._cached_results: dict[int, tuple[Any, str]] = {}
+        self._cached_patched: list[tuple[dict, str, Any]] = []  # (globals, name, the original)
 
     # -- sources ----------------------------------------------------------------------------------
     def track(self, obj: Any, source: Source, placeholder: fx.Node | None = None) -> None:
@@ -238,7 +251,9 @@ class ObjectTracker:
         """Put back every attribute the trace wrote (the graph writes them on each call), every
         float that an input stood in for, the contents of every container the loss wrote into
         (:meth:`container_writes`) and the values of the tensors it read from its state and
-        wrote in place (the first call makes its writes once)."""
+        wrote in place (the first call makes its writes once); and the cached functions the
+        trace stood in for, if an error left them."""
+        self._unpatch_cached_calls()
         self._put_back_floats()
         for held, kept, _ in self._kept.values():
             if not _same_items(held, kept):
@@ -261,6 +276,42 @@ class ObjectTracker:
         for name in code.co_names:
             if name in f_globals:
                 self._global(f_globals, name)
+                if type(f_globals[name]) is functools._lru_cache_wrapper:
+                    self._watch_cached_call(f_globals, name)
+
+    def _watch_cached_call(self, f_globals: dict, name: str) -> None:
+        """A cached function named as a global: for the trace, a stand-in that calls it and
+        keeps what it returns (:meth:`cached_state_read`); restored by :meth:`unpatch`."""
+        cached = f_globals[name]
+        tracker = self
+
+        @functools.wraps(cached)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            result = cached(*args, **kwargs)
+            entry = tracker._sources.get(id(result))
+            if not _immutable(result) and (entry is None or entry[1] is not result):
+                tracker._cached_results.setdefault(
+                    id(result), (result, f"the result of {name}() ({_location()})"))
+            return result
+
+        call._fxpasses_patch = True
+        self._cached_patched.append((f_globals, name, cached))
+        f_globals[name] = call
+
+    def _unpatch_cached_calls(self) -> None:
+        for f_globals, name, cached in reversed(self._cached_patched):
+            f_globals[name] = cached
+        self._cached_patched.clear()
+
+    def cached_state_read(self) -> list[str]:
+        """Where the loss took a mutable object from a cached call (a settings object from an
+        ``lru_cache``'d getter): the cache holds it and no source reaches it, so a value read
+        from it would be a constant of the graph and its later change unseen: the trace must
+        be refused. A call returning numbers, strings, tensors, functions or tuples of those
+        passes (a function's closure is checked when it runs: :meth:`closure_state_kept`)."""
+        found = [where for _, where in self._cached_results.values()]
+        self._cached_results.clear()
+        return found
 
     def frame_state(self, frame: types.FrameType) -> None:
         """What a user function the trace runs reads besides its arguments: its globals, and
@@ -509,6 +560,7 @@ class ObjectTracker:
         return _Hooks(self)
 
     def unpatch(self) -> None:
+        self._unpatch_cached_calls()
         for cls, name, previous in reversed(self._patched):
             if previous is _MISSING:
                 delattr(cls, name)
