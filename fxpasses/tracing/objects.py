@@ -85,6 +85,11 @@ def _recorded_read(obj: Any, name: str, depth: int = 2) -> bool:
 _MADE_BY_THEIR_CALLER = ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>")
 
 
+def _cached(value: Any) -> bool:
+    """A function or bound method cached by ``functools.lru_cache`` / ``cache``."""
+    return type(getattr(value, "__func__", value)) is functools._lru_cache_wrapper
+
+
 def _immutable(value: Any) -> bool:
     """Nothing a later change to it could make stale: a constant, a float, a tensor (the graph
     holds the very tensor), a function or class (the code it runs is traced), or a tuple or
@@ -218,6 +223,8 @@ class ObjectTracker:
             if instance and not isinstance(value, type):  # a function stored on the object
                 self._assume("identity", source, value, getattr(value, "__qualname__", repr(value)))
                 self._register_function(value, source)
+            if _cached(value):  # a cached method: what it returns is kept (cached_state_read)
+                return self._cached_stand_in(value, str(source))
             return value
         if is_container(value):
             self._container(value, source)
@@ -280,9 +287,15 @@ class ObjectTracker:
                     self._watch_cached_call(f_globals, name)
 
     def _watch_cached_call(self, f_globals: dict, name: str) -> None:
-        """A cached function named as a global: for the trace, a stand-in that calls it and
-        keeps what it returns (:meth:`cached_state_read`); restored by :meth:`unpatch`."""
+        """A cached function named as a global: for the trace, its stand-in
+        (:meth:`_cached_stand_in`); restored by :meth:`unpatch`."""
         cached = f_globals[name]
+        self._cached_patched.append((f_globals, name, cached))
+        f_globals[name] = self._cached_stand_in(cached, name)
+
+    def _cached_stand_in(self, cached: Callable, name: str) -> Callable:
+        """A callable that calls ``cached`` and keeps what it returns when that is mutable and
+        no source reaches it (:meth:`cached_state_read`)."""
         tracker = self
 
         @functools.wraps(cached)
@@ -295,8 +308,7 @@ class ObjectTracker:
             return result
 
         call._fxpasses_patch = True
-        self._cached_patched.append((f_globals, name, cached))
-        f_globals[name] = call
+        return call
 
     def _unpatch_cached_calls(self) -> None:
         for f_globals, name, cached in reversed(self._cached_patched):
