@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = ("bench.py", "interleaved.py", "flow_pairing.py", "ddp.py", "host_profile.py", "guard_cost.py")
+SCRIPTS = ("bench.py", "interleaved.py", "flow_pairing.py", "ddp.py", "host_profile.py", "guard_cost.py", "peak_memory.py")
 
 
 def run(script: str, *args: str) -> subprocess.CompletedProcess:
