@@ -50,6 +50,7 @@ from .pipeline import Pass
 from .report import build_report, render_report
 from .runtime import runtime_ops
 from .runtime.abandon import Abandon
+from .runtime.trace_ops import undone_on_failure
 from .signature import flatten_call
 from .specialize import Specialization, build, same_checks
 from .stats import RecordedException, RunStats
@@ -223,7 +224,9 @@ class OptimizedLoss(nn.Module):
         gm = special.graph_module
         for attempt in range(_RETRIES + 1):
             try:
-                with torch.set_grad_enabled(True):  # restored on every exit, KeyboardInterrupt included
+                # grad mode restored on every exit, KeyboardInterrupt included; attribute writes
+                # undone when the call is abandoned or raises (its native run makes them once)
+                with torch.set_grad_enabled(True), undone_on_failure():
                     flat = gm.forward(*special.signature.inputs(leaves))  # keeps the traceback
                 break
             except Abandon as stop:  # a decision of this trace goes the other way in this call

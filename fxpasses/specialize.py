@@ -145,6 +145,7 @@ def _trace_certificate(loss: Any, info: TraceInfo, assumptions: Sequence[Assumpt
                                                        "submodules, modes)"}),
         Check("abandon-without-effect", not writes, {
             "writes_before_guards": writes,
+            "attribute_writes": "put back when a call is abandoned or raises",
             "why": "a call whose guard fails is abandoned and runs natively: nothing visible may "
                    "have happened before"}, None if not writes else "trace-write-before-guard"),
     ]

@@ -7,17 +7,26 @@
 * :class:`ReadSource`: a value read on every call from the loss's state (a float weight decayed
   each epoch, a tensor attribute): an input of the graph, never a baked constant.
 * :class:`ReadState`: a parameter or buffer, read live from the module holding it.
-* :class:`WriteAttribute`: an attribute the loss writes during a call (``self.bs = ...``).
+* :class:`WriteAttribute`: an attribute the loss writes during a call (``self.bs = ...``); inside
+  :func:`undone_on_failure` the value it replaced is kept, and put back if the call is
+  abandoned or raises (its native run then makes the write once, as the loss would).
 * :func:`set_item`: ``x[index] = value`` as an expression (it returns ``x``), so the nodes after
   it depend on it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import threading
+from typing import Any, Iterator
+
+from torch import nn
 
 from . import RuntimeOp
 from .abandon import Abandon
+
+_MISSING = object()
+_WRITES = threading.local()  # .log: the (owner, name, replaced value) of the call in progress
 
 
 def set_item(tensor: Any, index: Any, value: Any) -> Any:
@@ -123,7 +132,40 @@ class WriteAttribute(RuntimeOp):
         self.name = name
 
     def __call__(self, owner: Any, value: Any) -> None:
+        log = getattr(_WRITES, "log", None)
+        if log is not None:
+            log.append((owner, self.name, _held(owner, self.name)))
         setattr(owner, self.name, value)
 
     def propagate(self, owner: Any, value: Any) -> None:
         return None
+
+
+def _held(owner: Any, name: str) -> Any:
+    """What ``owner`` itself holds at ``name`` (not a class's default), or ``_MISSING``."""
+    if isinstance(owner, nn.Module):
+        for store in (owner._parameters, owner._buffers, owner._modules):
+            if name in store:
+                return store[name]
+    return getattr(owner, "__dict__", {}).get(name, _MISSING)
+
+
+@contextlib.contextmanager
+def undone_on_failure() -> Iterator[None]:
+    """The attribute writes made inside, put back in reverse order if it raises (an abandoned
+    call, a failed one): the native run that follows must find the state the call found, or a
+    running value updated before a guard (``self.ema = 0.9 * self.ema + ...``) is updated twice."""
+    previous, log = getattr(_WRITES, "log", None), []
+    _WRITES.log = log
+    try:
+        yield
+    except BaseException:
+        for owner, name, held in reversed(log):
+            if held is _MISSING:
+                if name in getattr(owner, "__dict__", {}):
+                    delattr(owner, name)
+            else:
+                setattr(owner, name, held)
+        raise
+    finally:
+        _WRITES.log = previous
