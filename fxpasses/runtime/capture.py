@@ -193,17 +193,21 @@ class Recording:
 
         Static memory is what replays write: the static input buffers and the outputs, less any
         storage of an identity input (live parameters, which replays only read).
+        Storages are told apart by identity, not address: an empty tensor's storage has no
+        address, yet a replay's copy into it moves its version, which a tensor saved for an
+        earlier call's backward would then see (a loud error where native has none).
         """
-        live = {self.inputs[i].untyped_storage().data_ptr() for i in self.identity
+        live = {StorageWeakRef(self.inputs[i].untyped_storage()).cdata for i in self.identity
                 if isinstance(self.inputs[i], torch.Tensor)}
         tensors = [t for i, t in enumerate(self.inputs) if isinstance(t, torch.Tensor) and i not in self.identity]
         tensors += [t for t in self.outputs if isinstance(t, torch.Tensor)]
         refs: dict[int, StorageWeakRef] = {}
         for t in tensors:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr and ptr not in live:
-                refs.setdefault(ptr, StorageWeakRef(t.untyped_storage()))
-        self.memory = frozenset(refs)
+            ref = StorageWeakRef(t.untyped_storage())
+            if ref.cdata not in live:
+                refs.setdefault(ref.cdata, ref)
+        self.memory = frozenset(ptr for ptr in (t.untyped_storage().data_ptr() for t in tensors
+                                                if StorageWeakRef(t.untyped_storage()).cdata in refs) if ptr)
         self._storages = [(ref, torch._C._storage_Use_Count(ref.cdata)) for ref in refs.values()]
 
     def referenced(self) -> bool:

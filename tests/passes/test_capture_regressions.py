@@ -7,6 +7,8 @@ native loss. Each test fails while its defect is present (issue 9) and passes on
   with inputs that do not require grad, where backward then raises); a region input whose
   outputs nothing differentiates got zeros, not None;
 * a boolean selection traced on zero rows was captured, its row count baked into recordings;
+  an empty region output saved by an eager op for an earlier call's backward was copied into by
+  the next replay (empty storages were not tracked): that backward raised;
 * outputs the caller keeps are overwritten by the next call (a bucketed paired call's
   log-probabilities; a region's output returned through an identity leaf function, ``atleast_1d``
   or ``swapaxes``);
@@ -451,3 +453,35 @@ def test_a_tuple_passed_between_regions_is_differentiated_element_by_element():
             torch.testing.assert_close(g, w, rtol=RTOL, atol=ATOL)
     replays = [v.get("replayed", 0) for k, v in fast.stats.sites.items() if "capture_region" in k]
     assert len(replays) >= 2 and min(replays) >= 1, fast.stats.render()
+
+
+class EmptyNoGradTarget(nn.Module):
+    """A target made under ``torch.no_grad()`` (one region), then scored by the flow (eager, its
+    linear saves the target for backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flow = Flow()
+
+    def forward(self, a):
+        with torch.no_grad():
+            target = torch.tanh(a * 0.5 + 0.1).abs()
+        return -self.flow.log_prob(target).sum() + a.sum()
+
+
+def test_an_empty_region_output_saved_for_backward_is_not_overwritten_by_the_next_replay():
+    """Census, seeds 2 and 3 (2026-12-01): two forwards of zero rows, then their backwards. The
+    second replay copied into the first's empty output, still saved by the eager linear for the
+    first backward: its version moved and that backward raised (native: none). An empty
+    storage has no address; the recording now tells its storages apart by identity."""
+    native, optimized = _float64(EmptyNoGradTarget), _float64(EmptyNoGradTarget)
+    fast = optimize(optimized, passes=[_capture(min_region_ops=1)])
+    calls = [(_rows(0, 1), _rows(0, 1)), (_rows(0, 2), _rows(0, 2))]
+    outs = [(native(a), fast(b)) for a, b in calls]
+    for expected, got in outs:
+        expected.backward()
+        got.backward()
+        assert torch.equal(expected.detach(), got.detach())
+    assert _applied(fast, "CaptureLoss") >= 1
+    for (name, p), q in zip(optimized.named_parameters(), native.parameters()):
+        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
