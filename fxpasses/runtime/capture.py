@@ -244,6 +244,8 @@ class Recording:
         """Replay the backward for the outputs' ``grads``; the inputs' gradients, cloned."""
         tensor_positions = [i for i, o in enumerate(self.outputs) if isinstance(o, torch.Tensor)]
         by_output = dict(zip(tensor_positions, grads))
+        if all(g is None for g in grads):  # no gradient arrived: natively, none flows on
+            return [None for s in self.inputs if isinstance(s, torch.Tensor)]
         absent, statics, given = [], [], []
         for static, i in zip(self.grad_outputs, self.grad_output_index):
             g = by_output.get(i)

@@ -8,7 +8,8 @@ native loss. Each test fails while its defect is present (issue 9) and passes on
   outputs nothing differentiates got zeros, not None;
 * a boolean selection traced on zero rows was captured, its row count baked into recordings;
   an empty region output saved by an eager op for an earlier call's backward was copied into by
-  the next replay (empty storages were not tracked): that backward raised;
+  the next replay (empty storages were not tracked): that backward raised; a region whose
+  outputs get no gradient, called backward with none, gave its inputs zeros, not None;
 * outputs the caller keeps are overwritten by the next call (a bucketed paired call's
   log-probabilities; a region's output returned through an identity leaf function, ``atleast_1d``
   or ``swapaxes``);
@@ -485,3 +486,28 @@ def test_an_empty_region_output_saved_for_backward_is_not_overwritten_by_the_nex
     assert _applied(fast, "CaptureLoss") >= 1
     for (name, p), q in zip(optimized.named_parameters(), native.parameters()):
         assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
+
+
+
+def test_a_region_backward_without_any_gradient_gives_its_inputs_none():
+    """Census, seed 2 (2026-12-01), as the census found it: a region holding a no_grad target of
+    selected rows and ``atleast_1d(r0)``, whose outputs get no gradient (the target's sum is
+    without gradient, the other output only detached); one of its inputs has a history, so the
+    recording cannot tell which outputs reach which input. Its backward, called with no gradient
+    at all, gave ``r0`` zeros; natively ``r0.grad`` is None."""
+    from fxpasses.testing.loss_check import ARMS, check_case
+    from fxpasses.testing.loss_programs import CallInputs, InputSpec
+    from fxpasses.testing.random_losses import LossCase, ProgramBuilder
+    builder = ProgramBuilder(2, (InputSpec("rows", "a"), InputSpec("rows", "b"), InputSpec("mask", "a"),
+                                 InputSpec("mask", "b"), InputSpec("target", "a")))
+    for name, args in [("select", (0, 2)), ("no_grad_target", (5,)), ("atleast_1d", (0,)),
+                       ("log_prob", (0,)), ("log_prob", (1,)), ("log_prob", (1,)), ("detach", (8,)),
+                       ("detach", (7,)), ("sum_all", (6,)), ("sum_all", (9,)), ("sum_all", (10,)),
+                       ("loss_weight", (13,)), ("add", (16, 14)), ("add", (17, 15))]:
+        builder.add(name, args)
+    calls = (CallInputs((("a", 0), ("b", 1)), ("full", "random"), 2139),
+             CallInputs((("a", 1), ("b", 3)), ("full", "random"), 137),
+             CallInputs((("a", 0), ("b", 1)), ("empty", "random"), 2139))
+    case = LossCase(builder.finish((11, 12)), 2299, calls, "sequential", False)
+    report = check_case(case, arms={"CaptureLoss": ARMS["CaptureLoss"]})
+    assert report.ok, str(report)
