@@ -201,14 +201,14 @@ class Recording:
                 if isinstance(self.inputs[i], torch.Tensor)}
         tensors = [t for i, t in enumerate(self.inputs) if isinstance(t, torch.Tensor) and i not in self.identity]
         tensors += [t for t in self.outputs if isinstance(t, torch.Tensor)]
-        refs: dict[int, StorageWeakRef] = {}
+        refs: dict[int, tuple[StorageWeakRef, int]] = {}  # storage -> (its ref, its address)
         for t in tensors:
-            ref = StorageWeakRef(t.untyped_storage())
+            storage = t.untyped_storage()
+            ref = StorageWeakRef(storage)
             if ref.cdata not in live:
-                refs.setdefault(ref.cdata, ref)
-        self.memory = frozenset(ptr for ptr in (t.untyped_storage().data_ptr() for t in tensors
-                                                if StorageWeakRef(t.untyped_storage()).cdata in refs) if ptr)
-        self._storages = [(ref, torch._C._storage_Use_Count(ref.cdata)) for ref in refs.values()]
+                refs.setdefault(ref.cdata, (ref, storage.data_ptr()))
+        self.memory = frozenset(ptr for _, ptr in refs.values() if ptr)
+        self._storages = [(ref, torch._C._storage_Use_Count(ref.cdata)) for ref, _ in refs.values()]
 
     def referenced(self) -> bool:
         """Whether any tensor besides this recording's own refers to its static memory."""

@@ -283,7 +283,7 @@ class ObjectTracker:
         for name in code.co_names:
             if name in f_globals:
                 self._global(f_globals, name)
-                if type(f_globals[name]) is functools._lru_cache_wrapper:
+                if _cached(f_globals[name]):
                     self._watch_cached_call(f_globals, name)
 
     def _watch_cached_call(self, f_globals: dict, name: str) -> None:
