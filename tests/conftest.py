@@ -86,9 +86,18 @@ def _complete_run(config) -> bool:
         all(Path(a).resolve() == Path(__file__).parent for a in config.args or [str(Path(__file__).parent)])
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """Under pytest-xdist the tests run in workers: each sends back the codes it saw."""
+    node.config._fxpasses_codes.update(getattr(node, "workeroutput", {}).get("fxpasses_codes", ()))
+
+
 def pytest_sessionfinish(session, exitstatus):
     from fxpasses.certificates.codes import REGISTRY
     config = session.config
+    if hasattr(config, "workeroutput"):
+        config.workeroutput["fxpasses_codes"] = sorted(config._fxpasses_codes)
+        return
     if exitstatus != 0 or not _complete_run(config) or session.testscollected == 0:
         return
     missing = sorted(set(REGISTRY) - config._fxpasses_codes)
