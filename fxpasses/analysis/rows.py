@@ -505,14 +505,15 @@ def _bind(schema: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     renames them to the Python API's names); ``{"args": args}`` for targets without a schema."""
     if schema is None:
         return {"args": tuple(args)}
-    bound, positional = {}, [arg for arg in schema.arguments if not arg.kwarg_only]
-    for arg in schema.arguments:
-        if arg in positional and positional.index(arg) < len(args):
-            bound[arg.name] = args[positional.index(arg)]
+    bound, position = {}, 0
+    for arg in schema.arguments:  # by position: on torch 2.4 an Argument has no __eq__
+        if not arg.kwarg_only and position < len(args):
+            bound[arg.name] = args[position]
         elif arg.name in kwargs:
             bound[arg.name] = kwargs[arg.name]
         else:
             bound[arg.name] = arg.default_value if arg.has_default_value() else None
+        position += not arg.kwarg_only
     return bound
 
 
