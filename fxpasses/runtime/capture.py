@@ -167,6 +167,18 @@ class Recorder(Protocol):
     def new_pool(self) -> Any: ...
 
 
+def _storage_refs(tensors: Sequence[torch.Tensor], skip: set[int]) -> list[tuple[StorageWeakRef, int]]:
+    """A weak reference and the address of each distinct storage of ``tensors`` (by identity),
+    less those in ``skip``; the storage objects made on the way are gone when it returns."""
+    refs: dict[int, tuple[StorageWeakRef, int]] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        ref = StorageWeakRef(storage)
+        if ref.cdata not in skip:
+            refs.setdefault(ref.cdata, (ref, storage.data_ptr()))
+    return list(refs.values())
+
+
 @dataclass
 class Recording:
     """The static buffers and graphs of one recorded signature."""
@@ -201,14 +213,11 @@ class Recording:
                 if isinstance(self.inputs[i], torch.Tensor)}
         tensors = [t for i, t in enumerate(self.inputs) if isinstance(t, torch.Tensor) and i not in self.identity]
         tensors += [t for t in self.outputs if isinstance(t, torch.Tensor)]
-        refs: dict[int, tuple[StorageWeakRef, int]] = {}  # storage -> (its ref, its address)
-        for t in tensors:
-            storage = t.untyped_storage()
-            ref = StorageWeakRef(storage)
-            if ref.cdata not in live:
-                refs.setdefault(ref.cdata, (ref, storage.data_ptr()))
-        self.memory = frozenset(ptr for _, ptr in refs.values() if ptr)
-        self._storages = [(ref, torch._C._storage_Use_Count(ref.cdata)) for ref, _ in refs.values()]
+        refs = _storage_refs(tensors, live)
+        self.memory = frozenset(ptr for _, ptr in refs if ptr)
+        # counted with no Python storage object alive: on torch 2.4 (not 2.9) one holds a use
+        # of its storage, and a count taken with one alive would hide a caller's reference
+        self._storages = [(ref, torch._C._storage_Use_Count(ref.cdata)) for ref, _ in refs]
 
     def referenced(self) -> bool:
         """Whether any tensor besides this recording's own refers to its static memory."""

@@ -58,7 +58,14 @@ class PairedCall(RuntimeOp):
         return module if self.method == "forward" else getattr(module, self.method)
 
     def propagate(self, module: nn.Module, *rows: torch.Tensor) -> tuple[Any, ...]:
-        return self.paired(module, rows)
+        """Fake results as the paired call makes them (views of one stacked result), from each
+        branch's own call: the row analysis proved ``f(cat(x, y)) == cat(f(x), f(y))``, and on
+        torch 2.4 fake propagation of the method on a sum of data-dependent row counts guards
+        (``x[:, 0]`` asks whether ``u1 + u3`` is the largest int) where on each count it does not."""
+        call = self.bound(module)
+        flat = [pytree.tree_flatten(call(r)) for r in rows]
+        leaves = [torch.cat(parts) for parts in zip(*(f[0] for f in flat))]
+        return split_rows(pytree.tree_unflatten(leaves, flat[0][1]), [r.shape[0] for r in rows])
 
     def __call__(self, module: nn.Module, *rows: torch.Tensor) -> tuple[Any, ...]:
         reason = guard_failure(rows)

@@ -427,13 +427,26 @@ def test_rows_on_different_devices_run_two_native_calls():
     assert site.counters == {"pair-device-mismatch": 1}
 
 
+class ChunkedFlow(nn.Module):
+    """Scores its rows two at a time: chunks of a data-dependent row count have no metadata."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(2, 1)
+
+    def log_prob(self, x):
+        return torch.cat([self.inner(part) for part in x.split(2)]).squeeze(-1)
+
+
 def test_shape_propagation_failure_is_reported_and_pairing_still_decides():
-    loss = SelectedRowsLoss(NormalisedFlow())  # BatchNorm checks the batch size: data-dependent
+    loss = SelectedRowsLoss(ChunkedFlow())
     fast = optimize(loss, passes=[PairRLE()])
     fast(*make_inputs(40, 3, 0.5, 0.5, False, dtype=torch.float32))
     failed = [c for c in fast.certificates if c.decision == "failed"]
     assert [c.codes for c in failed] == [("metadata-failed",)]
     assert failed[0].checks[0].evidence["exception"] == "GuardOnDataDependentSymNode"
+    pairing = [c for c in fast.certificates if c.pass_name == "PairRLE"]
+    assert [c.decision for c in pairing] == ["refused"] and pairing[0].codes
 
 
 class _Head(nn.Module):
