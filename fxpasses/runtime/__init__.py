@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from ..certificates.codes import note
@@ -60,7 +61,21 @@ def propagating_call(target: Any, args: tuple, kwargs: dict) -> Any:
     """``target(*args, **kwargs)``, or ``target.propagate(...)`` when it is a RuntimeOp."""
     if isinstance(target, RuntimeOp):
         return target.propagate(*args, **kwargs)
+    if target is torch.nonzero_static and _NONZERO_STATIC_SIZE_IS_INT \
+            and isinstance(kwargs.get("size"), torch.SymInt):
+        return _nonzero_static_result(*args, **kwargs)
     return target(*args, **kwargs)
+
+
+# On torch 2.4 (not 2.9), nonzero_static's schema takes ``int size``: a traced capacity (a
+# SymInt) would be specialized, which a data-dependent one cannot be. Its result's metadata is
+# known without running it (hand-written: the schema is what the platform lacks).
+_NONZERO_STATIC_SIZE_IS_INT = str(next(
+    a.type for a in torch.ops.aten.nonzero_static.default._schema.arguments if a.name == "size")) == "int"
+
+
+def _nonzero_static_result(input: torch.Tensor, *, size: Any, fill_value: int = -1) -> torch.Tensor:
+    return input.new_empty((size, input.dim()), dtype=torch.long)
 
 
 class Propagator(fx.Interpreter):
