@@ -119,7 +119,7 @@ class _PartialFakeTensorProp(FakeTensorProp):
         watched = {storage_id(t) for t in tensors}
         self._recorder = _OpRecorder(watched)
         with self._recorder:
-            return run(target, args, kwargs)
+            return _unique_indices_int64(target, run(target, args, kwargs))
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         return self._recorded(lambda t, a, k: propagating_call(t, a, k), target, args, kwargs)
@@ -184,6 +184,15 @@ class _PartialFakeTensorProp(FakeTensorProp):
 
 
 _FAILED = object()
+_UNIQUE = ("unique", "unique_consecutive", torch.unique, torch.unique_consecutive)
+
+
+def _unique_indices_int64(target: Any, result: Any) -> Any:
+    """``unique``'s inverse and counts are int64; on torch 2.4 and 2.9 (not 2.13) its fake
+    kernel gives them the input's dtype (then ``torch.zeros(b, counts.max())`` has a float size)."""
+    if not isinstance(result, tuple) or not any(target is u or target == u for u in _UNIQUE):
+        return result
+    return (result[0], *(r.to(torch.int64) for r in result[1:]))
 
 
 def _host_scalar(n: fx.Node) -> bool:

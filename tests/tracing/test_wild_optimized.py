@@ -72,9 +72,10 @@ OLD_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]
 
 
 @pytest.mark.xfail(OLD_TORCH, strict=True, reason=(
-    "torch 2.9's fake kernel of an in-place op on a data-dependent size (clamp_ at wild.py:155) "
-    "guards on it: shape propagation stops there, so PairRLE refuses (the loss still runs its "
-    "traced graph, unpaired, with native values)"))
+    "before torch 2.10, fake kernels of writes on data-dependent sizes guard on them (2.9: "
+    "clamp_ at wild.py:155; 2.4: the packing slice assignment at wild.py:469): shape propagation "
+    "stops there, so PairRLE refuses (the loss still runs its traced graph, unpaired, with native "
+    "values)"))
 def test_pair_rle_halves_the_flow_linear_calls_of_the_public_loss():
     criterion = _criterion(torch.float32)
     fast = optimize(criterion, passes=[PairRLE()])
