@@ -168,8 +168,10 @@ class _PartialFakeTensorProp(FakeTensorProp):
             with shape_env.ignore_fresh_unbacked_symbols():
                 result = super().run_node(n)
         for symbol in n.meta.get("unbacked_bindings", {}):
-            if symbol.is_integer:  # a size read from data: decide as sizes >= 2, as torch's
-                shape_env._constrain_range_for_size(symbol, min=2)  # size-oblivious tests do
+            # a size read from data: decide as sizes >= 2, as torch's size-oblivious tests do;
+            # not a value known to be below 2 (torch 2.4 binds a boolean's value to [0, 1])
+            if symbol.is_integer and shape_env.var_to_range[symbol].upper >= 2:
+                shape_env._constrain_range_for_size(symbol, min=2)
         return result
 
     def _record_facts(self, n: fx.Node, complete: bool) -> None:

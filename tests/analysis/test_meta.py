@@ -25,14 +25,14 @@ class PackedByCounts(nn.Module):
 
 def _annotated(module, *inputs):
     gm = trace(module, inputs)
-    return gm, annotate(gm, list(inputs)), {n.name: n for n in gm.graph.nodes}
+    return gm, annotate(gm, list(inputs))
 
 
 def test_unique_counts_are_int64_and_size_a_buffer_by_their_maximum():
     # torch 2.4 and 2.9: unique's fake counts are float32 (the input's dtype), so the buffer's
     # size is a float tensor and zeros() refuses it
     image_of_row = torch.tensor([0.0, 0.0, 1.0, 1.0, 1.0])
-    gm, failures, nodes = _annotated(PackedByCounts(), image_of_row, torch.randn(5, 3))
+    gm, failures = _annotated(PackedByCounts(), image_of_row, torch.randn(5, 3))
     assert failures == []
     unique = next(n for n in gm.graph.nodes if n.name.startswith("unique"))
     assert value(unique)[1].dtype == torch.int64
@@ -49,3 +49,18 @@ def test_nonzero_static_with_a_traced_capacity_keeps_it():
         out = propagating_call(torch.nonzero_static, (mode.from_tensor(torch.ones(6, dtype=torch.bool)),),
                                {"size": capacity, "fill_value": -1})
     assert out.dtype == torch.int64 and out.shape[1] == 1 and out.shape[0].node.expr == capacity.node.expr
+
+
+class SelectsFromOneRow(nn.Module):
+    def forward(self, x, mask):
+        return x[mask].exp().sum()
+
+
+def test_a_selection_from_one_row_is_propagated():
+    # torch 2.4 binds the count of x[mask] with one mask element to [0, 1]; deciding it as a
+    # size >= 2 (as every other data-dependent size is) made an empty range and failed the node
+    x = torch.randn(1, 3)
+    gm, failures = _annotated(SelectsFromOneRow(), x, torch.tensor([True]))
+    assert failures == []
+    selected = next(n for n in gm.graph.nodes if n.op == "call_function" and is_dynamic(value(n)))
+    assert value(selected).shape[1] == 3
