@@ -267,19 +267,23 @@ _INPUTS = "fxpasses.fake_inputs"  # what the placeholders were propagated with
 
 
 def _quiet_shape_env():
-    """Shape propagation with real values logs each decision it takes from them: keep it quiet."""
+    """Shape propagation with real values logs each decision it takes from them, and (torch 2.4)
+    each data-dependent guard it fails on, which the failure's certificate reports: keep it quiet."""
     import contextlib
     import logging
-    logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    loggers = {logging.getLogger("torch.fx.experimental.symbolic_shapes"): logging.ERROR,
+               logging.getLogger("torch.fx.experimental.recording"): logging.CRITICAL}
 
     @contextlib.contextmanager
     def quiet():
-        previous = logger.level
-        logger.setLevel(logging.ERROR)
+        previous = {logger: logger.level for logger in loggers}
+        for logger, level in loggers.items():
+            logger.setLevel(level)
         try:
             yield
         finally:
-            logger.setLevel(previous)
+            for logger, level in previous.items():
+                logger.setLevel(level)
     return quiet()
 
 
