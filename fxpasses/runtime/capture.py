@@ -209,8 +209,8 @@ class Recording:
         address, yet a replay's copy into it moves its version, which a tensor saved for an
         earlier call's backward would then see (a loud error where native has none).
         """
-        live = {StorageWeakRef(self.inputs[i].untyped_storage()).cdata for i in self.identity
-                if isinstance(self.inputs[i], torch.Tensor)}
+        live = {ref.cdata for ref, _ in _storage_refs(
+            [self.inputs[i] for i in self.identity if isinstance(self.inputs[i], torch.Tensor)], set())}
         tensors = [t for i, t in enumerate(self.inputs) if isinstance(t, torch.Tensor) and i not in self.identity]
         tensors += [t for t in self.outputs if isinstance(t, torch.Tensor)]
         refs = _storage_refs(tensors, live)

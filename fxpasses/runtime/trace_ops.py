@@ -162,7 +162,7 @@ def undone_on_failure() -> Iterator[None]:
     except BaseException:
         for owner, name, held in reversed(log):
             if held is _MISSING:
-                if name in getattr(owner, "__dict__", {}):
+                if _held(owner, name) is not _MISSING:  # a module's submodule slot too
                     delattr(owner, name)
             else:
                 setattr(owner, name, held)
