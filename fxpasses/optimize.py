@@ -17,14 +17,30 @@ Each call of an OptimizedLoss:
    specialization of their own, within ``max_specializations``), unless an abandon says no trace
    would decide differently (an empty selection). An abandon whose op adjusted itself (a
    selection's count above its capacity, which grew) runs the call again at once, up to
-   ``_RETRIES`` times. Any other exception is recorded (type, message, node), the
-   specialization is disabled, and the call is recomputed natively.
+   ``_RETRIES`` times. Any other exception: the call's attribute writes are undone and it is
+   recomputed natively. If native raises too, the error was the call's (a wrong input shape):
+   native's exception propagates, as natively (no optimized traceback chained to it), and the
+   specialization stays (``native-raised``). If native survives, the failure was the optimized
+   path's: it is recorded in ``stats.exceptions`` (type, message, node; the first
+   ``_MAX_EXCEPTIONS``) and the native result returned (``optimized-path-raised``); a transient
+   failure (an out-of-memory error a training loop skips) leaves the specialization running, and
+   only ``_DISABLE_AFTER`` consecutive such failures of one specialization (no optimized call of
+   it succeeding in between) disable it for good (``optimized-path-disabled``).
+
+Threads. One lock owns the optimized path (the specializations, the run-time ops' state, the
+static buffers of captured regions, the counters): a call that cannot take it at once, because
+another thread is running an optimized call or a trace, runs natively (``concurrent-call``), never
+waiting for the lock. A captured region's replay whose backward is still pending when the lock
+is released keeps its memory to itself (:mod:`fxpasses.runtime.capture`: later calls run that
+region eagerly until that backward has run). Native calls hold :data:`~fxpasses.runtime.module_state.MODULE_STATE`
+shared, traces and recordings exclusive, so no native call sees module state swapped out.
 
 "Native" is always the same thing: calling the original ``loss_fn`` with the original arguments.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -50,6 +66,7 @@ from .pipeline import Pass
 from .report import build_report, render_report
 from .runtime import runtime_ops
 from .runtime.abandon import Abandon
+from .runtime.module_state import MODULE_STATE
 from .runtime.trace_ops import undone_on_failure
 from .signature import flatten_call
 from .specialize import Specialization, build, same_checks
@@ -62,6 +79,8 @@ _NONE_HOLDS = object()  # no specialization covers the call with its assumptions
 _WHOLE_LOSS_KINDS = ("hooks", "methods", "modules", "modes")
 _RECENT_CALLS = 32  # specializations are tried most often useful in this many calls first
 _RETRIES = 3  # runs again of a call whose run-time op adjusted itself (a selection level each)
+_DISABLE_AFTER = 3  # consecutive failures of a specialization that native survived disable it
+_MAX_EXCEPTIONS = 64  # failures kept in stats.exceptions (all are counted in stats.native)
 
 
 class OptimizedLoss(nn.Module):
@@ -93,7 +112,10 @@ class OptimizedLoss(nn.Module):
         self._recent: deque[int] = deque(maxlen=_RECENT_CALLS)  # which specialization ran them
         self._recent_runs: Counter = Counter()
         self._current: Specialization | None = None
-        self._tracing = threading.Lock()
+        self._lock = threading.Lock()  # owns the optimized path (module docstring)
+        self._owner: int | None = None  # the thread holding it
+        self._counting = threading.Lock()  # the native counts, written by every thread
+        self._failures: Counter = Counter()  # specialization index -> consecutive failures
         self._refusal = "specialization-budget"  # why the last specialization was not made
         self._abandoned_since_trace = 0  # calls that every matching trace abandoned
         self._abandon_code = "guard-failed"
@@ -125,6 +147,16 @@ class OptimizedLoss(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self._native(args, kwargs, "grad-mode-changed")
+        if not self._lock.acquire(blocking=False):  # another thread's call or trace owns it
+            return self._native(args, kwargs, "concurrent-call")
+        self._owner = threading.get_ident()
+        try:
+            return self._optimized(args, kwargs)
+        finally:
+            self._owner = None
+            self._lock.release()
+
+    def _optimized(self, args: tuple, kwargs: dict) -> Any:
         start = time.perf_counter()
         failed = None
         if not self._whole_holds():
@@ -196,16 +228,16 @@ class OptimizedLoss(nn.Module):
         return _NONE_HOLDS
 
     def _specialize(self, args: tuple, kwargs: dict) -> Specialization | None:
-        if not self._tracing.acquire(blocking=False):  # another thread is optimizing
-            self._refusal = "concurrent-call"
-            return None
         if sys.getprofile() is not None:  # the trace's profile hook would displace it
-            self._tracing.release()
             self._refusal = "profiler-active"
             return None
-        try:
-            if len(self._specializations) >= self._max_specializations:
-                self._refusal = "specialization-budget"
+        if len(self._specializations) >= self._max_specializations:
+            self._refusal = "specialization-budget"
+            return None
+        # no native call of another thread runs during the trace and its analyses
+        with MODULE_STATE.exclusive() as alone:
+            if not alone:  # this thread is inside a native call of another loss
+                self._refusal = "concurrent-call"
                 return None
             with isolated():
                 special = build(self._loss, args, kwargs, len(self._specializations),
@@ -217,11 +249,10 @@ class OptimizedLoss(nn.Module):
             self._specializations.insert(0, special)
             self._abandoned_since_trace = 0
             return special
-        finally:
-            self._tracing.release()
 
     def _run(self, special: Specialization, args: tuple, kwargs: dict, leaves: list[Any]) -> Any:
         gm = special.graph_module
+        failure = None
         for attempt in range(_RETRIES + 1):
             try:
                 # grad mode restored on every exit, KeyboardInterrupt included; attribute writes
@@ -237,14 +268,38 @@ class OptimizedLoss(nn.Module):
                     self._retrace_helps &= stop.retrace
                     return _ABANDONED
             except Exception as exc:  # never lose the training step
-                self._stats.exceptions.append(RecordedException.of(exc, gm, special.index))
-                special.disabled = "optimized-path-raised"
-                return self._native(args, kwargs, "optimized-path-raised")
+                failure = RecordedException.of(exc, gm, special.index)
+                break  # native runs after this block: its exception is not chained to this one
             # again, the abandoned attempt's values gone with its traceback (and its replays'
             # memory released): a run-time op adjusted itself (a selection's capacity grew)
+        if failure is not None:
+            return self._after_failure(special, failure, args, kwargs)
+        self._failures.pop(special.index, None)
         self._stats.optimized += 1
         self._ran(special)
         return special.info.unflatten_output(flat)
+
+    def _after_failure(self, special: Specialization, failure: RecordedException, args: tuple,
+                       kwargs: dict) -> Any:
+        """The native result of a call whose optimized run raised ``failure`` (module
+        docstring): native's own exception if it raises too, else the result, the failure
+        counted and, the ``_DISABLE_AFTER``-th time in a row, the specialization disabled."""
+        try:
+            with MODULE_STATE.shared():
+                result = self._loss(*args, **kwargs)
+        except BaseException:
+            self._count_native("native-raised")
+            raise
+        self._count_native("optimized-path-raised")
+        if len(self._stats.exceptions) < _MAX_EXCEPTIONS:
+            self._stats.exceptions.append(failure)
+        self._failures[special.index] += 1
+        if self._failures[special.index] >= _DISABLE_AFTER:
+            special.disabled = "optimized-path-disabled"
+            logger.warning("specialization %d disabled: its optimized path raised on %d calls in "
+                           "a row that native ran (%s: %s)", special.index, _DISABLE_AFTER,
+                           failure.type, failure.message)
+        return result
 
     def _ran(self, special: Specialization) -> None:
         """Count a call ``special`` ran, and move it ahead of those that ran fewer of the recent
@@ -262,11 +317,17 @@ class OptimizedLoss(nn.Module):
             i -= 1
 
     def _native(self, args: tuple, kwargs: dict, reason: str) -> Any:
-        self._stats.native[reason] += 1
+        self._count_native(reason)
+        with MODULE_STATE.shared():  # (waits while a trace or recording swaps module state)
+            return self._loss(*args, **kwargs)
+
+    def _count_native(self, reason: str) -> None:
+        with self._counting:
+            self._stats.native[reason] += 1
+            first = self._stats.native[reason] == 1
         note(reason)
-        if self._stats.native[reason] == 1:
+        if first:
             logger.warning("native call: %s (counted in .stats; later ones are not logged)", reason)
-        return self._loss(*args, **kwargs)
 
     # -- what happened ----------------------------------------------------------------------
     @property
@@ -287,14 +348,17 @@ class OptimizedLoss(nn.Module):
     @property
     def stats(self) -> RunStats:
         """A snapshot: calls by path and reason, with the run-time ops' counters of every
-        specialization (keyed ``index:op``; ops that counted nothing are left out)."""
-        sites = {f"{special.index}:{op.op_id}": dict(op.counters)
-                 for special in self.specializations if special.graph_module is not None
-                 for op in runtime_ops(special.graph_module) if op.counters}
-        return dataclasses.replace(self._stats, native=Counter(self._stats.native),
-                                   abandoned=Counter(self._stats.abandoned),
-                                   retraced=Counter(self._stats.retraced),
-                                   exceptions=list(self._stats.exceptions), sites=sites)
+        specialization (keyed ``index:op``; ops that counted nothing are left out). From
+        another thread it waits for the call in progress."""
+        mine = self._owner == threading.get_ident()
+        with contextlib.nullcontext() if mine else self._lock, self._counting:
+            sites = {f"{special.index}:{op.op_id}": dict(op.counters)
+                     for special in self.specializations if special.graph_module is not None
+                     for op in runtime_ops(special.graph_module) if op.counters}
+            return dataclasses.replace(self._stats, native=Counter(self._stats.native),
+                                       abandoned=Counter(self._stats.abandoned),
+                                       retraced=Counter(self._stats.retraced),
+                                       exceptions=list(self._stats.exceptions), sites=sites)
 
     @property
     def passes(self) -> tuple[Pass, ...]:
@@ -305,12 +369,15 @@ class OptimizedLoss(nn.Module):
         return tuple(a.as_guard() for a in self._whole)
 
     def reoptimize(self) -> None:
-        """Accept the loss's current hooks, methods and modes; drop every specialization."""
-        self._guard_whole_loss([])
-        self._specializations.clear()
-        self._recent.clear()
-        self._recent_runs.clear()
-        self._current = None
+        """Accept the loss's current hooks, methods and modes; drop every specialization (after
+        the call in progress in another thread, if any)."""
+        with self._lock:
+            self._guard_whole_loss([])
+            self._specializations.clear()
+            self._recent.clear()
+            self._recent_runs.clear()
+            self._failures.clear()
+            self._current = None
 
     def train(self, mode: bool = True) -> "OptimizedLoss":
         if isinstance(self._loss, nn.Module):

@@ -91,9 +91,18 @@ _CODES = (
          "of specializations is spent.",
          "Raise optimize(..., max_specializations=N) or keep non-tensor inputs stable."),
     Code("optimized-path-raised", "guard",
-         "The optimized path raised an exception; the call was recomputed natively and that "
-         "specialization was disabled.",
+         "The optimized path raised an exception that the native loss did not raise on the same "
+         "call; the call was recomputed natively (its attribute writes undone first) and the "
+         "exception recorded in stats.exceptions. The specialization keeps running.",
          "Read the recorded exception and node in explain(); report it if it is fxpasses' fault."),
+    Code("optimized-path-disabled", "guard",
+         "The specialization's optimized path raised on several calls in a row that the native "
+         "loss ran without error; it was disabled and the calls it covers run natively.",
+         "Read the recorded exceptions in explain(); report them if they are fxpasses' fault."),
+    Code("native-raised", "guard",
+         "The optimized path raised and so did the native loss on the same call (a wrong input, "
+         "say): native's exception was raised, as natively; the specialization keeps running.",
+         "Fix the call's inputs; later valid calls run optimized."),
     # -- call pairing (PairCalls / PairRLE) -----------------------------------------------
     Code("no-site", "refusal",
          "The pass found nothing in the graph to rewrite (no call of the methods it pairs, no "

@@ -30,7 +30,8 @@ memory is free, else the region runs eagerly for this call, counted by reason:
   the caller, or saved for backward by an eager op of an earlier call whose backward is pending)
   — checked by storage use counts, as torch's own CUDA-graph trees check their outputs'
   liveness (``torch/_inductor/cudagraph_trees.py``);
-* ``concurrent-call``: another thread is inside this region;
+* ``concurrent-call``: another thread is inside this region (or, for a recording, this thread's
+  native call of another loss holds the modules' state: :mod:`fxpasses.runtime.module_state`);
 * ``awaiting-repeat``: a signature is recorded on its ``record_after``-th call (CaptureLoss's
   default: the second), so that a shape seen once costs no recording;
 * ``record-budget`` and ``capture-failed``.
@@ -61,6 +62,7 @@ from torch.utils import _pytree as pytree
 from ..certificates.codes import note
 from ..guards import ambient_state
 from . import Propagator, RuntimeOp
+from .module_state import MODULE_STATE
 
 
 MAX_SIGHTINGS = 256  # unrecorded signatures a region remembers (see CapturedRegion._seen_enough)
@@ -583,12 +585,15 @@ class CapturedRegion(RuntimeOp):
                 return "replay-pending-backward", None, flat
             if len(self.recordings) >= self.max_recordings and not self._evict():
                 return "record-budget", None, flat
-            self.made += 1
-            try:
-                recording = self._record(flat, starts, identity, specs)
-            except Exception as exc:  # never lose the step: this region runs eagerly from now on
-                self.failure = f"{type(exc).__name__}: {exc}"[:500]
-                return "capture-failed", None, flat
+            with MODULE_STATE.exclusive() as alone:  # the recording swaps parameters for aliases
+                if not alone:  # this thread's native call of another loss holds them
+                    return "concurrent-call", None, flat
+                self.made += 1
+                try:
+                    recording = self._record(flat, starts, identity, specs)
+                except Exception as exc:  # never lose the step: this region runs eagerly from now on
+                    self.failure = f"{type(exc).__name__}: {exc}"[:500]
+                    return "capture-failed", None, flat
             recording.used = next(self._clock)
             self.recordings[key] = recording
             self.count("recorded")
@@ -688,7 +693,7 @@ class CapturedRegion(RuntimeOp):
         """
         self.count("double-backward-eager")
         aliases = [t.view_as(t) if t.requires_grad else t for t in saved]
-        with torch.enable_grad():
+        with torch.enable_grad(), MODULE_STATE.exclusive():  # (parameters' aliases on the modules)
             outputs = [o for o in pytree.tree_leaves(recording.call(*recording.arguments(aliases)))
                        if isinstance(o, torch.Tensor)]
         pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]

@@ -33,27 +33,27 @@ def _overwrite(static: torch.Tensor, value: torch.Tensor) -> None:
 
 
 class _Forward:
-    def __init__(self, fn: Callable, recording: Recording):
-        self.fn, self.recording = fn, recording
+    def __init__(self, fn: Callable, recording: Recording, inputs: list[Any]):
+        self.fn, self.recording, self.inputs = fn, recording, inputs
 
     def replay(self) -> None:
         with torch.no_grad():
-            fresh = pytree.tree_leaves(self.fn(*self.recording.inputs))
+            fresh = pytree.tree_leaves(self.fn(*self.inputs))
             for static, value in zip(self.recording.outputs, fresh):
                 if isinstance(static, torch.Tensor):
                     _overwrite(static, value)
 
 
 class _Backward:
-    def __init__(self, fn: Callable, recording: Recording):
-        self.fn, self.recording = fn, recording
+    def __init__(self, fn: Callable, recording: Recording, inputs: list[Any]):
+        self.fn, self.recording, self.inputs = fn, recording, inputs
 
     def replay(self) -> None:
         r = self.recording
         with torch.enable_grad():
-            fresh = pytree.tree_leaves(self.fn(*r.inputs))
+            fresh = pytree.tree_leaves(self.fn(*self.inputs))
             grads = torch.autograd.grad([fresh[i] for i in r.grad_output_index],
-                                        [r.inputs[i] for i in r.grad_input_index], r.grad_outputs,
+                                        [self.inputs[i] for i in r.grad_input_index], r.grad_outputs,
                                         allow_unused=True)
         with torch.no_grad():
             for static, value in zip(r.grad_inputs, grads):
@@ -79,7 +79,11 @@ class EmulatedRecorder(GraphRecorder):
     def record(self, fn: Callable, args: Sequence[Any], pool: Any,
                identity: frozenset[int] = frozenset()) -> Recording:
         recording = super().record(fn, args, pool, identity)
-        recording.forward = _Forward(fn, recording)
+        # a replay reads the live parameters and buffers (a graph reads their memory): the
+        # recording's aliases would be put in their place on the modules, where a native call
+        # running meanwhile in another thread would read them
+        inputs = [args[i] if i in identity else static for i, static in enumerate(recording.inputs)]
+        recording.forward = _Forward(fn, recording, inputs)
         if recording.backward is not None:
-            recording.backward = _Backward(fn, recording)
+            recording.backward = _Backward(fn, recording, inputs)
         return recording
