@@ -55,6 +55,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from . import options
 from .certificates import Certificate
 from .certificates.codes import note
 from .certificates.io import save
@@ -423,11 +424,17 @@ def optimize(loss_fn: Callable, passes: Sequence[Pass] = (), *,
              ) -> OptimizedLoss:
     """Optimize ``loss_fn`` with ``passes``; tracing happens at the first call.
 
-    ``leaf_functions`` / ``leaf_modules`` stay single nodes (for data-dependent control flow);
-    ``density_methods`` are module methods kept as one node for passes to pair.
+    ``leaf_functions`` (functions) / ``leaf_modules`` (nn.Module classes or instances) stay
+    single nodes (for data-dependent control flow); ``density_methods`` (method names) are module
+    methods kept as one node for passes to pair. Each is a list or tuple; a bad option is a
+    TypeError or ValueError naming it.
     """
     passes = _validate(loss_fn, passes)
-    if not isinstance(max_specializations, int) or max_specializations < 1:
-        raise ValueError(f"max_specializations must be a positive int, got {max_specializations!r}")
-    policy = LeafPolicy(tuple(density_methods), tuple(leaf_modules), tuple(leaf_functions))
+    options.count("max_specializations", max_specializations, 1)
+    policy = LeafPolicy(
+        options.names("density_methods", density_methods),
+        options.items("leaf_modules", leaf_modules, lambda m: isinstance(m, nn.Module) or (
+            isinstance(m, type) and issubclass(m, nn.Module)), "nn.Module classes or instances"),
+        options.items("leaf_functions", leaf_functions,
+                      lambda f: callable(f) and not isinstance(f, type), "functions"))
     return OptimizedLoss(loss_fn, passes, policy, max_specializations)

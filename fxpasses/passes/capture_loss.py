@@ -23,6 +23,7 @@ from ..analysis.capture import CapturePlan, NoGradBlock, Verdict, is_state, plan
 from ..analysis.fusion import fuse_region
 from ..analysis.meta import tensors_in, value
 from ..analysis.witness import padding_witness, witness_holds
+from .. import options
 from ..certificates import Certificate, Check, Guard, Site
 from ..facts import RowIndependentCall, proven
 from ..pipeline import PassResult
@@ -69,6 +70,7 @@ class CaptureLoss:
     ``min_bucket``: the smallest padded row count of a captured paired call.
     ``recorder``: how regions are recorded (default: CUDA graphs; tests pass a fake one).
     ``devices``: device types whose tensors may be captured.
+    A bad option (type or range) is a TypeError or ValueError naming it.
     """
 
     name = "CaptureLoss"
@@ -76,17 +78,18 @@ class CaptureLoss:
     def __init__(self, *, max_recordings: int = 8, record_after: int = 2, min_region_ops: int = 4,
                  min_bucket: int = 1024, count_copies: bool = True,
                  recorder: Recorder | None = None, devices: Sequence[str] = ("cuda",)):
-        if max_recordings < 1:
-            raise ValueError(f"max_recordings must be >= 1, got {max_recordings}")
-        if record_after < 1:
-            raise ValueError(f"record_after must be >= 1, got {record_after}")
-        self.max_recordings = max_recordings
-        self.record_after = record_after
-        self.count_copies = count_copies
-        self.min_region_ops = min_region_ops
-        self.min_bucket = min_bucket
+        self.max_recordings = options.count("max_recordings", max_recordings, 1)
+        self.record_after = options.count("record_after", record_after, 1)
+        self.count_copies = options.flag("count_copies", count_copies)
+        self.min_region_ops = options.count("min_region_ops", min_region_ops, 1)
+        self.min_bucket = options.count("min_bucket", min_bucket, 1)
+        if recorder is not None and not all(callable(getattr(recorder, m, None))
+                                            for m in ("record", "new_pool")):
+            raise TypeError(f"recorder must have record() and new_pool() (a GraphRecorder), "
+                            f"got {type(recorder).__name__}: {recorder!r}")
         self.recorder = recorder
-        self.devices = tuple(devices)
+        self.devices = options.items("devices", devices, lambda d: isinstance(d, str) and bool(d),
+                                     "device types (str)")
 
     def __repr__(self) -> str:
         return (f"CaptureLoss(max_recordings={self.max_recordings}, record_after={self.record_after}, "

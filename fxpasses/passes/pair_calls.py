@@ -28,6 +28,7 @@ from ..analysis.graph import (dependent_pairs, downstream, grad_modes, gradient_
 from ..analysis.meta import is_dynamic, value
 from ..analysis.rows import analyze_rows
 from ..analysis.witness import pairing_witness, witness_holds
+from .. import options
 from ..certificates import Certificate, Check, Guard, Site
 from ..facts import RowIndependentCall, prove
 from ..pipeline import PassResult
@@ -59,18 +60,20 @@ class PairCalls:
     """Pair every group of calls of ``methods`` on one module (see the module docstring).
 
     ``methods``: method names to pair (default ``log_prob``; ``"forward"`` pairs module calls).
-    ``modules``: restrict to these module paths or classes (default: any module).
+    ``modules``: restrict to these module paths (str) or nn.Module classes (default: any module).
     ``allow_overrides``: classes whose overriding of inherited scoring code is intended.
+    A method name that is not an identifier is a ValueError here; one that no module of the
+    loss has can only be told from the traced graph: that pass then refuses with ``no-site``.
     """
 
     name = "PairCalls"
 
     def __init__(self, *methods: str, modules: Sequence[Any] = (), allow_overrides: Sequence[type] = ()):
-        if not all(isinstance(m, str) for m in methods):
-            raise TypeError(f"methods are method names (str), got {methods!r}")
-        self.methods = tuple(methods) or ("log_prob",)
-        self.modules = tuple(modules)
-        self.allow_overrides = tuple(allow_overrides)
+        self.methods = options.names("methods", methods) or ("log_prob",)
+        self.modules = options.items("modules", modules, lambda m: isinstance(m, str) or (
+            isinstance(m, type) and issubclass(m, nn.Module)), "module paths (str) or nn.Module classes")
+        self.allow_overrides = options.items("allow_overrides", allow_overrides,
+                                             lambda c: isinstance(c, type), "classes")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(methods={self.methods})"

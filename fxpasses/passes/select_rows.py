@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .. import options
 from ..analysis.meta import value
 from ..analysis.selection import Space, SpaceAnalysis, analyze_space, find_spaces
 from ..certificates import Certificate, Check, Guard, Site
@@ -67,9 +68,7 @@ class SelectRows:
     name = "SelectRows"
 
     def __init__(self, *, min_bucket: int = 64):
-        if min_bucket < 1:
-            raise ValueError(f"min_bucket must be >= 1, got {min_bucket}")
-        self.min_bucket = min_bucket
+        self.min_bucket = options.count("min_bucket", min_bucket, 1)
 
     def __repr__(self) -> str:
         return f"SelectRows(min_bucket={self.min_bucket})"
