@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 import sys
 import threading
@@ -124,7 +125,7 @@ class OptimizedLoss(nn.Module):
     # -- the call ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
-            return self._native(args, kwargs, "grad-mode-changed")
+            return self._native(args, kwargs, "grad-mode-changed", expected=True)
         start = time.perf_counter()
         failed = None
         if not self._whole_holds():
@@ -261,11 +262,14 @@ class OptimizedLoss(nn.Module):
             order[i - 1], order[i] = order[i], order[i - 1]
             i -= 1
 
-    def _native(self, args: tuple, kwargs: dict, reason: str) -> Any:
+    def _native(self, args: tuple, kwargs: dict, reason: str, expected: bool = False) -> Any:
+        """The native loss on the call; the first call of each reason is logged, at INFO when
+        ``expected`` (grad disabled: validation, inference), else as a warning."""
         self._stats.native[reason] += 1
         note(reason)
         if self._stats.native[reason] == 1:
-            logger.warning("native call: %s (counted in .stats; later ones are not logged)", reason)
+            logger.log(logging.INFO if expected else logging.WARNING,
+                       "native call: %s (counted in .stats; later ones are not logged)", reason)
         return self._loss(*args, **kwargs)
 
     # -- what happened ----------------------------------------------------------------------
