@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import os
 import sys
 import threading
@@ -147,7 +148,7 @@ class OptimizedLoss(nn.Module):
     # -- the call ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
-            return self._native(args, kwargs, "grad-mode-changed")
+            return self._native(args, kwargs, "grad-mode-changed", expected=True)
         if not self._lock.acquire(blocking=False):  # another thread's call or trace owns it
             return self._native(args, kwargs, "concurrent-call")
         self._owner = threading.get_ident()
@@ -317,18 +318,22 @@ class OptimizedLoss(nn.Module):
             order[i - 1], order[i] = order[i], order[i - 1]
             i -= 1
 
-    def _native(self, args: tuple, kwargs: dict, reason: str) -> Any:
-        self._count_native(reason)
+    def _native(self, args: tuple, kwargs: dict, reason: str, expected: bool = False) -> Any:
+        """The native loss on the call (see :meth:`_count_native` for what is logged)."""
+        self._count_native(reason, expected)
         with MODULE_STATE.shared():  # (waits while a trace or recording swaps module state)
             return self._loss(*args, **kwargs)
 
-    def _count_native(self, reason: str) -> None:
+    def _count_native(self, reason: str, expected: bool = False) -> None:
+        """Count a native call; the first of each reason is logged, at INFO when ``expected``
+        (grad disabled: validation, inference), else as a warning."""
         with self._counting:
             self._stats.native[reason] += 1
             first = self._stats.native[reason] == 1
         note(reason)
         if first:
-            logger.warning("native call: %s (counted in .stats; later ones are not logged)", reason)
+            logger.log(logging.INFO if expected else logging.WARNING,
+                       "native call: %s (counted in .stats; later ones are not logged)", reason)
 
     # -- what happened ----------------------------------------------------------------------
     @property

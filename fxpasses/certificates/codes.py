@@ -301,6 +301,11 @@ _CODES = (
          "The previous replay's backward has not run yet; replaying would overwrite the "
          "activations it needs, so this call ran the region natively.",
          "Call backward before the next forward (the usual training loop does)."),
+    # -- integrations ------------------------------------------------------------------------
+    Code("integration-unsupported", "refusal",
+         "A training framework's integration could not wrap the model's criterion (no "
+         "init_criterion, or optimize() refused it); training runs with the native criterion.",
+         "The trainer's log line names the reason; pass the criterion to optimize() yourself."),
 )
 
 REGISTRY: dict[str, Code] = {code.name: code for code in _CODES}

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = ("bench.py", "interleaved.py", "flow_pairing.py", "ddp.py", "host_profile.py", "guard_cost.py", "peak_memory.py")
+SCRIPTS = ("bench.py", "interleaved.py", "flow_pairing.py", "ddp.py", "host_profile.py", "guard_cost.py", "peak_memory.py",
+           "fit.py")
 
 
 def run(script: str, *args: str) -> subprocess.CompletedProcess:
@@ -67,3 +68,20 @@ def test_tiny_cpu_runs_write_their_results(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     (result,) = json.loads((tmp_path / "flow" / "flow_pairing.json").read_text())["results"]
     assert result["pass_applied"] == [True] and "eager" in result and "cuda_graph" not in result
+
+
+@pytest.mark.slow
+def test_a_tiny_cpu_fit_pair_writes_both_arms(tmp_path):
+    pytest.importorskip("ultralytics", minversion="8.4")
+    out = tmp_path / "fit.json"
+    done = run("fit.py", "--epochs", "1", "--train-images", "8", "--val-images", "4", "--imgsz",
+               "160", "--pairs", "1", "--device", "cpu", "--batch", "4", "--workers", "0",
+               "--work", str(tmp_path / "work"), "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(out.read_text())["batches"]["4"]["summary"]
+    for arm in ("native", "fxpasses"):
+        assert len(summary[arm]["fit_s"]["values"]) == 1 and summary[arm]["train_losses"][0]
+        assert summary[arm]["metrics"][0]
+    runs = json.loads(out.read_text())["batches"]["4"]["runs"]
+    (fast,) = [r for r in runs if r["arm"] == "fxpasses"]
+    assert fast["fxpasses"]["stats"]["optimized"] >= 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.fx as fx
@@ -125,6 +127,18 @@ def test_no_grad_runs_natively_and_autocast_gets_its_own_trace(two_branch_loss):
     assert len(fast.specializations) == 2
     (reason,) = fast.stats.retraced
     assert reason.startswith("None")  # a whole-loss kind: autocast (no source)
+
+
+def test_a_call_with_grad_disabled_runs_natively_without_a_warning(two_branch_loss, caplog):
+    fast = optimize(two_branch_loss)
+    a, b = _inputs(4, 3)
+    with caplog.at_level(logging.INFO, logger="fxpasses"):
+        with torch.inference_mode():  # a validator's loss on the EMA model
+            fast(a, b)
+        with torch.no_grad():
+            fast(a, b)
+    assert fast.stats.native == {"grad-mode-changed": 2}
+    assert [r.levelno for r in caplog.records] == [logging.INFO]  # logged once, not as a warning
 
 
 def test_reoptimize_accepts_the_current_state(two_branch_loss):

@@ -1,0 +1,80 @@
+"""The integration without a fit: wrapping, attributes through, pickles, refusal, imports."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fxpasses.integrations import ultralytics as fxu
+from fxpasses.workloads.ultralytics_pose import pose_batch, pose_preds
+
+
+def test_import_fxpasses_imports_no_ultralytics():
+    code = ("import sys, fxpasses, fxpasses.integrations, fxpasses.passes; "
+            "assert not [m for m in sys.modules if m.startswith('ultralytics')], 'imported'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_base_model_gets_its_criterion_wrapped_and_attributes_go_through(pose_model):
+    from ultralytics.utils.loss import E2ELoss
+
+    integration = fxu.enable(pose_model)
+    crit = pose_model.criterion
+    assert isinstance(crit, fxu.OptimizedCriterion) and crit is integration.criterion
+    assert isinstance(crit.native, E2ELoss) and hasattr(crit, "update")
+    crit.updates = 3  # what resume writes, and the trainer's per-epoch update()
+    crit.update()
+    assert crit.native.updates == 4 and crit.native.o2m == crit.native.decay(4)
+    assert "updates" not in vars(crit)
+    assert fxu.enable(pose_model).criterion is None and pose_model.criterion is crit  # not twice
+
+
+def test_pickles_and_copies_of_the_model_hold_the_native_criterion(pose_model):
+    from ultralytics.utils.loss import E2ELoss
+
+    fxu.enable(pose_model)
+    data = pickle.dumps(pose_model)
+    assert b"fxpasses" not in data
+    assert type(pickle.loads(data).criterion) is E2ELoss
+    copied = copy.deepcopy(pose_model)
+    assert type(copied.criterion) is E2ELoss
+    assert copied.criterion.one2many.flow_model is copied.model[-1].flow_model  # the copy's own
+
+
+@pytest.mark.long  # traces the real criterion
+def test_the_wrapped_criterion_computes_the_native_loss(pose_model):
+    native = pose_model.init_criterion()
+    fxu.enable(pose_model)
+    batch = pose_batch(2, seed=3, image_size=128, counts=torch.tensor([1, 2]))
+    preds, again = pose_preds(2, seed=3, image_size=128), pose_preds(2, seed=3, image_size=128)
+    (got, _), (want, _) = pose_model.criterion(preds, batch), native(again, batch)
+    torch.testing.assert_close(got, want)
+    stats = pose_model.criterion.optimized.stats
+    assert stats.optimized == 1 and not stats.native
+    with torch.inference_mode():  # as the validator calls it: natively
+        pose_model.criterion(pose_preds(2, seed=3, image_size=128, requires_grad=False), batch)
+    assert pose_model.criterion.optimized.stats.native == {"grad-mode-changed": 1}
+
+
+def test_a_criterion_that_cannot_be_wrapped_stays_native_with_one_log_line():
+    from ultralytics.nn.tasks import BaseModel
+    from ultralytics.utils import LOGGER
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    LOGGER.addHandler(handler)
+    try:
+        model = BaseModel()  # its init_criterion raises NotImplementedError
+        integration = fxu.enable(model)
+    finally:
+        LOGGER.removeHandler(handler)
+    assert integration.criterion is None and getattr(model, "criterion", None) is None
+    assert [r.getMessage().split(":")[1].strip() for r in records] == ["integration-unsupported"]
