@@ -168,7 +168,7 @@ class PairCalls:
             checks.no_overrides(module, self.allow_overrides),
             checks.no_module_hooks(module),
             checks.no_global_hooks(),
-            checks.not_compiled(module),
+            checks.not_compiled(module, s.method, getattr(gm.meta.get("fxpasses"), "modules", ())),
             checks.in_training(module),
             *self._graph_checks(gm, s),
             *rows_check,

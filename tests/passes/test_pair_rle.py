@@ -221,6 +221,52 @@ def test_compiled_flow_is_refused():
     assert "compiled-module" in _refusal_codes(loss)
 
 
+def _not_compiled(fast):
+    (check,) = [c for c in _only_cert(fast).checks if c.id == "not-compiled"]
+    return check
+
+
+def test_flow_wrapped_by_torch_compile_is_refused_naming_the_wrapper():
+    """``loss.flow = torch.compile(loss.flow)``: the wrapper delegates ``log_prob`` to the module
+    it wraps, so the trace reaches ``flow._orig_mod``; the certificate said
+    ``compiled_modules=()`` and paired it. Compiled modules keep their native calls."""
+    loss = SelectedRowsLoss()
+    loss.flow = torch.compile(loss.flow)
+    fast = optimize(loss, passes=[PairRLE()])
+    args = make_inputs(40, 3, 0.5, 0.5, False, dtype=torch.float32)
+    assert torch.allclose(fast(*args), loss(*args))
+    check = _not_compiled(fast)
+    assert not check.ok and check.code == "compiled-module"
+    assert check.evidence["wrappers"] == {"SelectedRowsLoss.flow": "torch._dynamo.eval_frame.OptimizedModule"}
+    assert not _only_cert(fast).applied and not fast.stats.sites
+
+
+def test_flow_wrapped_by_torch_compile_after_the_first_call_is_refused():
+    loss = SelectedRowsLoss()
+    fast = optimize(loss, passes=[PairRLE()])
+    args = make_inputs(40, 3, 0.5, 0.5, False, dtype=torch.float32)
+    fast(*args)
+    assert _only_cert(fast).applied
+    loss.flow = torch.compile(loss.flow)
+    assert torch.allclose(fast(*args), loss(*args))
+    assert fast.stats.native == {"module-replaced": 1}  # a whole-loss guard: not the paired graph
+    assert sum(c.get("paired", 0) for c in fast.stats.sites.values()) == 1  # the first call only
+
+
+def test_compiled_flow_forward_and_compiled_method_are_refused():
+    loss = SelectedRowsLoss()
+    loss.flow.compile()  # Module.compile on the flow itself: its __call__, not log_prob
+    assert "compiled-module" in _refusal_codes(loss)
+    flow_class = type("CompiledLogProb", (SmallFlow,), {})
+    flow_class.log_prob = torch.compile(SmallFlow.log_prob, backend="eager")  # a method compiled
+    loss = SelectedRowsLoss(flow=flow_class())
+    fast = optimize(loss, passes=[PairRLE()])
+    args = make_inputs(40, 3, 0.5, 0.5, False, dtype=torch.float32)
+    fast(*args)
+    check = _not_compiled(fast)
+    assert not check.ok and check.evidence["wrappers"] == {"log_prob (class)": "torch.compile(function)"}
+
+
 def test_eval_mode_keeps_native_calls():
     assert _refusal_codes(SelectedRowsLoss().eval()) == ("not-training",)
 
