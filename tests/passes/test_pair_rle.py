@@ -7,8 +7,9 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from torch import nn
 
-from fxpasses import optimize
+from fxpasses import optimize, trace
 from fxpasses.passes import PairRLE
+from fxpasses.passes.pair_calls import CallGroup, PairCalls
 from fxpasses.pipeline import PassResult
 from fxpasses.testing import assert_equivalent
 from fxpasses.testing.counting import CountLinear
@@ -565,3 +566,23 @@ def test_any_pass_that_reports_nothing_gets_a_no_site_certificate():
     fast(torch.ones(2, requires_grad=True))
     (cert,) = [c for c in fast.certificates if c.pass_name == "Silent"]
     assert cert.codes == ("no-site",) and not cert.applied
+
+
+class TwoFlows(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.flow_a, self.flow_b = SmallFlow(), SmallFlow()
+
+    def forward(self, a, b):
+        return self.flow_a.log_prob(a).sum() + self.flow_b.log_prob(b).sum()
+
+
+def test_same_module_check_reads_each_calls_module_from_the_graph():
+    """The check was recorded True for every group; it now names a call on another module."""
+    loss = TwoFlows()
+    gm = trace(loss, (torch.randn(3, 2), torch.randn(4, 2)))
+    calls = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "log_prob"]
+    assert PairCalls._same_module(gm, CallGroup(loss.flow_a, "flow_a", "log_prob", calls[:1])).ok
+    mixed = PairCalls._same_module(gm, CallGroup(loss.flow_a, "flow_a", "log_prob", calls))
+    assert not mixed.ok and mixed.code == "pair-different-module"
+    assert mixed.evidence["calls_on_other_modules"] == (calls[1].name,)
