@@ -568,7 +568,7 @@ def test_any_pass_that_reports_nothing_gets_a_no_site_certificate():
     assert cert.codes == ("no-site",) and not cert.applied
 
 
-class TwoFlows(nn.Module):
+class TwoFlowCalls(nn.Module):
     def __init__(self):
         super().__init__()
         self.flow_a, self.flow_b = SmallFlow(), SmallFlow()
@@ -579,7 +579,7 @@ class TwoFlows(nn.Module):
 
 def test_same_module_check_reads_each_calls_module_from_the_graph():
     """The check was recorded True for every group; it now names a call on another module."""
-    loss = TwoFlows()
+    loss = TwoFlowCalls()
     gm = trace(loss, (torch.randn(3, 2), torch.randn(4, 2)))
     calls = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "log_prob"]
     assert PairCalls._same_module(gm, CallGroup(loss.flow_a, "flow_a", "log_prob", calls[:1])).ok
