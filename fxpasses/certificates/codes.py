@@ -256,6 +256,10 @@ _CODES = (
     Code("dynamic-shape", "refusal",
          "The node's shape depends on data (downstream of a data-dependent op); it runs eagerly.",
          "Reduce to a static shape (sum/mean) before the next region, or use static selections."),
+    Code("region-not-convex", "refusal",
+         "A path leaves the planned region and comes back into it: fused into one call, the graph "
+         "would be cyclic, so the region is not captured (the planner should never propose it).",
+         "Report it: the region planner proposed a region it cannot fuse."),
     Code("region-too-small", "refusal",
          "The capturable region launches too few kernels for a replay to pay off: fewer than "
          "min_region_ops, or fewer than the tensors a replay would copy in and out.",

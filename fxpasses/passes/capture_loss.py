@@ -19,9 +19,9 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 
-from ..analysis.capture import CapturePlan, NoGradBlock, Verdict, is_state, plan_regions
+from ..analysis.capture import CapturePlan, NoGradBlock, Verdict, bucketed_symbols, is_state, plan_regions
 from ..analysis.fusion import fuse_region
-from ..analysis.meta import tensors_in, value
+from ..analysis.meta import is_dynamic, tensors_in, value
 from ..analysis.witness import padding_witness, witness_holds
 from .. import options
 from ..certificates import Certificate, Check, Guard, Site
@@ -37,6 +37,24 @@ from ..locations import node_location
 _PREFIX = "capture_region_"
 def _histogram(nodes: Sequence[fx.Node], verdicts: dict[fx.Node, Verdict]) -> dict[str, int]:
     return dict(Counter(verdicts[n].op for n in nodes).most_common(12))
+
+
+def _reentering(nodes: Sequence[fx.Node]) -> tuple[str, ...]:
+    """``out -> in`` for each region node reached again from a node outside the region that a
+    region node feeds (fusing such a region into one call would make the graph cyclic)."""
+    inside = set(nodes)
+    found, stack, seen = [], [(u, n) for n in nodes for u in n.users if u not in inside], set()
+    while stack:
+        node, source = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for user in node.users:
+            if user in inside:
+                found.append(f"{source.name} -> {node.name} -> {user.name}")
+            else:
+                stack.append((user, source))
+    return tuple(found)
 
 
 def _blocks_restoring_modes(gm: fx.GraphModule, nodes: list[fx.Node],
@@ -109,14 +127,16 @@ class CaptureLoss:
                                                                   checks)])
         plan = plan_regions(gm, self.devices, self.min_region_ops, self.count_copies)
         certificates = self._refusals(plan) + self._too_small(plan)
-        region_certs = [self._region_certificate(i, nodes, plan) for i, nodes in enumerate(plan.regions)]
+        region_certs = [self._region_certificate(gm, i, nodes, plan) for i, nodes in enumerate(plan.regions)]
+        names = [f"{_PREFIX}{i}" for i, cert in enumerate(region_certs) if cert.applied]
+        plan.regions = [nodes for nodes, cert in zip(plan.regions, region_certs) if cert.applied]
         calls = [(node, fact) for node in gm.graph.nodes
                  if (fact := proven(node, RowIndependentCall.kind)) is not None]
         paired = [self._row_independent_call(gm, node, fact, plan) for node, fact in calls]
         regions = [self._capture_padded(gm, node, fact) for (node, fact), cert in zip(calls, paired)
                    if cert.applied and not any(node in r for r in plan.regions)]  # (else in a region)
         if plan.regions:
-            regions += self._fuse(gm, plan)
+            regions += self._fuse(gm, plan, names)
         if regions:
             self._own_outputs(gm, regions)
         return PassResult(gm, bool(regions), region_certs + paired + certificates)
@@ -135,9 +155,9 @@ class CaptureLoss:
         return captured.region
 
     # -- rewrite --------------------------------------------------------------------------
-    def _fuse(self, gm: fx.GraphModule, plan: CapturePlan) -> list[CapturedRegion]:
-        fused = [fuse_region(gm, _blocks_restoring_modes(gm, nodes, plan.blocks_in(nodes)),
-                             f"{_PREFIX}{i}") for i, nodes in enumerate(plan.regions)]
+    def _fuse(self, gm: fx.GraphModule, plan: CapturePlan, names: list[str]) -> list[CapturedRegion]:
+        fused = [fuse_region(gm, _blocks_restoring_modes(gm, nodes, plan.blocks_in(nodes)), name)
+                 for name, nodes in zip(names, plan.regions)]
         regions = []
         for node in fused:
             # parameters, buffers and other state read by the graph are used in place, never copied
@@ -164,24 +184,12 @@ class CaptureLoss:
             (gm.graph.call_function(operator.getitem, (owned, 0)),)
 
     # -- certificates ---------------------------------------------------------------------
-    def _region_certificate(self, index: int, nodes: list[fx.Node], plan: CapturePlan) -> Certificate:
+    def _region_certificate(self, gm: fx.GraphModule, index: int, nodes: list[fx.Node],
+                            plan: CapturePlan) -> Certificate:
         inside = set(nodes)
         inputs = {a for n in nodes for a in n.all_input_nodes if a not in inside}
         outputs = [n for n in nodes if any(u not in inside for u in n.users)]
-        the_checks = [
-            Check("ops-capturable", True, {"ops": _histogram(nodes, plan.verdicts),
-                                           "table": "fxpasses.analysis.capture_rules.ROWS"}),
-            Check("static-shapes", True, {"evidence": "no unbacked (data-dependent) size in any "
-                                          "node's FakeTensorProp metadata but bucketed "
-                                          "capacities (a recording per bucket)"}),
-            Check("on-capture-device", True, {"devices": self.devices}),
-            Check("no-barrier-inside", True, {"partitioner": "fxpasses convex greedy regions; fxpasses.analysis.fusion",
-                                              "split_at": "grad-mode switches, ops writing their inputs, "
-                                                          "user code, nodes without metadata",
-                                              "no_grad_blocks_held_whole": tuple(
-                                                  f"{b.off.name}..{b.on.name} ({len(b.inner)} nodes)"
-                                                  for b in plan.blocks_in(nodes))}),
-        ]
+        the_checks = self._region_checks(gm, nodes, plan)
         effect = {"region": f"{_PREFIX}{index}", "nodes": len(nodes),
                   "kernel_ops": plan.kernel_ops(nodes), "inputs": len(inputs),
                   "outputs": len(outputs),
@@ -207,6 +215,39 @@ class CaptureLoss:
         site = Site(tuple(n.name for n in nodes), tuple(dict.fromkeys(
             loc for n in nodes if (loc := node_location(n)))), f"capture region {index}")
         return Certificate.from_checks(self.name, site, the_checks, effect=effect, guards=guards)
+
+    def _region_checks(self, gm: fx.GraphModule, nodes: list[fx.Node], plan: CapturePlan) -> list[Check]:
+        """What fusing ``nodes`` into one replayed call needs, read from the graph and the plan."""
+        inside = set(nodes)
+        refused = {n.name: plan.verdicts[n].code for n in nodes if not plan.verdicts[n].capturable}
+        static = bucketed_symbols(gm)
+        dynamic = tuple(n.name for n in nodes if is_dynamic(value(n), static))
+        devices = tuple(sorted({t.device.type for n in nodes for t in tensors_in(value(n))}))
+        elsewhere = tuple(d for d in devices if d not in self.devices)
+        order = list(gm.graph.nodes)
+        span = order[min(map(order.index, nodes)):max(map(order.index, nodes)) + 1]
+        spanned = [n for n in span if n not in inside and plan.verdicts[n].barrier]
+        reentering = _reentering(nodes)
+        return [
+            Check("ops-capturable", not refused, {"ops": _histogram(nodes, plan.verdicts), "refused": refused,
+                                                  "table": "fxpasses.analysis.capture_rules.ROWS"},
+                  next(iter(refused.values()), None) or (None if not refused else "op-unknown")),
+            Check("static-shapes", not dynamic, {"data_dependent": dynamic, "evidence": "unbacked "
+                                                 "sizes in FakeTensorProp metadata, bucketed capacities "
+                                                 "excepted (a recording per bucket)"},
+                  None if not dynamic else "dynamic-shape"),
+            Check("on-capture-device", not elsewhere, {"devices": devices, "capture_devices": self.devices},
+                  None if not elsewhere else "device-not-captured"),
+            Check("no-barrier-inside", not spanned, {
+                "barriers_spanned": tuple(n.name for n in spanned),
+                "partitioner": "fxpasses convex greedy regions; fxpasses.analysis.fusion",
+                "split_at": "grad-mode switches, ops writing their inputs, user code, nodes without metadata",
+                "no_grad_blocks_held_whole": tuple(f"{b.off.name}..{b.on.name} ({len(b.inner)} nodes)"
+                                                   for b in plan.blocks_in(nodes))},
+                  None if not spanned else plan.verdicts[spanned[0]].code or "op-unknown"),
+            Check("region-convex", not reentering, {"paths_out_and_back": reentering},
+                  None if not reentering else "region-not-convex"),
+        ]
 
     def _refusals(self, plan: CapturePlan) -> list[Certificate]:
         """One certificate per source line whose nodes stay eager, a check per node."""
@@ -253,9 +294,6 @@ class CaptureLoss:
         module = gm.get_submodule(fact.module)
         on_device = all(isinstance(r, torch.Tensor) and r.device.type in self.devices for r in rows)
         checks = [
-            Check("rows-dynamic", True, {"reason": "row count is data-dependent",
-                                         "licence": f"row independence of {fact.module}.{fact.method}, "
-                                                    f"proved by certificate {fact.certificate}"}),
             Check("rows-on-capture-device", on_device, {"devices": tuple(str(r.device) for r in rows
                                                                           if isinstance(r, torch.Tensor))},
                   None if on_device else "device-not-captured"),
@@ -268,7 +306,9 @@ class CaptureLoss:
             checks.append(Check("zero-padding-rows-are-inert", holds, {
                 "max_abs_value_diff": witness.max_abs_value_diff,
                 "max_abs_grad_diff": witness.max_abs_grad_diff}, None if holds else "padding-unsafe"))
-        effect = {"runs": "one CUDA graph per power-of-two row bucket",
+        effect = {"runs": "one CUDA graph per power-of-two row bucket", "reason": "row count is data-dependent",
+                  "licence": f"row independence of {fact.module}.{fact.method}, proved by certificate "
+                             f"{fact.certificate}",
                   "min_bucket": self.min_bucket, "max_recordings": self.max_recordings,
                   "record_after": self.record_after,
                   "copy_in": "the stacked rows, padded with zero rows; parameters and buffers used in place",

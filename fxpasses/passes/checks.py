@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import textwrap
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from torch import nn
 
@@ -91,12 +91,33 @@ def no_global_hooks() -> Check:
     return Check("no-global-hooks", ok, counts, None if ok else "global-hooks-present")
 
 
-def not_compiled(module: nn.Module) -> Check:
-    compiled = [name or "<self>" for name, m in module.named_modules()
-                if type(m).__name__ == "OptimizedModule"
-                or getattr(m, "_compiled_call_impl", None) is not None]
-    return Check("not-compiled", not compiled, {"compiled_modules": tuple(compiled)},
-                 None if not compiled else "compiled-module")
+def _compiled_wrapper(m: nn.Module) -> str | None:
+    """What compiled ``m``: torch.compile's wrapper module, or ``Module.compile()``; None."""
+    if any(c.__name__ == "OptimizedModule" and c.__module__.startswith("torch._dynamo")
+           for c in type(m).__mro__):
+        return f"{type(m).__module__}.{type(m).__qualname__}"
+    if vars(m).get("_compiled_call_impl") is not None:
+        return "Module.compile()"
+    return None
+
+
+def not_compiled(module: nn.Module, method: str = "forward", reached: Sequence[nn.Module] = ()) -> Check:
+    """Nothing compiled where the call goes: not the module, a submodule, a module among
+    ``reached`` (the modules the trace went through) or below them that holds it (torch.compile's
+    wrapper delegates ``log_prob`` to the module it wraps), nor the method (``torch.compile(fn)``
+    on the class or the instance). Compiled modules keep their native calls."""
+    wrappers = {path or "<self>": w for path, m in module.named_modules()
+                if (w := _compiled_wrapper(m)) is not None}
+    for top in reached:
+        for path, m in top.named_modules():
+            if m is not module and (w := _compiled_wrapper(m)) is not None \
+                    and any(sub is module for sub in m.modules()):
+                wrappers[".".join([type(top).__qualname__, *filter(None, [path])])] = w
+    for where, fn in (("class", getattr(type(module), method, None)), ("instance", vars(module).get(method))):
+        if getattr(fn, "_torchdynamo_orig_callable", None) is not None:
+            wrappers[f"{method} ({where})"] = "torch.compile(function)"
+    return Check("not-compiled", not wrappers, {"compiled_modules": tuple(wrappers), "wrappers": wrappers},
+                 None if not wrappers else "compiled-module")
 
 
 def in_training(module: nn.Module) -> Check:

@@ -164,14 +164,13 @@ class PairCalls:
         module = s.module
         rows_check, analysis = self._row_checks(s)
         the_checks = [
-            Check("same-module", True, {"module": s.path, "id": hex(id(module)),
-                                        "class": type(module).__qualname__, "calls": len(s.calls)}),
+            self._same_module(gm, s),
             self._call_signature(s),
             checks.method_identity(module, s.method),
             checks.no_overrides(module, self.allow_overrides),
             checks.no_module_hooks(module),
             checks.no_global_hooks(),
-            checks.not_compiled(module),
+            checks.not_compiled(module, s.method, getattr(gm.meta.get("fxpasses"), "modules", ())),
             checks.in_training(module),
             *self._graph_checks(gm, s),
             *rows_check,
@@ -206,6 +205,16 @@ class PairCalls:
                                 None if holds else "pair-witness-mismatch"))
         return Certificate.from_checks(self.name, s.site(), the_checks, effect=effect, guards=guards,
                                        witness=witness)
+
+    @staticmethod
+    def _same_module(gm: fx.GraphModule, s: CallGroup) -> Check:
+        """Every call's module, as the graph names it, is the group's one object."""
+        called = [gm.get_submodule(c.args[0].target if c.op == "call_method" else c.target) for c in s.calls]
+        others = tuple(c.name for c, m in zip(s.calls, called) if m is not s.module)
+        return Check("same-module", not others, {"module": s.path, "id": hex(id(s.module)),
+                                                 "class": type(s.module).__qualname__, "calls": len(s.calls),
+                                                 "calls_on_other_modules": others},
+                     None if not others else "pair-different-module")
 
     def _call_signature(self, s: CallGroup) -> Check:
         bad = [c.name for c in s.calls

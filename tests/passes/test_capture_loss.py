@@ -466,3 +466,36 @@ def test_cuda_tensors_without_cuda_are_refused_saying_so():
     result = CaptureLoss().run(gm)
     (cert,) = result.certificates
     assert cert.codes == ("cuda-unavailable",) and not result.modified
+
+
+def _region_codes(capture, gm, plan, nodes) -> dict[str, str | None]:
+    cert = capture._region_certificate(gm, 0, nodes, plan)
+    return {c.id: c.code for c in cert.checks if not c.ok}
+
+
+def test_region_checks_are_read_from_the_graph_and_fail_on_a_region_that_breaks_them():
+    """Each check of a region certificate is computed from the nodes it fuses (they held by
+    construction, recorded as True whatever the region): a planned region passes them all; one
+    with a host read, a data-dependent shape, a node on another device, a barrier spanned or a
+    path out and back in fails the check that says so."""
+    gm = _traced(Mixed(), _args())
+    capture = CaptureLoss(devices=("cpu",), min_region_ops=1)
+    plan = plan_regions(gm, devices=("cpu",), min_region_ops=1)
+    assert plan.regions and all(_region_codes(capture, gm, plan, r) == {} for r in plan.regions)
+    nodes = list(gm.graph.nodes)
+    (selection,) = [n for n in nodes if plan.verdicts[n].code == "host-sync"]
+    dynamic = next(n for n in nodes if plan.verdicts[n].code == "dynamic-shape")
+    assert _region_codes(capture, gm, plan, [*plan.regions[0], selection])["ops-capturable"] == "host-sync"
+    assert _region_codes(capture, gm, plan, [dynamic])["static-shapes"] == "dynamic-shape"
+    assert _region_codes(CaptureLoss(devices=("cuda",)), gm, plan, plan.regions[0]) == {
+        "on-capture-device": "device-not-captured"}
+    (in_place,) = [n for n in nodes if n.target == "mul_"]
+    before = [n for n in nodes if plan.verdicts[n].capturable and nodes.index(n) < nodes.index(in_place)]
+    after = [n for n in nodes if plan.verdicts[n].capturable and nodes.index(n) > nodes.index(in_place)]
+    spanning = _region_codes(capture, gm, plan, [before[-1], after[0]])
+    assert spanning["no-barrier-inside"] == "op-in-place"
+    exp = next(n for n in nodes if n.target == "exp" and n.args[0].op == "placeholder")  # pred.exp()
+    (tail,) = [u for u in exp.users]  # exp * 3 -> ... -> mul_ -> opaque (eager) -> + 1
+    (opaque_call,) = [n for n in nodes if n.target is opaque]
+    (plus_one,) = [u for u in opaque_call.users]
+    assert _region_codes(capture, gm, plan, [tail, plus_one])["region-convex"] == "region-not-convex"

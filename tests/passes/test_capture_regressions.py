@@ -43,6 +43,9 @@ from fxpasses.passes import CaptureLoss, PairRLE
 from fxpasses.runtime import runtime_ops
 from fxpasses.runtime.emulated import EmulatedRecorder
 from fxpasses.testing import assert_equivalent
+from fxpasses.testing.loss_check import check_case
+from fxpasses.testing.loss_programs import CallInputs, InputSpec, Program
+from fxpasses.testing.random_losses import LossCase, ProgramBuilder
 
 RTOL, ATOL = 1e-9, 1e-12
 
@@ -177,6 +180,87 @@ def test_pairing_gives_no_gradient_to_rows_whose_log_probs_are_read_only_without
     assert_equivalent(loss, fast, (_rows(5, 1), _rows(3, 2)), rtol=RTOL, atol=ATOL)
     fast(_rows(5, 1), _rows(3, 2))  # assert_equivalent ran a copy
     assert [c.applied for c in fast.certificates if c.pass_name == "PairRLE"] == [True]
+
+
+class OpaqueDetachedBranch(nn.Module):
+    """Census, seed 7777 (issue 23): one branch's log-probabilities pass an opaque identity (a
+    leaf function) and are only returned detached; the other branch scores selected rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flow, self.weight = Flow(), nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, rows, poisoned, mask):
+        selected = poisoned[mask]
+        scored = self.flow.log_prob(selected)
+        logged = identity(self.flow.log_prob(rows)).detach()
+        return self.weight * scored.sum(), selected.t(), logged
+
+
+class OpaqueDetachedStatic(nn.Module):
+    """The same on both branches' whole rows: static row counts, so CaptureLoss fuses the paired
+    call into a region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flow, self.weight = Flow(), nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, rows, other):
+        return self.weight * self.flow.log_prob(other).sum(), identity(self.flow.log_prob(rows)).detach()
+
+
+_OPAQUE_CALLS = {OpaqueDetachedBranch: [(6, 1), (0, 6), (2, 0)], OpaqueDetachedStatic: [(3, 4)] * 3}
+
+
+def _opaque_inputs(cls, calls: list[tuple[int, int]]) -> list[tuple]:
+    if cls is OpaqueDetachedStatic:
+        return [(_rows(n, 2 * k), _rows(m, 2 * k + 1)) for k, (n, m) in enumerate(calls)]
+    return [(_rows(n, 2 * k), _rows(m, 2 * k + 1), torch.ones(m, dtype=torch.bool))
+            for k, (n, m) in enumerate(calls)]
+
+
+@pytest.mark.parametrize("cls", list(_OPAQUE_CALLS), ids=lambda c: c.__name__)
+@pytest.mark.parametrize("arm", ["PairRLE", "PairRLE+CaptureLoss"])
+def test_pairing_gives_no_gradient_to_rows_whose_log_probs_pass_a_leaf_then_detach(cls, arm):
+    """The analysis cannot see through a leaf function, so the rows enter the paired call with
+    grad; natively ``rows.grad`` is None, the paired call (alone, bucketed in a recording, or
+    fused into a region) gave it zeros: a branch's rows get a gradient only where one reaches
+    that branch's results. Every other gradient equals native's."""
+    passes = [PairRLE()] if arm == "PairRLE" else [PairRLE(), _capture(min_region_ops=1, min_bucket=4)]
+    loss = _float64(cls)
+    fast = optimize(loss, passes=passes, leaf_functions=[identity])
+    native = _float64(cls)
+    for inputs in _opaque_inputs(cls, _OPAQUE_CALLS[cls]):
+        copies = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+        for fn, args in ((native, copies), (fast, inputs)):
+            out = fn(*args)
+            (out[0] + out[1].sum() if out[1].requires_grad else out[0]).backward()
+        assert inputs[0].grad is None and copies[0].grad is None
+        assert torch.allclose(inputs[1].grad, copies[1].grad, rtol=RTOL, atol=ATOL)
+    for (name, p), q in zip(loss.named_parameters(), native.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=RTOL, atol=ATOL), name
+    assert _applied(fast, "PairRLE") == 1
+    assert fast.stats.optimized == len(_OPAQUE_CALLS[cls]) and not fast.stats.native
+
+
+def test_census_program_of_a_detached_opaque_branch_matches_native():
+    """The census's program (seed 7777) as it found it, every arm, its calls."""
+    builder = ProgramBuilder(2, [InputSpec("rows", "a"), InputSpec("rows", "b"), InputSpec("mask", "a"),
+                                 InputSpec("mask", "b"), InputSpec("poisoned", "b", 3),
+                                 InputSpec("target", "b")])
+    r6 = builder.add("select", (4, 3))
+    r7 = builder.add("log_prob", (r6,))
+    r8 = builder.add("log_prob", (1,))
+    r9 = builder.add("passthrough", (r8,))
+    r10 = builder.add("transpose", (r6,))
+    r11 = builder.add("detach", (r9,))
+    r12 = builder.add("sum_all", (r7,))
+    r13 = builder.add("loss_weight", (r12,))
+    program = Program(2, builder.inputs, tuple(builder.instructions), r13, (r10, r11), as_dict=False)
+    calls = tuple(CallInputs((("a", a), ("b", b)), patterns, seed) for seed, (a, b, patterns) in enumerate(
+        [(1, 6, ("empty", "full")), (6, 0, ("full", "full")), (0, 2, ("empty", "full"))]))
+    report = check_case(LossCase(program, 0, calls))
+    assert report.ok, str(report)
 
 
 def logged(x):

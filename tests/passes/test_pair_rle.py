@@ -7,8 +7,9 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from torch import nn
 
-from fxpasses import optimize
+from fxpasses import optimize, trace
 from fxpasses.passes import PairRLE
+from fxpasses.passes.pair_calls import CallGroup, PairCalls
 from fxpasses.pipeline import PassResult
 from fxpasses.testing import assert_equivalent
 from fxpasses.testing.counting import CountLinear
@@ -219,6 +220,52 @@ def test_compiled_flow_is_refused():
     loss = SelectedRowsLoss()
     loss.flow.couplings[0].net.compile()  # Module.compile: compiled on first call, never called here
     assert "compiled-module" in _refusal_codes(loss)
+
+
+def _not_compiled(fast):
+    (check,) = [c for c in _only_cert(fast).checks if c.id == "not-compiled"]
+    return check
+
+
+def test_flow_wrapped_by_torch_compile_is_refused_naming_the_wrapper():
+    """``loss.flow = torch.compile(loss.flow)``: the wrapper delegates ``log_prob`` to the module
+    it wraps, so the trace reaches ``flow._orig_mod``; the certificate said
+    ``compiled_modules=()`` and paired it. Compiled modules keep their native calls."""
+    loss = SelectedRowsLoss()
+    loss.flow = torch.compile(loss.flow)
+    fast = optimize(loss, passes=[PairRLE()])
+    args = make_inputs(40, 3, 0.5, 0.5, False, dtype=torch.float32)
+    assert torch.allclose(fast(*args), loss(*args))
+    check = _not_compiled(fast)
+    assert not check.ok and check.code == "compiled-module"
+    assert check.evidence["wrappers"] == {"SelectedRowsLoss.flow": "torch._dynamo.eval_frame.OptimizedModule"}
+    assert not _only_cert(fast).applied and not fast.stats.sites
+
+
+def test_flow_wrapped_by_torch_compile_after_the_first_call_is_refused():
+    loss = SelectedRowsLoss()
+    fast = optimize(loss, passes=[PairRLE()])
+    args = make_inputs(40, 3, 0.5, 0.5, False, dtype=torch.float32)
+    fast(*args)
+    assert _only_cert(fast).applied
+    loss.flow = torch.compile(loss.flow)
+    assert torch.allclose(fast(*args), loss(*args))
+    assert fast.stats.native == {"module-replaced": 1}  # a whole-loss guard: not the paired graph
+    assert sum(c.get("paired", 0) for c in fast.stats.sites.values()) == 1  # the first call only
+
+
+def test_compiled_flow_forward_and_compiled_method_are_refused():
+    loss = SelectedRowsLoss()
+    loss.flow.compile()  # Module.compile on the flow itself: its __call__, not log_prob
+    assert "compiled-module" in _refusal_codes(loss)
+    flow_class = type("CompiledLogProb", (SmallFlow,), {})
+    flow_class.log_prob = torch.compile(SmallFlow.log_prob, backend="eager")  # a method compiled
+    loss = SelectedRowsLoss(flow=flow_class())
+    fast = optimize(loss, passes=[PairRLE()])
+    args = make_inputs(40, 3, 0.5, 0.5, False, dtype=torch.float32)
+    fast(*args)
+    check = _not_compiled(fast)
+    assert not check.ok and check.evidence["wrappers"] == {"log_prob (class)": "torch.compile(function)"}
 
 
 def test_eval_mode_keeps_native_calls():
@@ -519,3 +566,23 @@ def test_any_pass_that_reports_nothing_gets_a_no_site_certificate():
     fast(torch.ones(2, requires_grad=True))
     (cert,) = [c for c in fast.certificates if c.pass_name == "Silent"]
     assert cert.codes == ("no-site",) and not cert.applied
+
+
+class TwoFlowCalls(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.flow_a, self.flow_b = SmallFlow(), SmallFlow()
+
+    def forward(self, a, b):
+        return self.flow_a.log_prob(a).sum() + self.flow_b.log_prob(b).sum()
+
+
+def test_same_module_check_reads_each_calls_module_from_the_graph():
+    """The check was recorded True for every group; it now names a call on another module."""
+    loss = TwoFlowCalls()
+    gm = trace(loss, (torch.randn(3, 2), torch.randn(4, 2)))
+    calls = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "log_prob"]
+    assert PairCalls._same_module(gm, CallGroup(loss.flow_a, "flow_a", "log_prob", calls[:1])).ok
+    mixed = PairCalls._same_module(gm, CallGroup(loss.flow_a, "flow_a", "log_prob", calls))
+    assert not mixed.ok and mixed.code == "pair-different-module"
+    assert mixed.evidence["calls_on_other_modules"] == (calls[1].name,)
