@@ -62,7 +62,7 @@ class _Timers:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--loss", choices=("reference", "wild"), default="wild")
+    parser.add_argument("--loss", choices=sorted(il.WORKLOADS), default="wild")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--image-size", type=int, default=320)
     parser.add_argument("--rounds", type=int, default=20)
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="time each part of the whole-loss check alone, one part a round, where "
                              "the check runs (after the native step); the call's own check then runs warm")
     args = parser.parse_args(argv)
-    work = (il.reference_workload if args.loss == "reference" else il.wild_workload)(args)
+    work = il.WORKLOADS[args.loss](args)
     fast = optimize(work.loss, passes=[PairRLE()])
     for seed in range(4):  # first call, and the specializations a fresh batch needs
         work.step(fast, work.batch(100 + seed))

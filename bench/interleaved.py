@@ -3,6 +3,8 @@
     python bench/interleaved.py --loss reference --batch 16 --rounds 100 --out out/ref16
     python bench/interleaved.py --loss reference --batch 16 --arms both,all,compile-ro --out out/all16
     python bench/interleaved.py --loss wild --batch 16 --arms pair,both,compile --out out/wild16
+    python bench/interleaved.py --loss real --batch 16 --arms all,compile,compile-ro --out out/real16
+    python bench/interleaved.py --loss real --amp --batch 16 --arms all --out out/real16amp
     python bench/interleaved.py --device cpu --batch 2 --image-size 128 --rounds 3 \\
         --arms pair,both --out out/smoke                                    # a smoke run
 
@@ -10,7 +12,12 @@ fxpasses arms: ``pair`` (PairRLE), ``capture`` (CaptureLoss), ``both`` (the two)
 (SelectRows), ``all`` (PairRLE, SelectRows, CaptureLoss). ``--loss reference`` is
 :class:`DualBranchPoseLoss`; ``--loss wild`` is the public-style
 :class:`WildPoseLoss` (``fxpasses.workloads.pose.wild``), unmodified, on the same batches in its
-own format. Every arm first makes one step on its own batch (its *first call*: tracing, passes,
+own format. ``--loss real`` is the real Ultralytics YOLO26n pose criterion (``E2ELoss`` of two
+``PoseLoss26``; needs the ``ultralytics`` package), unmodified, on trainer-style batches whose
+persons per image vary (:mod:`fxpasses.workloads.ultralytics_pose`); its objective is
+``loss.sum()`` as the trainer's. ``--amp`` runs every arm's step under
+``torch.autocast(device, torch.float16)`` with float16 predictions, as the trainer does on CUDA.
+Every arm first makes one step on its own batch (its *first call*: tracing, passes,
 recordings, or torch.compile's compilation); then each round times one forward+backward step of
 every arm, in an order that rotates every round, on that round's batch
 (:func:`fxpasses.timing.interleave`). Batches are fresh every round (``--rotate 0``, the default:
@@ -82,11 +89,27 @@ def wild_workload(args: argparse.Namespace) -> Workload:
     return Workload(loss, batch, lambda fn, b: step(lambda x: fn(*x), b, lambda out: out[0]))
 
 
+def real_workload(args: argparse.Namespace) -> Workload:
+    from fxpasses.workloads.ultralytics_pose import pose_batch, pose_model, pose_preds
+    loss = pose_model(device=args.device).init_criterion()
+    dtype = torch.float16 if getattr(args, "amp", False) else torch.float32
+
+    def batch(seed: int) -> Any:
+        return (pose_preds(args.batch, seed=seed, image_size=args.image_size, dtype=dtype,
+                           device=args.device),
+                pose_batch(args.batch, seed=seed, image_size=args.image_size, device=args.device))
+
+    return Workload(loss, batch, lambda fn, b: step(lambda x: fn(*x), b, lambda out: out[0].sum()))
+
+
+WORKLOADS = {"reference": reference_workload, "wild": wild_workload, "real": real_workload}
+
+
 def one_arm_parser(doc: str, steps: int) -> argparse.ArgumentParser:
     """The arguments of the scripts that look into one arm on one workload (host_profile.py,
     host_timers.py, timeline.py): --loss, --arm, --batch, --image-size, --steps, --device."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--loss", choices=("reference", "wild"), default="reference")
+    parser.add_argument("--loss", choices=sorted(WORKLOADS), default="reference")
     parser.add_argument("--arm", default="all", choices=sorted(["eager", *PASSES]))
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--image-size", type=int, default=640)
@@ -97,8 +120,21 @@ def one_arm_parser(doc: str, steps: int) -> argparse.ArgumentParser:
 
 def one_arm(args: argparse.Namespace) -> tuple[Workload, Callable]:
     """The workload and the arm :func:`one_arm_parser`'s arguments name."""
-    work = (reference_workload if args.loss == "reference" else wild_workload)(args)
+    work = WORKLOADS[args.loss](args)
     return work, make_arm(args.arm, work.loss)
+
+
+def autocast_workload(work: Workload, device: str) -> Workload:
+    """``work`` with each step's forward under float16 autocast (backward outside, as trainers do)."""
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+
+    def under_autocast(fn: Callable) -> Callable:
+        def call(*args: Any) -> Any:
+            with torch.autocast(kind, dtype=torch.float16):
+                return fn(*args)
+        return call
+
+    return Workload(work.loss, work.batch, lambda fn, b: work.step(under_autocast(fn), b))
 
 
 def make_arm(name: str, loss: Any) -> Callable:
@@ -165,7 +201,9 @@ def fxpasses_counts(fn: Any) -> dict[str, Any]:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--loss", choices=("reference", "wild"), default="reference")
+    parser.add_argument("--loss", choices=sorted(WORKLOADS), default="reference")
+    parser.add_argument("--amp", action="store_true",
+                        help="every step under torch.autocast(float16), predictions float16 (--loss real)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--image-size", type=int, default=640)
     parser.add_argument("--rounds", type=int, default=100)
@@ -182,6 +220,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"unknown arms {sorted(unknown)}; choose from {arms}")
     if min(args.batch, args.rounds) < 1 or args.rotate < 0:
         parser.error("--batch and --rounds must be at least 1, --rotate at least 0")
+    if args.amp and args.loss != "real":
+        parser.error("--amp is for --loss real (the trainer's autocast around its criterion)")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: this torch sees no CUDA device")
     return args
@@ -190,7 +230,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     torch.manual_seed(0)
-    work = (reference_workload if args.loss == "reference" else wild_workload)(args)
+    work = WORKLOADS[args.loss](args)
+    if args.amp:
+        work = autocast_workload(work, args.device)
     sync = device_sync(args.device)
     rotation = [work.batch(seed) for seed in range(args.rotate)]
 
@@ -222,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                          label="rounds")
     result = {"command": "python bench/interleaved.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-              "torch": torch.__version__, "loss": args.loss, "batch": args.batch,
+              "torch": torch.__version__, "loss": args.loss, "amp": args.amp, "batch": args.batch,
               "image_size": args.image_size, "rounds": args.rounds, "rotate": args.rotate, "arms": {},
               "failed": failed}
     print("\n| arm | median ms | × eager (p10–p90) | first call s | launches | syncs | GPU busy ms | fxpasses |")

@@ -42,6 +42,15 @@ def is_user_file(path: str) -> bool:
     return not path.startswith((TORCH_DIR, _OWN_DIR, "<"))
 
 
+def shown(text: str) -> str:
+    """``text`` with installed packages' paths made relative to site-packages and the working
+    directory's made relative to it (``ultralytics/utils/loss.py:790``): for reading; reports
+    keep the full paths."""
+    for prefix in sorted({*_INSTALLED, os.getcwd()}, key=len, reverse=True):
+        text = text.replace(prefix.rstrip(os.sep) + os.sep, "")
+    return text
+
+
 @dataclass(frozen=True)
 class Location:
     """A line of source: ``file:line``, the function it is in and the line's text."""

@@ -22,6 +22,7 @@ from .certificates import Certificate, SCHEMA_VERSION, pass_counters, render_cer
 from .certificates.digest import content_digest
 from .certificates.io import REPORT_SCHEMA
 from .certificates.model import _as_evidence, _to_json_data
+from .locations import shown
 
 if TYPE_CHECKING:
     from .optimize import OptimizedLoss, Specialization
@@ -63,15 +64,39 @@ def build_report(opt: "OptimizedLoss") -> dict[str, Any]:
     return report
 
 
+def _render_summary(report: dict[str, Any]) -> list[str]:
+    """What was optimized, in a few lines: per pass over every specialization, the sites
+    applied and the most frequent refusal codes; the calls by path."""
+    stats, lines = report["stats"], []
+    native = sum(stats["native"].values())
+    specials = report["specializations"]
+    lines.append(f"summary: {stats['calls']} calls, {stats['optimized']} optimized, {native} native, "
+                 f"{len(specials)} specialization{'s' * (len(specials) != 1)}")
+    totals: dict[str, dict[str, Any]] = {}
+    for special in specials:
+        for name, c in special["counters"].items():
+            entry = totals.setdefault(name, {"seen": 0, "applied": 0, "codes": {}})
+            entry["seen"] += c["seen"]
+            entry["applied"] += c["applied"]
+            for code, n in {**c["refused"], **c["failed"]}.items():
+                entry["codes"][code] = entry["codes"].get(code, 0) + n
+    for name, entry in totals.items():
+        top = sorted(entry["codes"].items(), key=lambda kv: -kv[1])
+        codes = ", ".join(f"{k} {v}" for k, v in top[:3]) + (", ..." if len(top) > 3 else "")
+        lines.append(f"  {name}: applied at {entry['applied']} of {entry['seen']} sites"
+                     + (f"; refused: {codes}" if codes else ""))
+    return lines
+
+
 def _render_runtime(report: dict[str, Any]) -> list[str]:
     stats = report["stats"]
     native = ", ".join(f"{k}: {v}" for k, v in stats["native"].items()) or "none"
     lines = [f"calls: {stats['calls']}  optimized: {stats['optimized']}  "
              f"native: {sum(stats['native'].values())} ({native})"]
     for where, n in stats.get("abandoned", {}).items():
-        lines.append(f"  abandoned (ran natively): {where}: {n}")
+        lines.append(f"  abandoned (ran natively): {shown(where)}: {n}")
     for what, n in stats.get("retraced", {}).items():
-        lines.append(f"  traced again, an assumption changed: {what}: {n}")
+        lines.append(f"  traced again, an assumption changed: {shown(what)}: {n}")
     for site, counters in stats["sites"].items():
         counts = ", ".join(f"{k}: {v}" for k, v in sorted(counters.items()))
         lines.append(f"  site {site}: {counts}")
@@ -114,6 +139,7 @@ def render_report(report: dict[str, Any], verbose: bool = True, diff: bool = Tru
     lines = [f"fxpasses report: loss {report['loss']}, pipeline: "
              f"{' -> '.join(report['pipeline']) or '(no passes)'}",
              f"({versions}; {report['created']})"]
+    lines += _render_summary(report)
     lines += _render_runtime(report)
     if not report["specializations"]:
         lines.append("not traced yet: the first call traces and optimizes the loss")

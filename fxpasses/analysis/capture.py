@@ -14,6 +14,15 @@ is capturable, a parameter read, or a run-time op whose work does not depend on 
 the block's capturable nodes fall into one region. Its switches are then inside that region, in
 their order, and only there (:mod:`fxpasses.runtime.grad_mode`); otherwise they stay barriers.
 
+An in-place write is a barrier too, unless it writes only memory the loss made itself (no
+input, parameter, buffer or tensor of its state, nor a view of one: ``y = x.clone();
+y[..., :2] *= 2``) and one captured region holds the write together with every node whose value
+shares that memory, every reader of those nodes coming before the last write, and the op making the memory.
+Then the write happens inside the replay, in graph order among the nodes that can see it, and a
+node outside reads the memory only after the region, where its value is the final one (graph
+order put it after the last write). :func:`plan_regions` tries every such write as capturable and
+makes the ones whose condition the resulting regions break barriers again, until none does.
+
 A region is worth a replay when it launches at least ``min_region_ops`` kernels *and* more
 kernels than the launches a replay adds: its two graph launches (forward, backward), and a copy
 for each tensor it receives (into the recording's static buffer; parameters and buffers are read
@@ -36,7 +45,8 @@ from ..facts import BucketedSizes, proven
 from ..runtime import RuntimeOp
 from ..runtime.trace_ops import ReadSource, ReadState
 from .capture_rules import Verdict, launches_kernels, verdict
-from .meta import tensors_in, value
+from .meta import storages_of, tensors_in, value
+from .ops import node_facts
 
 
 def is_state(arg: object) -> bool:
@@ -48,9 +58,48 @@ def is_state(arg: object) -> bool:
 
 
 def classify(node: fx.Node, devices: Sequence[str] = ("cuda",), static: frozenset = frozenset(),
-             absorbed: frozenset = frozenset()) -> Verdict:
+             absorbed: frozenset = frozenset(), local_writes: frozenset = frozenset()) -> Verdict:
     """Whether ``node`` can be captured, and if not, the reason code (see module docstring)."""
-    return verdict(node, devices, static, absorbed)[0]
+    return verdict(node, devices, static, absorbed, local_writes)[0]
+
+
+def local_write_candidates(graph: fx.Graph) -> dict[fx.Node, frozenset[int]]:
+    """In-place writes (complete facts, torch's code) of memory that no input, state read or view
+    of one holds: each with the storages it writes (see the module docstring)."""
+    external: set[int] = set()
+    for node in graph.nodes:
+        if node.op in ("placeholder", "get_attr") or is_state(node):
+            external |= storages_of(node)
+    found = {}
+    for node in graph.nodes:
+        facts = node_facts(node)
+        if facts is not None and facts.writes_input and facts.complete and facts.torch_code \
+                and facts.writes and not facts.writes & external:
+            found[node] = facts.writes
+    return found
+
+
+def _broken_local_writes(graph: fx.Graph, candidates: dict[fx.Node, frozenset[int]],
+                         region_of: dict[fx.Node, int]) -> set[fx.Node]:
+    """The candidate writes whose region does not hold all that touches their memory: a node
+    sharing it outside the write's captured region, or a reader of one outside the region that
+    graph order puts before the memory's last write."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    broken = set()
+    for write, written in candidates.items():
+        region = region_of.get(write)
+        if region is None:
+            broken.add(write)
+            continue
+        last = max(order[w] for w, s in candidates.items() if s & written)
+        for node in graph.nodes:
+            if not storages_of(node) & written:
+                continue
+            if region_of.get(node) != region or any(
+                    region_of.get(u) != region and order[u] < last for u in node.users):
+                broken.add(write)
+                break
+    return broken
 
 
 @dataclass(frozen=True)
@@ -142,12 +191,24 @@ def plan_regions(gm: fx.GraphModule, devices: Sequence[str] = ("cuda",),
                  min_region_ops: int = 4, count_copies: bool = True) -> CapturePlan:
     """Classify every node and group the capturable ones into regions (see module docstring)."""
     static = bucketed_symbols(gm)
-    verdicts = {n: classify(n, devices, static) for n in gm.graph.nodes}
+    candidates = local_write_candidates(gm.graph)
+    while True:  # local writes whose regions do not hold what touches their memory: barriers
+        plan = _plan(gm, devices, min_region_ops, count_copies, static, frozenset(candidates))
+        region_of = {n: i for i, region in enumerate(plan.regions) for n in region}
+        broken = _broken_local_writes(gm.graph, candidates, region_of)
+        if not broken:
+            return plan
+        candidates = {w: s for w, s in candidates.items() if w not in broken}
+
+
+def _plan(gm: fx.GraphModule, devices: Sequence[str], min_region_ops: int, count_copies: bool,
+          static: frozenset, local_writes: frozenset) -> CapturePlan:
+    verdicts = {n: classify(n, devices, static, local_writes=local_writes) for n in gm.graph.nodes}
     blocks = [b for b in no_grad_blocks(gm.graph) if any(verdicts[n].capturable for n in b.inner)
               and all(verdicts[n].capturable or _outside_block_ok(n) for n in b.inner)]
     while True:  # a block whose capturable nodes fall into two regions keeps its barriers
         absorbed = frozenset(s for b in blocks for s in (b.off, b.on))
-        verdicts.update({s: classify(s, devices, static, absorbed)
+        verdicts.update({s: classify(s, devices, static, absorbed, local_writes)
                          for b in no_grad_blocks(gm.graph) for s in (b.off, b.on)})
         classes, split = _grow_regions(gm.graph, verdicts, blocks)
         if not split:

@@ -42,6 +42,7 @@ class Probe:
     devices: Sequence[str]
     static: frozenset = frozenset()  # data-dependent sizes that are static per recording (buckets)
     absorbed: frozenset = frozenset()  # grad-mode switches of blocks a region holds whole
+    local_writes: frozenset = frozenset()  # in-place writes one region holds with every alias
 
     @property
     def runtime_op(self) -> RuntimeOp | None:
@@ -95,7 +96,7 @@ def _user_code(p: Probe) -> bool:
 
 
 def _writes_input(p: Probe) -> bool:
-    return p.facts is not None and p.facts.writes_input
+    return p.facts is not None and p.facts.writes_input and p.node not in p.local_writes
 
 
 def _host_read(p: Probe) -> bool:
@@ -135,12 +136,14 @@ ROWS: tuple[Row, ...] = (
 
 
 def verdict(node: fx.Node, devices: Sequence[str] = ("cuda",), static: frozenset = frozenset(),
-            absorbed: frozenset = frozenset()) -> tuple[Verdict, Row]:
+            absorbed: frozenset = frozenset(), local_writes: frozenset = frozenset()
+            ) -> tuple[Verdict, Row]:
     """The verdict of the first row of :data:`ROWS` that holds for ``node``, and that row.
     ``static``: data-dependent sizes to treat as static (bucketed capacities); ``absorbed``:
-    grad-mode switches whose no_grad block a region may hold whole
-    (:func:`fxpasses.analysis.capture.plan_regions` decides)."""
-    probe = Probe(node, node_facts(node), tuple(devices), static, absorbed)
+    grad-mode switches whose no_grad block a region may hold whole; ``local_writes``: in-place
+    writes a region may hold, with every node that touches the memory they write
+    (:func:`fxpasses.analysis.capture.plan_regions` decides both)."""
+    probe = Probe(node, node_facts(node), tuple(devices), static, absorbed, local_writes)
     row = next(r for r in ROWS if r.when(probe))
     detail = "" if row.capturable or row.code is None else row.name
     return Verdict(row.capturable, row.code, op_name(node), row.barrier, detail), row

@@ -499,10 +499,11 @@ _TABLE: tuple[tuple[Rule, str], ...] = (
     # (rule, aten ops by name: a packet "sum" or one overload "max.dim")
     (same_as_self, "to _to_copy type_as detach clone alias contiguous lift_fresh_copy zeros_like "
                    "ones_like full_like empty_like"),
-    # pointwise ops that some torch versions do not tag "pointwise" (leaky_relu in 2.11)
+    # pointwise ops that some torch versions do not tag "pointwise" (leaky_relu in 2.11; the
+    # Python operators |, &, ~ on tensors, as in a NaN/inf filter ~(isnan(e) | isinf(e)))
     (pointwise, "copy fill zero where masked_fill log_sigmoid hardswish floor_divide leaky_relu "
                 "relu gelu silu elu celu selu softplus hardtanh hardsigmoid mish threshold "
-                "sigmoid tanh prelu _prelu_kernel"),
+                "sigmoid tanh prelu _prelu_kernel __or__ __and__ __xor__ __invert__"),
     (no_output, "_assert_tensor_metadata"),
     (reshape, "view reshape _unsafe_view flatten unflatten view_as reshape_as"),
     (unsqueeze, "unsqueeze"), (squeeze, "squeeze"), (expand, "expand expand_as"),

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from ..locations import shown
 from .codes import lookup
 from .model import Certificate
+
+_LOCATIONS_SHOWN = 3  # a site's source lines listed before "and N more"
+_GUARDS_SHOWN = 6  # without verbose, a certificate's guards listed before the rest are folded
 
 
 def _value(value: Any, limit: int = 120) -> str:
@@ -25,14 +29,18 @@ def _evidence(evidence: dict) -> str:
 
 
 def render_certificate(cert: Certificate, verbose: bool = True) -> str:
-    """Several lines: header, checks (✓/✗ with evidence), effect, guards, witness."""
-    where = ", ".join(dict.fromkeys(loc for loc in cert.site.locations if loc)) or "no source location"
+    """Several lines: header, checks (✓/✗ with evidence), effect, guards, witness; without
+    ``verbose`` the checks are left out and a long list of guards is folded."""
+    locations = list(dict.fromkeys(shown(loc) for loc in cert.site.locations if loc))
+    where = ", ".join(locations[:_LOCATIONS_SHOWN]) or "no source location"
+    if len(locations) > _LOCATIONS_SHOWN:
+        where += f" and {len(locations) - _LOCATIONS_SHOWN} more"
     head = f"[{cert.decision}] {cert.pass_name} @ {', '.join(cert.site.nodes) or '-'}  ({where})"
     lines = [head]
     if cert.site.description:
         lines.append(f"    {cert.site.description}")
     if cert.message:
-        lines.append(f"    {cert.message}")
+        lines.append(f"    {shown(cert.message)}")
     for code in cert.codes:
         info = lookup(code)
         lines.append(f"    code {code}: {info.explanation}")
@@ -44,8 +52,12 @@ def render_certificate(cert: Certificate, verbose: bool = True) -> str:
             lines.append(f"    {mark} {check.id}{suffix}: {_evidence(check.evidence)}")
     if cert.effect:
         lines.append(f"    effect: {_evidence(cert.effect)}")
-    for guard in cert.guards:
-        lines.append(f"    guard {guard.id} (else {guard.code}): {guard.description}")
+    guards = cert.guards if verbose else cert.guards[:_GUARDS_SHOWN]
+    for guard in guards:
+        lines.append(f"    guard {guard.id} (else {guard.code}): {shown(guard.description)}")
+    if len(guards) < len(cert.guards):
+        lines.append(f"    ... and {len(cert.guards) - len(guards)} more guards (explain(verbose=True) "
+                     "lists them)")
     if cert.witness is not None:
         w = cert.witness
         lines.append(f"    witness: {w.dtype} max|dvalue|={w.max_abs_value_diff:.3g} "

@@ -210,6 +210,10 @@ ACCEPTED_RULES = {
                                       + x.repeat(1, 2)[:, 1:3] + F.pad(x, (1, 1))[:, 1:3]
                                       + F.glu(x.repeat(1, 2), 1) + F.logsigmoid(x)),
     "no-grad-block": lambda m, x: x * 2 + _detached_norm(x),
+    # a NaN/inf filter per row, as ultralytics' RLE loss writes it: ~(isnan(e) | isinf(e)).any(-1)
+    "bool-operators": lambda m, x: torch.where(
+        (~(torch.isnan(x) | torch.isinf(x)).any(-1) & (x[:, 0] > -9) ^ (x[:, 1] > 9))[:, None],
+        x, 0.0),
 }
 
 REFUSED_RULES = {  # name: (fn, code, op)

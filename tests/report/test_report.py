@@ -114,3 +114,30 @@ def test_report_of_a_loss_whose_trace_failed(tmp_path):
     assert special["snapshots"] == [] and special["disabled"] == "trace-unsupported"
     assert certificates_of(report)[0].codes == ("trace-unsupported",)
     assert "runs natively: trace-unsupported" in render_report(report)
+
+
+def test_render_starts_with_a_summary_of_every_pass(fast):
+    text = render_report(build_report(fast), verbose=False, diff=False)
+    head = text.splitlines()[2:6]
+    assert head[0] == "summary: 2 calls, 2 optimized, 0 native, 1 specialization"
+    assert "  DropTimesOne: applied at 2 of 2 sites" in head
+    assert "  RefuseMethods: applied at 0 of 4 sites; refused: op-unknown 4" in head
+
+
+def test_brief_render_folds_long_guard_lists_and_installed_paths():
+    import sysconfig
+
+    from fxpasses.certificates import Certificate, Check, Site
+    from fxpasses.certificates.model import Guard
+    from fxpasses.certificates.render import render_certificate
+
+    installed = sysconfig.get_paths()["purelib"]
+    guards = tuple(Guard(f"constant:g{i}", f"global g{i} is {i}", "assumption-changed")
+                   for i in range(20))
+    locations = tuple(f"{installed}/pkg/loss.py:{line}" for line in range(10, 15))
+    cert = Certificate.from_checks("trace", Site((), locations, "loss"),
+                                   [Check("concrete-trace", True, {})], guards=guards)
+    brief, full = render_certificate(cert, verbose=False), render_certificate(cert, verbose=True)
+    assert "(pkg/loss.py:10, pkg/loss.py:11, pkg/loss.py:12 and 2 more)" in brief
+    assert "... and 14 more guards" in brief and "global g19 is 19" not in brief
+    assert "global g19 is 19" in full and "more guards" not in full
