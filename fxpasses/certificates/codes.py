@@ -139,6 +139,10 @@ _CODES = (
          "Merging the calls would move an in-place or side-effecting op past other nodes, or move "
          "a node into a different grad mode.",
          "Avoid in-place ops between the two branches' calls, or keep native calls."),
+    Code("pair-state-written", "refusal",
+         "The paired method writes the loss's Python state (an attribute: a call counter, a "
+         "cache); one paired call would write it once where the separate calls write it once each.",
+         "Keep native calls, or move the write out of the scored method."),
     Code("pair-witness-mismatch", "refusal",
          "The float64 witness found the paired call differs from the separate calls beyond rounding, "
          "or the separate calls raise on its sample rows (an empty branch, say).",
