@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch.fx as fx
+from torch import nn
 
 from .certificates import Certificate, Check, Guard, Site
 from .guard_code import compile_check
@@ -125,7 +126,8 @@ def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pas
         return special
     start = time.perf_counter()
     try:  # the passes' analyses run the graph's modules: each is left as the trace left it
-        with module_state_kept([*gm.modules(), *info.modules]):
+        own = [loss] if isinstance(loss, nn.Module) else []
+        with module_state_kept([*own, *gm.children(), *info.modules]):
             special.run = run_pipeline(gm, passes, info.signature.inputs(leaves))
     finally:
         put_back(info.written_state)  # the first call makes the loss's writes, once

@@ -681,9 +681,12 @@ def _tracker() -> ObjectTracker | None:
 
 
 def _inside() -> ObjectTracker | None:
-    """The tracker while the code of a call kept whole runs (its reads are recorded, not traced)."""
+    """The tracker while the code of a call kept whole runs (its reads are recorded, not traced);
+    None while torch.compile traces that code (what it compiles is its own to guard)."""
     rec = active_recorder()
-    return getattr(rec, "tracker", None) if rec is not None and rec.kept_whole is not None else None
+    if rec is None or rec.kept_whole is None or torch.compiler.is_compiling():
+        return None
+    return getattr(rec, "tracker", None)
 
 
 def _getattribute_hook(original: Any) -> Any:

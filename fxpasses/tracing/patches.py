@@ -134,7 +134,8 @@ class ModulePatcher:
             if id(module) in self.seen:
                 continue
             self.seen.add(id(module))
-            self.state.keep([module])  # a trace must leave it as it was (restored by trace())
+            if module is not self.rec.root:  # the trace's own; every other is left as it was
+                self.state.keep([module])
             for name in self.methods:
                 bound = getattr(module, name, None)
                 if callable(bound) and getattr(nn.Module, name, None) is None:
