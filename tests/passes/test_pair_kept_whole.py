@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fxpasses import optimize
-from fxpasses.passes import PairCalls, PairRLE
+from fxpasses.passes import PairCalls, PairRLE, SelectRows
 
 from .test_pair_rle import SelectedRowsLoss, SmallFlow, make_inputs
 
@@ -36,7 +36,13 @@ class CentredFlow(nn.Module):
         return self.inner.log_prob(x)
 
 
-class GlobalCentredFlow(CentredFlow):
+class GlobalCentredFlow(nn.Module):
+    """Centres its rows when the global ``CENTRED["on"]`` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = SmallFlow()
+
     def log_prob(self, x):
         if CENTRED["on"]:
             x = x - x.mean(0, keepdim=True)
@@ -172,3 +178,17 @@ def test_a_flow_that_writes_its_python_state_is_not_paired():
     (cert,) = _pair_certificates(fast)
     assert cert.codes == ("pair-state-written",)
     assert loss.flow.calls == native.flow.calls == 6
+
+
+def test_a_flag_read_inside_a_leaf_module_in_a_selection_region_is_guarded():
+    torch.manual_seed(0)
+    loss = HeadLoss().double()
+    fast = optimize(loss, passes=[SelectRows()], leaf_modules=[CentringHead])
+    _assert_native(loss, fast, make_inputs(48, 0, 0.5, 0.5, True))
+    first = [c for c in fast.certificates if c.pass_name == "SelectRows"]
+    assert first and all(c.applied for c in first)
+    assert all(any(g.evidence.get("reads") == "loss.flow.center" for g in c.guards) for c in first)
+    loss.flow.center = True
+    _assert_native(loss, fast, make_inputs(48, 1, 0.5, 0.5, True))
+    later = [c for c in fast.certificates if c.pass_name == "SelectRows"][len(first):]
+    assert later and all(c.codes == ("rows-mixed",) for c in later)
