@@ -246,6 +246,8 @@ def _held_items(owner: Any, items: Iterable, step: str, depth: int, floats: list
             held.append((k, (float, FLOAT_READ)))
             if floats is not None:
                 floats.append(((*path, (step, k)), owner, k))
+        elif type(v) is TracedScalar:  # a trace's stand-in for the float it holds
+            held.append((k, (float, v.value)))
         else:
             held.append((k, snapshot(v, depth - 1, floats, (*path, (step, k)), exact)))
     return tuple(held)
