@@ -8,8 +8,8 @@ through the pipeline's graph copies.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Union
+from dataclasses import dataclass, field
+from typing import Any, Sequence, Union
 
 import torch.fx as fx
 
@@ -52,3 +52,44 @@ def prove(node: fx.Node, fact: Fact) -> None:
 
 def proven(node: fx.Node, kind: str) -> Any:
     return node.meta.get(PROVEN, {}).get(kind)
+
+
+KEPT_WHOLE = "fxpasses.kept_whole"  # node.meta key of a call kept whole: a frozen KeptWhole
+RELIED_ON = "fxpasses.relied_on"  # gm.meta key: assumptions the applied rewrites depend on
+
+
+@dataclass
+class KeptWhole:
+    """What the code of a call kept whole (a density method, a leaf module or function) read
+    from the loss's state while the trace ran it, as the trace's assumptions (``reads``; not
+    the trace's own: its graph calls the code, which reads them live), and where it wrote the
+    loss's Python state (``writes``: ``source at file:line``). A rewrite whose proof ran that
+    code (row independence, a witness) depends on them (:func:`rely_on`)."""
+
+    reads: list = field(default_factory=list)
+    writes: list = field(default_factory=list)
+
+    def frozen(self) -> "KeptWhole":
+        return KeptWhole(_unique(self.reads), tuple(dict.fromkeys(self.writes)))
+
+
+def kept_whole(nodes: Sequence[fx.Node]) -> KeptWhole:
+    """The union over ``nodes`` of what their kept-whole calls read and wrote."""
+    parts = [n.meta.get(KEPT_WHOLE) for n in nodes]
+    return KeptWhole([r for p in parts if p for r in p.reads],
+                     [w for p in parts if p for w in p.writes]).frozen()
+
+
+def rely_on(gm: fx.GraphModule, assumptions: Sequence[Any]) -> None:
+    """Record that a rewrite of ``gm`` holds only while ``assumptions`` do: the specialization
+    checks them before every call (a change retraces, and the proof runs again)."""
+    gm.meta[RELIED_ON] = _unique([*gm.meta.get(RELIED_ON, ()), *assumptions])
+
+
+def relied_on(gm: fx.GraphModule) -> tuple:
+    return tuple(gm.meta.get(RELIED_ON, ()))
+
+
+def _unique(items: Sequence[Any]) -> tuple:
+    """``items`` without repeats, by identity (a trace makes one object per assumption)."""
+    return tuple({id(i): i for i in items}.values())

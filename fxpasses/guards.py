@@ -205,47 +205,57 @@ _PLAIN = (bool, int, float, str, bytes, type(None), enum.Enum, torch.dtype, torc
 FLOAT_READ = "a float, read on every call"  # a snapshot's record of a float held in a dict or namespace
 
 
-def snapshot(value: Any, depth: int = 4, floats: list | None = None, path: tuple = ()) -> Any:
+def snapshot(value: Any, depth: int = 4, floats: list | None = None, path: tuple = (),
+             exact: bool = False) -> Any:
     """A comparable copy of a container's contents: plain values by value, anything else
     (tensors, modules, objects) by identity; dicts, lists, tuples, sets, namespaces and
     dataclass instances recursively. A float held in a dict or a namespace is recorded by type
     only (:data:`FLOAT_READ`): a trace reads it on every call, as an input; ``floats``, when
-    given, collects where each is: ``(path from value, its container, key)``."""
+    given, collects where each is: ``(path from value, its container, key)``. ``exact``: every
+    float by value (what code the trace does not follow read, see ``held``)."""
     if isinstance(value, _PLAIN):
         return (type(value), value)
     if depth <= 0:
         return ("id", id(value))
     if isinstance(value, dict):
-        return ("dict", _held_items(value, value.items(), "item", depth, floats, path))
+        return ("dict", _held_items(value, value.items(), "item", depth, floats, path, exact))
     if isinstance(value, (list, tuple)):
-        return (type(value), tuple(snapshot(v, depth - 1, floats, (*path, ("item", i)))
+        return (type(value), tuple(snapshot(v, depth - 1, floats, (*path, ("item", i)), exact)
                                    for i, v in enumerate(value)))
     if isinstance(value, (set, frozenset)):
-        return (type(value), frozenset(snapshot(v, depth - 1) for v in value))
+        return (type(value), frozenset(snapshot(v, depth - 1, exact=exact) for v in value))
     if isinstance(value, types.SimpleNamespace):
-        return ("namespace", ("dict", _held_items(value, vars(value).items(), "attr", depth - 1, floats, path)))
+        return ("namespace", ("dict", _held_items(value, vars(value).items(), "attr", depth - 1, floats,
+                                                  path, exact)))
     if is_dataclass(value) and not isinstance(value, type):
         return (type(value), tuple((f.name, snapshot(getattr(value, f.name), depth - 1, floats,
-                                                     (*path, ("attr", f.name))))
+                                                     (*path, ("attr", f.name)), exact))
                                    for f in fields(value)))
     return ("id", id(value))
 
 
 def _held_items(owner: Any, items: Iterable, step: str, depth: int, floats: list | None,
-                path: tuple) -> tuple:
+                path: tuple, exact: bool = False) -> tuple:
     """A dict's or namespace's items for :func:`snapshot`: floats (and, during a trace, the
-    inputs standing in for them) by type only."""
+    inputs standing in for them) by type only, unless ``exact``."""
     if depth <= 0:
         return ("id", id(owner))
     held = []
     for k, v in items:
-        if type(v) is float or type(v) is TracedScalar:
+        if not exact and (type(v) is float or type(v) is TracedScalar):
             held.append((k, (float, FLOAT_READ)))
             if floats is not None:
                 floats.append(((*path, (step, k)), owner, k))
+        elif type(v) is TracedScalar:  # a trace's stand-in for the float it holds
+            held.append((k, (float, v.value)))
         else:
-            held.append((k, snapshot(v, depth - 1, floats, (*path, (step, k)))))
+            held.append((k, snapshot(v, depth - 1, floats, (*path, (step, k)), exact)))
     return tuple(held)
+
+
+def exact_snapshot(value: Any) -> Any:
+    """:func:`snapshot` with every float by value."""
+    return snapshot(value, exact=True)
 
 
 def flat_form(snap: Any) -> tuple | None:
@@ -330,6 +340,9 @@ GUARD_KINDS: dict[str, GuardKind] = {k.name: k for k in (
               lambda now, expected: now is expected, inline="{v} is {e}"),
     GuardKind("contents", "assumption-changed", "{source} holds the same contents ({value})",
               lambda now, expected: snapshot(now) == expected, inline="snapshot({v}) == {e}"),
+    GuardKind("held", "assumption-changed",
+              "{source} holds the same contents, floats by value ({value})",
+              lambda now, expected: exact_snapshot(now) == expected, inline="exact_snapshot({v}) == {e}"),
     GuardKind("tensor", "assumption-changed",
               "{source} is a tensor of {value}, read on every call", _same_tensor,
               inline="same_tensor({v}, {e})"),
@@ -359,7 +372,7 @@ GUARD_KINDS: dict[str, GuardKind] = {k.name: k for k in (
 )}
 
 
-GUARD_HELPERS = {"snapshot": snapshot, "same_tensor": _same_tensor, "autocast_state": autocast_state,
+GUARD_HELPERS = {"snapshot": snapshot, "exact_snapshot": exact_snapshot, "same_tensor": _same_tensor, "autocast_state": autocast_state,
                  "same_flat": same_flat, "autocast_off": autocast_off, "certainly_absent": certainly_absent,
                  "Tensor": torch.Tensor}
 

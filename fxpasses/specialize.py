@@ -16,9 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch.fx as fx
+from torch import nn
 
 from .certificates import Certificate, Check, Guard, Site
 from .guard_code import compile_check
+from .facts import relied_on
+from .isolation import module_state_kept
 from .guards import Assumption, LossRoots, first_failure, whole_loss_assumptions
 from .tracing.recorder import put_back
 from .log import logger
@@ -122,12 +125,19 @@ def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pas
         special.disabled = certificate.codes[0]
         return special
     start = time.perf_counter()
-    try:
-        special.run = run_pipeline(gm, passes, info.signature.inputs(leaves))
+    try:  # the passes' analyses run the graph's modules: each is left as the trace left it
+        own = [loss] if isinstance(loss, nn.Module) else []
+        with module_state_kept([*own, *gm.children(), *info.modules]):
+            special.run = run_pipeline(gm, passes, info.signature.inputs(leaves))
     finally:
         put_back(info.written_state)  # the first call makes the loss's writes, once
     special.seconds["pipeline"] = time.perf_counter() - start
     special.graph_module = special.run.graph_module
+    relied = [a for a in relied_on(special.graph_module)
+              if not any(a is b for b in special.assumptions)]
+    if relied:  # what the code of calls kept whole read, where a rewrite's proof ran that code
+        special.assumptions += tuple(relied)
+        special.check = compile_check(special.assumptions)
     special.certificates.extend(special.run.certificates)
     logger.info("specialization %d of %s: %d certificate(s), %s", index, type(loss).__name__,
                 len(special.certificates), ", ".join(f"{k} {v:.2f} s" for k, v in special.seconds.items()))

@@ -255,8 +255,7 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
             tracker.track(loss_fn, Source(("loss",)))
         patcher(root)
         _function_state(tracker, function, _bound_state(tracker, loss_fn))
-        with _recording(rec), patched(rec, tracker, patcher, tuple(policy.leaf_functions)), \
-                patcher.buffers_kept():
+        with _recording(rec), patched(rec, tracker, patcher, tuple(policy.leaf_functions)):
             out = loss_fn(*args, **kwargs)
             spec = _output(rec, out)
             rec.paused = True  # what the contexts do on exit is not the loss's
@@ -288,6 +287,7 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
         raise TraceFailure(_failure_certificate(loss_fn, exc), exc) from exc
     finally:
         tracker.restore()
+        patcher.state.restore()  # what the trace's run changed in the modules it met, kept whole calls' included
     gm = fx.GraphModule(root, rec.graph, class_name=f"Traced{type(loss_fn).__name__}")
     modules = dict.fromkeys([*tracker.used_modules(),
                              *(m for opaque in rec.opaque_modules.values() for m in opaque.modules())])

@@ -148,6 +148,15 @@ _CODES = (
          "Merging the calls would move an in-place or side-effecting op past other nodes, or move "
          "a node into a different grad mode.",
          "Avoid in-place ops between the two branches' calls, or keep native calls."),
+    Code("pair-state-written", "refusal",
+         "The paired method writes the loss's Python state (an attribute: a call counter, a "
+         "cache); one paired call would write it once where the separate calls write it once each.",
+         "Keep native calls, or move the write out of the scored method."),
+    Code("select-state-written", "refusal",
+         "A call kept whole in the region that reads the selected rows (a leaf module, a density "
+         "method) writes the loss's Python state; gathered into a capacity, it would see padding "
+         "rows and could write what native calls do not.",
+         "Keep native selections, or move the write out of that call."),
     Code("pair-witness-mismatch", "refusal",
          "The float64 witness found the paired call differs from the separate calls beyond rounding, "
          "or the separate calls raise on its sample rows (an empty branch, say).",

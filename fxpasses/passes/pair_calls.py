@@ -30,7 +30,7 @@ from ..analysis.rows import analyze_rows
 from ..analysis.witness import pairing_witness, witness_holds
 from .. import options
 from ..certificates import Certificate, Check, Guard, Site
-from ..facts import RowIndependentCall, prove
+from ..facts import RowIndependentCall, kept_whole, prove, rely_on
 from ..pipeline import PassResult
 from ..runtime.paired import PairedCall
 from ..locations import node_location
@@ -121,6 +121,7 @@ class PairCalls:
                 if len(s.calls) > 1:
                     cert = self._decide(gm, s)
                     if cert.applied:
+                        rely_on(gm, kept_whole(s.calls).reads)
                         new_nodes, detached = self._rewrite(gm, s, cert.id)
                         cert = dataclasses.replace(cert, effect={**cert.effect, "new_nodes": new_nodes,
                                                                  "rows_detached": detached})
@@ -173,6 +174,7 @@ class PairCalls:
             checks.not_compiled(module, s.method, getattr(gm.meta.get("fxpasses"), "modules", ())),
             checks.in_training(module),
             *self._graph_checks(gm, s),
+            self._state_writes(s),
             *rows_check,
         ]
         per_call = analysis.linear_calls if analysis is not None else None
@@ -186,6 +188,7 @@ class PairCalls:
             Guard("no-new-hooks", "no hook registered since optimization (whole-loss guard)", "hook-added"),
             Guard("method-unchanged", f"{type(module).__qualname__}.{s.method} not replaced since "
                   "optimization (whole-loss guard)", "method-replaced"),
+            *self._read_guards(s),
         )
         cert = Certificate.from_checks(self.name, s.site(), the_checks, effect=effect, guards=guards)
         if not cert.applied:
@@ -215,6 +218,22 @@ class PairCalls:
                                                  "class": type(s.module).__qualname__, "calls": len(s.calls),
                                                  "calls_on_other_modules": others},
                      None if not others else "pair-different-module")
+
+    @staticmethod
+    def _state_writes(s: CallGroup) -> Check:
+        """The method writes none of the loss's Python state (the trace saw its code run)."""
+        writes = kept_whole(s.calls).writes
+        return Check("no-state-written", not writes, {"attribute_writes": writes[:10],
+                                                      "seen_by": "the trace's run of each call"},
+                     None if not writes else "pair-state-written")
+
+    @staticmethod
+    def _read_guards(s: CallGroup) -> tuple[Guard, ...]:
+        """What the method's code read from the loss's state when the trace ran it (a flag, a
+        setting, a global): the row proof and the witness hold for those values, so each is
+        checked before every call; a change traces again, and the proof runs again."""
+        return tuple(dataclasses.replace(g, evidence={**g.evidence, "read_by": f"{s.path}.{s.method}"})
+                     for g in (a.as_guard() for a in kept_whole(s.calls).reads))
 
     def _call_signature(self, s: CallGroup) -> Check:
         bad = [c.name for c in s.calls

@@ -25,6 +25,10 @@ Per space (a mask and its selections), all checks are evaluated:
 * ``rows-independent``: the region that reads the rows, traced at two row counts and walked with
   the row rule table (``rows-*`` codes, naming the op and its line);
 * ``rows-leave-through-boundaries`` (``select-boundary``);
+* ``no-state-written``: no call kept whole in the region (a leaf module, a density method)
+  writes the loss's Python state (``select-state-written``): it would run on padding rows;
+  what such calls read when the trace ran them is a guard of the rewrite (the walk ran their
+  code with those values);
 * ``witness``: a float64 comparison of the level's selections, native against rewritten, over
   full, asymmetric, capacity-reached/-exceeded masks, a capacity well above the count, one below
   it (the call must be abandoned) and an empty mask (``select-witness-mismatch``).
@@ -50,6 +54,7 @@ from .. import options
 from ..analysis.meta import value
 from ..analysis.selection import Space, SpaceAnalysis, analyze_space, find_spaces
 from ..certificates import Certificate, Check, Guard, Site
+from ..facts import kept_whole, rely_on
 from ..locations import node_location
 from ..pipeline import PassResult
 from .select_rewrite import external_storages, place_reads, rewrite_level, visible_before
@@ -103,6 +108,8 @@ class SelectRows:
                                                   witnesses.get(s.mask)) for s in spaces}
         masks: dict[str, fx.Node] = {}
         levels = []
+        for a in applied.values():  # the region walk ran their code with the values it read
+            rely_on(gm, kept_whole([named[n] for n in a.region if n in named]).reads)
         for level in sorted({applied_space.space.level for applied_space in applied.values()}):
             members = [a for a in applied.values() if a.space.level == level]
             proof = certificates[members[0].space.mask].id
@@ -141,7 +148,11 @@ class SelectRows:
                 "masked_reductions": tuple(f"{r.kind} of {r.rows} at {r.node}"
                                            for r in analysis.reductions),
                 "row_independent_calls": analysis.calls}, boundary_code)
-        return [shape, unseen, rows, boundary]
+        inside = kept_whole([named[n] for n in analysis.region if n in named])
+        written = Check("no-state-written", not inside.writes, {
+            "attribute_writes": inside.writes[:10], "seen_by": "the trace's run of each call kept whole"},
+            None if not inside.writes else "select-state-written")
+        return [shape, unseen, rows, boundary, written]
 
     def _witness(self, gm: fx.GraphModule, analyses: list[SpaceAnalysis]) -> tuple[Any, Check]:
         try:
@@ -181,7 +192,9 @@ class SelectRows:
                         "selection-empty"),
                   Guard("selection-fits", "every count is at most the capacity its rows were "
                         "gathered into (else the capacity grows and the call runs again)",
-                        "selection-capacity"))
+                        "selection-capacity"),
+                  *(a.as_guard() for a in kept_whole([named[n] for n in analysis.region
+                                                      if n in named]).reads))
         site = Site((space.mask, *space.sites),
                     tuple(dict.fromkeys(loc for n in sites if (loc := node_location(n)))),
                     f"{len(sites)} selection(s) by mask {space.mask} (level {space.level})")

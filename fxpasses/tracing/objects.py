@@ -50,7 +50,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..guards import Assumption, is_container, snapshot
+from ..guards import Assumption, exact_snapshot, is_container, snapshot
 from ..locations import is_user_file
 from ..runtime.trace_ops import ReadSource, WriteAttribute
 from .recorder import Recorder, _location
@@ -116,6 +116,8 @@ class ObjectTracker:
         self.recorder = recorder
         self.on_module = on_module
         self.assumptions: dict[tuple[str, str], Assumption] = {}
+        self._inside: dict[tuple[str, str], Assumption] = {}  # read only by calls kept whole
+        self._inside_code: dict[Any, tuple[Assumption, ...]] = {}  # code -> its globals' assumptions
         self._sources: dict[int, tuple[Source, Any, fx.Node | None]] = {}
         self._written: dict[tuple[int, str], Any] = {}
         self._restore: list[tuple[Any, str, Any]] = []
@@ -176,10 +178,20 @@ class ObjectTracker:
     def _sources_root(self, kind: str) -> Any:
         return next(obj for src, obj, _ in self._sources.values() if src.root == (kind,) and not src.path)
 
-    def _assume(self, kind: str, source: Source, expected: Any, shown: str) -> None:
+    def _assume(self, kind: str, source: Source, expected: Any, shown: str,
+                inside: bool = False) -> Assumption:
+        """The assumption of ``kind`` at ``source`` (made once). ``inside``: read by a call
+        kept whole, an assumption only of the rewrites that rely on that call (the trace's own
+        once the traced code reads it too)."""
         key = (kind, str(source))
-        if key not in self.assumptions:
-            self.assumptions[key] = Assumption(kind, source, expected, _location(), shown[:120])
+        found = self.assumptions.get(key) or self._inside.get(key)
+        if found is None:
+            found = Assumption(kind, source, expected, _location(), shown[:120])
+        if inside:
+            self._inside.setdefault(key, found)
+        else:
+            self.assumptions.setdefault(key, found)
+        return found
 
     # -- reads ------------------------------------------------------------------------------------
     def read(self, obj: Any, name: str, value: Any) -> Any:
@@ -232,6 +244,70 @@ class ObjectTracker:
         self._assume("identity", source, value, type(value).__qualname__)
         self.track(value, source)
         return value
+
+    # -- inside a call kept whole -------------------------------------------------------------------
+    def read_inside(self, obj: Any, name: str, value: Any) -> None:
+        """A read by the code of a call kept whole (its value is not traced: the graph calls
+        that code, which reads it live): recorded for the rewrites that rely on the call."""
+        entry = self._sources.get(id(obj))
+        if entry is None or entry[1] is not obj or (id(obj), name) in self._written:
+            return
+        found = self._inside_value(entry[0].attr(name), value,
+                                   code=name in getattr(obj, "__dict__", {}))
+        if found is not None:
+            self.recorder.kept_whole.reads.append(found)
+
+    def absent_inside(self, obj: Any, name: str) -> None:
+        entry = self._sources.get(id(obj))
+        if entry is not None and entry[1] is obj and (id(obj), name) not in self._written:
+            self.recorder.kept_whole.reads.append(
+                self._assume("absent", entry[0].attr(name), None, "missing", inside=True))
+
+    def write_inside(self, obj: Any, name: str) -> None:
+        """A write by the code of a call kept whole to the loss's state (``self.calls += 1``):
+        running that code another number of times would change what it leaves behind."""
+        entry = self._sources.get(id(obj))
+        if entry is not None and entry[1] is obj:
+            self.recorder.kept_whole.writes.append(f"{entry[0].attr(name)} at {_location()}")
+
+    def frame_state_inside(self, frame: types.FrameType) -> None:
+        """The globals a user function run by a call kept whole refers to."""
+        code = frame.f_code
+        if code not in self._inside_code:
+            found = [self._inside_value(Source(("global", frame.f_globals, name)),
+                                        frame.f_globals[name], code=True)
+                     for name in code.co_names if name in frame.f_globals]
+            self._inside_code[code] = tuple(a for a in found if a is not None)
+        self.recorder.kept_whole.reads.extend(self._inside_code[code])
+
+    def _inside_value(self, source: Source, value: Any, code: bool) -> Assumption | None:
+        """What a read inside a call kept whole assumes: every plain value by value, floats
+        included (they may steer its control flow); a container's contents with floats by
+        value; a function or class by identity where ``code`` (stored on the object, or a
+        global); an object by identity, its own reads followed; parameters and buffers nothing
+        (read live)."""
+        if getattr(value, "_fxpasses_patch", False) or isinstance(value, (TracedTensor, TracedScalar)):
+            return None
+        if isinstance(value, torch.Tensor):
+            if self.recorder.is_state(value):
+                return None
+            return self._assume("tensor", source, (value.dtype, value.device.type, value.dim()),
+                                f"{value.dtype} on {value.device.type}, {value.dim()}-d", inside=True)
+        if isinstance(value, (*_CONSTANTS, float)):
+            return self._assume("constant", source, value, repr(value), inside=True)
+        if isinstance(value, types.ModuleType) or value is builtins:
+            return None
+        if isinstance(value, _NOT_DATA) or callable(value) and not isinstance(value, nn.Module):
+            if not code:
+                return None  # a method of the object's class: the whole-loss methods guard's
+            return self._assume("identity", source, value, getattr(value, "__qualname__", repr(value)),
+                                inside=True)
+        if is_container(value):
+            self._track_items(value, source, depth=4)
+            return self._assume("held", source, exact_snapshot(value), _shown(value), inside=True)
+        found = self._assume("identity", source, value, type(value).__qualname__, inside=True)
+        self.track(value, source)
+        return found
 
     # -- writes -----------------------------------------------------------------------------------
     def write(self, obj: Any, name: str, value: Any) -> None:
@@ -604,6 +680,15 @@ def _tracker() -> ObjectTracker | None:
     return None if rec is None or rec.paused else getattr(rec, "tracker", None)
 
 
+def _inside() -> ObjectTracker | None:
+    """The tracker while the code of a call kept whole runs (its reads are recorded, not traced);
+    None while torch.compile traces that code (what it compiles is its own to guard)."""
+    rec = active_recorder()
+    if rec is None or rec.kept_whole is None or torch.compiler.is_compiling():
+        return None
+    return getattr(rec, "tracker", None)
+
+
 def _getattribute_hook(original: Any) -> Any:
     def __getattribute__(obj, name):
         try:
@@ -613,11 +698,19 @@ def _getattribute_hook(original: Any) -> Any:
             if tracker is not None and name[:2] != "__" and not isinstance(obj, nn.Module) \
                     and _user_caller():
                 tracker.absent(obj, name)
+            elif tracker is None and name[:2] != "__" and not isinstance(obj, nn.Module) \
+                    and (inside := _inside()) is not None and _user_caller():
+                inside.absent_inside(obj, name)
             raise
         if name[:2] == "__":
             return value
         tracker = _tracker()
-        if tracker is None or not _recorded_read(obj, name):
+        if tracker is None:
+            inside = _inside()
+            if inside is not None and _recorded_read(obj, name):
+                inside.read_inside(obj, name, value)
+            return value
+        if not _recorded_read(obj, name):
             return value
         return tracker.read(obj, name, value)
 
@@ -633,9 +726,16 @@ def _module_getattr_hook(original: Any) -> Any:
             tracker = _tracker()
             if tracker is not None and _user_caller():
                 tracker.absent(module, name)
+            elif tracker is None and (inside := _inside()) is not None and _user_caller():
+                inside.absent_inside(module, name)
             raise
         tracker = _tracker()
-        if tracker is None or not _recorded_read(module, name):
+        if tracker is None:
+            inside = _inside()
+            if inside is not None and _recorded_read(module, name):
+                inside.read_inside(module, name, value)
+            return value
+        if not _recorded_read(module, name):
             return value
         return tracker.read(module, name, value)
 
@@ -647,6 +747,8 @@ def _setattr_hook(original: Any) -> Any:
         tracker = _tracker()
         if tracker is not None and _user_caller():
             tracker.write(obj, name, value)
+        elif tracker is None and (inside := _inside()) is not None and _recorded_read(obj, name):
+            inside.write_inside(obj, name)
         original(obj, name, value)
 
     return __setattr__

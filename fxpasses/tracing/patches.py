@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from ..isolation import ModuleState
 from ..locations import is_user_file
 from .objects import ObjectTracker
 from .recorder import Recorder, Unsupported
@@ -126,16 +127,15 @@ class ModulePatcher:
                  is_leaf: Callable[[nn.Module], bool]):
         self.rec, self.patches, self.methods, self.is_leaf = rec, patches, methods, is_leaf
         self.seen: set[int] = set()
-        self.buffers: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+        self.state = ModuleState()  # every module met, as before the trace
 
     def __call__(self, root: nn.Module) -> None:
         for module in root.modules():
             if id(module) in self.seen:
                 continue
             self.seen.add(id(module))
-            for buffer in module.buffers(recurse=False):  # a trace must leave them as they were
-                with torch.no_grad():
-                    self.buffers.append((buffer, buffer._version, buffer.detach().clone()))
+            if module is not self.rec.root:  # the trace's own; every other is left as it was
+                self.state.keep([module])
             for name in self.methods:
                 bound = getattr(module, name, None)
                 if callable(bound) and getattr(nn.Module, name, None) is None:
@@ -143,18 +143,6 @@ class ModulePatcher:
             if self.is_leaf(module):
                 self.patches.set(module, "forward", _opaque_method(self.rec, module, "forward",
                                                                     module.forward, "call_module"))
-
-
-    @contextlib.contextmanager
-    def buffers_kept(self) -> Iterator[None]:
-        """Buffers the traced call updated in place get their values back on exit."""
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for buffer, version, saved in self.buffers:
-                    if buffer._version != version:
-                        buffer.copy_(saved)
 
 
 @contextlib.contextmanager
@@ -178,8 +166,11 @@ def patched(rec: Recorder, tracker: ObjectTracker, patcher: ModulePatcher,
     previous_profile = sys.getprofile()
 
     def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and is_user_file(frame.f_code.co_filename) and not rec.paused:
-            tracker.frame_state(frame)
+        if event == "call" and is_user_file(frame.f_code.co_filename):
+            if not rec.paused:
+                tracker.frame_state(frame)
+            elif rec.kept_whole is not None:  # the code of a call kept whole
+                tracker.frame_state_inside(frame)
 
     collecting = gc.isenabled()
     gc.disable()  # a collection's callbacks (a test framework's, a profiler's) are not the loss

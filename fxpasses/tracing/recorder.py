@@ -23,6 +23,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..analysis.ops import method_writes_self
+from ..facts import KEPT_WHOLE, KeptWhole
 from ..locations import is_user_file
 from ..runtime.trace_ops import ExpectLength, ExpectTruth, ExpectValue, ReadSource, ReadState, set_item
 from .values import TracedScalar, TracedSize, TracedTensor
@@ -68,6 +69,8 @@ class Recorder:
         self.graph = fx.Graph()
         self.root = root
         self.paused = False  # user code runs outside the trace (an opaque call)
+        # while a call kept whole runs: what its code reads from and writes to the loss's state
+        self.kept_whole: KeptWhole | None = None
         self.opaque_modules: dict[int, nn.Module] = {}  # modules called as one node
         self.busy = False  # inside a torch call being recorded: the recorder's own calls are plain
         self.guards: list[tuple[str, str]] = []  # (kind, location) of guard nodes, in order
@@ -114,6 +117,10 @@ class Recorder:
             if tensor is not None and id(tensor) not in self._state:
                 self._state[id(tensor)] = (module, name, f"{path}.{name}" if path else name)
                 self._outside.add(_storage(tensor))
+
+    def is_state(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is a parameter or buffer of a module the trace knows."""
+        return id(tensor) in self._state
 
     def state_node(self, tensor: torch.Tensor) -> fx.Node | None:
         """A ReadState node for a parameter or buffer of a module the trace knows, else None."""
@@ -350,14 +357,16 @@ class Recorder:
         plain values with recording paused; its results are traced."""
         self.busy = True
         plain_args, plain_kwargs = self.real(args, plain=True), self.real(kwargs, plain=True)
-        self.busy, self.paused = False, True
+        self.busy, self.paused, self.kept_whole = False, True, KeptWhole()
         try:
             out = call(*plain_args, **plain_kwargs)
         finally:
             self.paused, self.busy = False, True
+            inside, self.kept_whole = self.kept_whole, None
         try:
             node = self.node(op, target, self.arg(node_args if node_args is not None else tuple(args)),
                              self.arg(dict(kwargs)))
+            node.meta[KEPT_WHOLE] = inside.frozen()
             return self.wrap(out, node)
         finally:
             self.busy = False
