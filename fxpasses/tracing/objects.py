@@ -651,7 +651,8 @@ class ObjectTracker:
         self._unpatch_cached_calls()
         for cls, name, previous in reversed(self._patched):
             if previous is _MISSING:
-                delattr(cls, name)
+                if name in cls.__dict__:  # a class patched twice had its own entry removed once
+                    delattr(cls, name)
             else:
                 setattr(cls, name, previous)
         self._patched.clear()
