@@ -33,6 +33,7 @@ from torch.nn.modules import module as module_mod
 from torch.utils.hooks import RemovableHandle
 
 from .certificates import Guard
+from .locations import is_user_class
 from .tracing.sources import Roots, Source
 from .tracing.values import TracedScalar
 
@@ -68,10 +69,18 @@ def count_global_hooks() -> dict[str, int]:
     return {name.strip("_"): len(getattr(module_mod, name, {})) for name in _GLOBAL_HOOK_DICTS}
 
 
+def callable_object(value: Any) -> bool:
+    """An instance of a user class that defines ``__call__`` (not a module): an object like any
+    other, whose reads a trace follows, not code (a function, a method, a class, a partial)."""
+    return callable(value) and not isinstance(value, (type, nn.Module)) and is_user_class(type(value))
+
+
 def _instance_methods(o: object) -> tuple:
-    """The callables stored on an object (a plain object's: read in full)."""
+    """The functions stored on an object (a plain object's: read in full); an object that
+    defines ``__call__`` is guarded where the trace read it, as any object is."""
     return tuple([(k, id(v)) for k, v in vars(o).items()
-                  if callable(v) and not isinstance(v, (nn.Module, torch.Tensor, type))])
+                  if callable(v) and not isinstance(v, (nn.Module, torch.Tensor, type))
+                  and not callable_object(v)])
 
 
 def is_method(value: Any) -> bool:

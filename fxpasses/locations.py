@@ -17,6 +17,7 @@ from __future__ import annotations
 import linecache
 import os
 import re
+import sys
 import sysconfig
 import traceback
 from dataclasses import dataclass
@@ -40,6 +41,12 @@ def is_user_file(path: str) -> bool:
     if path.startswith(_STDLIB) and not path.startswith(_INSTALLED):
         return False
     return not path.startswith((TORCH_DIR, _OWN_DIR, "<"))
+
+
+def is_user_class(cls: type) -> bool:
+    """A class defined in a user file (see :func:`is_user_file`)."""
+    module = getattr(sys.modules.get(cls.__module__), "__file__", None) or ""
+    return cls.__module__ != "builtins" and bool(module) and is_user_file(module)
 
 
 @dataclass(frozen=True)
