@@ -69,10 +69,17 @@ def count_global_hooks() -> dict[str, int]:
     return {name.strip("_"): len(getattr(module_mod, name, {})) for name in _GLOBAL_HOOK_DICTS}
 
 
+_HEAP_TYPE, _IMMUTABLE_TYPE = 1 << 9, 1 << 8  # Py_TPFLAGS_HEAPTYPE, Py_TPFLAGS_IMMUTABLETYPE
+
+
 def callable_object(value: Any) -> bool:
-    """An instance of a user class that defines ``__call__`` (not a module): an object like any
-    other, whose reads a trace follows, not code (a function, a method, a class, a partial)."""
-    return callable(value) and not isinstance(value, (type, nn.Module)) and is_user_class(type(value))
+    """An instance of a user class written in Python that defines ``__call__`` (not a module):
+    an object like any other, whose reads a trace follows, not code (a function, a method, a
+    class, a partial, an extension's callable such as a numpy ufunc)."""
+    if not callable(value) or isinstance(value, (type, nn.Module)):
+        return False
+    cls = type(value)
+    return cls.__flags__ & (_HEAP_TYPE | _IMMUTABLE_TYPE) == _HEAP_TYPE and is_user_class(cls)
 
 
 def _instance_methods(o: object) -> tuple:

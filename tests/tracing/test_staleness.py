@@ -528,3 +528,58 @@ def test_a_callable_object_is_followed_not_taken_for_a_function(holder, change):
     got, want = _value_and_grad(fast, x), _value_and_grad(loss, x)
     assert all(torch.allclose(g, w) for g, w in zip(got, want)), (holder, change)
     assert fast.stats.optimized == 3  # optimized calls, not native ones
+
+
+class _Scales:
+    def double(self, v):
+        return v * 2.0
+
+    def triple(self, v):
+        return v * 3.0
+
+
+def _code_pairs():
+    scales = _Scales()
+    pairs = {"lambda": (lambda v: v * 2.0, lambda v: v * 3.0),
+             "partial": (functools.partial(torch.mul, other=2.0), functools.partial(torch.mul, other=3.0)),
+             "bound-method": (scales.double, scales.triple),
+             "builtin": (torch.exp, torch.neg)}
+    try:
+        import numpy as np
+        pairs["extension-callable"] = (np.square, np.negative)  # ufuncs: a C class, no reads to follow
+    except ImportError:
+        pass
+    return pairs
+
+
+CODE = _code_pairs()
+
+
+class HoldsCode(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x * 2.0).sum()
+
+
+class HoldsNumberCode(HoldsCode):
+    def forward(self, x):
+        return x.sum() * float(self.fn(2.0))
+
+
+@pytest.mark.parametrize("kind", list(CODE))
+def test_code_stored_on_an_object_is_still_an_identity_and_traced(kind):
+    """Functions, partials, bound methods, builtins and an extension's callables stay code: the
+    trace runs them, their identity is guarded, rebinding one traces again."""
+    first, second = CODE[kind]
+    loss = (HoldsNumberCode if kind == "extension-callable" else HoldsCode)(first)
+    fast = optimize(loss)
+    x = torch.arange(1.0, 4.0)
+    torch.testing.assert_close(fast(x), loss(x))
+    (spec,) = fast.specializations
+    assert ("identity", "loss.fn") in {(a.kind, str(a.source)) for a in spec.assumptions}
+    loss.fn = second
+    torch.testing.assert_close(fast(x), loss(x))
+    assert fast.stats.optimized == 2 and len(fast.specializations) == 2
