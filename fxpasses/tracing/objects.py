@@ -124,7 +124,7 @@ class ObjectTracker:
     def __init__(self, recorder: Recorder, on_module: Callable[[nn.Module], None]):
         self.recorder = recorder
         self.on_module = on_module
-        self.thread = threading.get_ident()  # the thread that runs the trace: only its reads count
+        self.thread = recorder.thread  # the thread that runs the trace: only its reads count
         self.assumptions: dict[tuple[str, str], Assumption] = {}
         self._sources: dict[int, tuple[Source, Any, fx.Node | None]] = {}
         self._written: dict[tuple[int, str], Any] = {}

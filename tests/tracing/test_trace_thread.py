@@ -4,6 +4,7 @@ objects while a trace runs is native and leaves the trace as it would be without
 from __future__ import annotations
 
 import threading
+import types
 
 import torch
 from torch import nn
@@ -15,6 +16,7 @@ from fxpasses.runtime.trace_ops import ReadState, WriteAttribute
 class Settings:
     def __init__(self):
         self.gain, self.k, self.note = 2.0, 3, "seen"
+        self.ns = types.SimpleNamespace(w=0.5)  # a float the trace stands in for until it ends
 
 
 class Loss(nn.Module):
@@ -28,7 +30,7 @@ class Loss(nn.Module):
         self.pause = pause
 
     def forward(self, x):
-        y = self.lin(x) * self.settings.gain
+        y = self.lin(x) * self.settings.gain * self.settings.ns.w
         self.pause()
         return y.sum() * self.settings.k
 
@@ -39,6 +41,8 @@ def _meanwhile(loss, seen):
         s = loss.settings
         seen["gain"] = s.gain * 2  # a float read by the trace: a plain float here
         seen["note"], seen["absent"] = s.note, getattr(s, "missing", None)
+        w = s.ns.w  # the trace's stand-in: computed with natively here
+        seen["w"], seen["w-tensor"], seen["w-int"] = w * 4, torch.ones(2) * w, int(w * 4)
         seen["bias"] = loss.other.bias.detach().clone()  # a parameter the trace never reads
         s.written = 7  # written here, kept: the trace must neither record nor undo it
         loss.other.scale = 0.5
@@ -71,6 +75,8 @@ def test_another_threads_reads_and_writes_during_a_trace_are_not_recorded():
                 and "other" in str(getattr(n.target, "name", n.target))]
     assert type(seen["gain"]) is float and seen["gain"] == 4.0
     assert seen["note"] == "seen" and seen["absent"] is None
+    assert seen["w"] == 2.0 and seen["w-int"] == 2 and type(seen["w-tensor"]) is torch.Tensor
+    torch.testing.assert_close(seen["w-tensor"], torch.full((2,), 0.5))
     assert loss.settings.written == 7 and loss.other.scale == 0.5  # native: kept after the trace
     loss.pause = lambda: None
     out = gm.meta["fxpasses"].unflatten_output(gm(x))
