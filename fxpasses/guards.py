@@ -33,6 +33,7 @@ from torch.nn.modules import module as module_mod
 from torch.utils.hooks import RemovableHandle
 
 from .certificates import Guard
+from .locations import is_user_class
 from .tracing.sources import Roots, Source
 from .tracing.values import TracedScalar
 
@@ -68,10 +69,25 @@ def count_global_hooks() -> dict[str, int]:
     return {name.strip("_"): len(getattr(module_mod, name, {})) for name in _GLOBAL_HOOK_DICTS}
 
 
+_HEAP_TYPE, _IMMUTABLE_TYPE = 1 << 9, 1 << 8  # Py_TPFLAGS_HEAPTYPE, Py_TPFLAGS_IMMUTABLETYPE
+
+
+def callable_object(value: Any) -> bool:
+    """An instance of a user class written in Python that defines ``__call__`` (not a module):
+    an object like any other, whose reads a trace follows, not code (a function, a method, a
+    class, a partial, an extension's callable such as a numpy ufunc)."""
+    if not callable(value) or isinstance(value, (type, nn.Module)):
+        return False
+    cls = type(value)
+    return cls.__flags__ & (_HEAP_TYPE | _IMMUTABLE_TYPE) == _HEAP_TYPE and is_user_class(cls)
+
+
 def _instance_methods(o: object) -> tuple:
-    """The callables stored on an object (a plain object's: read in full)."""
+    """The functions stored on an object (a plain object's: read in full); an object that
+    defines ``__call__`` is guarded where the trace read it, as any object is."""
     return tuple([(k, id(v)) for k, v in vars(o).items()
-                  if callable(v) and not isinstance(v, (nn.Module, torch.Tensor, type))])
+                  if callable(v) and not isinstance(v, (nn.Module, torch.Tensor, type))
+                  and not callable_object(v)])
 
 
 def is_method(value: Any) -> bool:

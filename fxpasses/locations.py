@@ -17,6 +17,7 @@ from __future__ import annotations
 import linecache
 import os
 import re
+import sys
 import sysconfig
 import traceback
 from dataclasses import dataclass
@@ -49,6 +50,12 @@ def shown(text: str) -> str:
     for prefix in sorted({*_INSTALLED, os.getcwd()}, key=len, reverse=True):
         text = text.replace(prefix.rstrip(os.sep) + os.sep, "")
     return text
+
+
+def is_user_class(cls: type) -> bool:
+    """A class defined in a user file (see :func:`is_user_file`)."""
+    module = getattr(sys.modules.get(cls.__module__), "__file__", None) or ""
+    return cls.__module__ != "builtins" and bool(module) and is_user_file(module)
 
 
 @dataclass(frozen=True)

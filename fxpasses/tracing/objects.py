@@ -15,11 +15,13 @@ float               a ``ReadSource`` node: an *input*, never a constant + a ``fl
                     (an attribute, a global, a closure cell; a default argument is a constant)
 int, bool, str...   the value + a ``constant`` assumption (it may steer control flow or shapes)
 module, object      the object + an ``identity`` assumption; its own reads are tracked in turn
+                    (an object of a user class that defines ``__call__`` too: it is no function)
 dict, list, ...     the container + a ``contents`` assumption (its items by value or identity);
                     the objects in it are tracked (in globals and closure cells too); a float
                     in a dict or namespace is an input, as an attribute's is (stood in for by
                     a ``ReadSource`` value until the trace ends; compared by type only)
-function, class     stored on an object, or named as a global, a cell or a default: an
+function, class     (a method, a builtin, a callable of a library's class: a partial, a torch op)
+                    stored on an object, or named as a global, a cell or a default: an
                     ``identity`` assumption (its code is in the graph); when a function's code
                     runs, its closure cells and default arguments are adopted in turn
 missing attribute   ``getattr(obj, name, default)``: an ``absent`` assumption
@@ -32,6 +34,7 @@ its reads recorded like any other (replacing a child is the whole-loss ``modules
 A write (``self.bs = ...``) becomes a ``WriteAttribute`` node, later reads of it in the same call
 return the written value, and the original value is restored when the trace ends. Globals that
 user functions executed during the trace refer to are recorded too (:meth:`ObjectTracker.globals_of`).
+Only the tracing thread's reads and writes are recorded: another thread's are native.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import functools
 import gc
 import os
 import sys
+import threading
 import types
 from typing import Any, Callable, Iterator
 
@@ -50,8 +54,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..guards import Assumption, exact_snapshot, is_container, snapshot
-from ..locations import is_user_file
+from ..guards import Assumption, callable_object, exact_snapshot, is_container, snapshot
+from ..locations import is_user_class, is_user_file
 from ..runtime.trace_ops import ReadSource, WriteAttribute
 from .recorder import Recorder, _location
 from .sources import Source
@@ -99,14 +103,19 @@ def _immutable(value: Any) -> bool:
     return type(value) in (tuple, frozenset) and all(_immutable(v) for v in value)
 
 
+def _is_code(value: Any) -> bool:
+    """A function, method, builtin or class, or a callable of a library's class (a
+    ``functools.partial``, a torch op): what it runs is code, its identity what a read of it
+    assumes. An instance of a user class that defines ``__call__`` is not: it is an object
+    like any other, whose reads are followed and whose attributes are guarded."""
+    if isinstance(value, _NOT_DATA):
+        return True
+    return callable(value) and not isinstance(value, nn.Module) and not callable_object(value)
+
+
 def _holds_traced(value: Any) -> bool:
     items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, set)) else ()
     return any(isinstance(item, (TracedTensor, TracedScalar)) for item in items)
-
-
-def _is_user_class(cls: type) -> bool:
-    module = getattr(sys.modules.get(cls.__module__), "__file__", None) or ""
-    return cls.__module__ not in ("builtins",) and bool(module) and is_user_file(module)
 
 
 class ObjectTracker:
@@ -115,6 +124,7 @@ class ObjectTracker:
     def __init__(self, recorder: Recorder, on_module: Callable[[nn.Module], None]):
         self.recorder = recorder
         self.on_module = on_module
+        self.thread = recorder.thread  # the thread that runs the trace: only its reads count
         self.assumptions: dict[tuple[str, str], Assumption] = {}
         self._inside: dict[tuple[str, str], Assumption] = {}  # read only by calls kept whole
         self._inside_code: dict[Any, tuple[Assumption, ...]] = {}  # code -> its globals' assumptions
@@ -146,7 +156,7 @@ class ObjectTracker:
             return
         self._sources[id(obj)] = (source, obj, placeholder)
         cls = type(obj)
-        if not isinstance(obj, nn.Module) and _is_user_class(cls):
+        if not isinstance(obj, nn.Module) and is_user_class(cls):
             self._patch_class(cls)
         elif not isinstance(obj, nn.Module) and is_container(obj):  # its reads cannot be followed
             self._contents(obj, source)
@@ -229,7 +239,7 @@ class ObjectTracker:
         if isinstance(value, _CONSTANTS):
             self._assume("constant", source, value, repr(value))
             return value
-        if isinstance(value, _NOT_DATA) or callable(value) and not isinstance(value, nn.Module):
+        if _is_code(value):
             if getattr(value, "_fxpasses_patch", False):  # the trace's own stand-in
                 return value
             if instance and not isinstance(value, type):  # a function stored on the object
@@ -442,7 +452,7 @@ class ObjectTracker:
                 continue
             if isinstance(value, (dict, list, set, types.SimpleNamespace, nn.Module)) or (
                     dataclasses.is_dataclass(value) and not isinstance(value, type)) or (
-                    _is_user_class(type(value)) and not isinstance(value, _REBINDABLE_CODE)):
+                    is_user_class(type(value)) and not isinstance(value, _REBINDABLE_CODE)):
                 where = f"closure variable {name!r} of {code.co_name} ({code.co_filename}:{code.co_firstlineno})"
                 self._closed_over.setdefault(id(value), (value, where))
 
@@ -677,15 +687,21 @@ class _Hooks:
 
 
 def _tracker() -> ObjectTracker | None:
+    """The tracker of the trace in progress, for a read or write made on the thread that runs
+    it; None otherwise (another thread's access is native and unrecorded)."""
     rec = active_recorder()
-    return None if rec is None or rec.paused else getattr(rec, "tracker", None)
+    if rec is None or rec.paused:
+        return None
+    tracker = getattr(rec, "tracker", None)
+    return tracker if tracker is not None and tracker.thread == threading.get_ident() else None
 
 
 def _inside() -> ObjectTracker | None:
     """The tracker while the code of a call kept whole runs (its reads are recorded, not traced);
     None while torch.compile traces that code (what it compiles is its own to guard)."""
     rec = active_recorder()
-    if rec is None or rec.kept_whole is None or torch.compiler.is_compiling():
+    if rec is None or rec.kept_whole is None or rec.thread != threading.get_ident() \
+            or torch.compiler.is_compiling():
         return None
     return getattr(rec, "tracker", None)
 

@@ -15,6 +15,7 @@ names the line, and the loss runs natively).
 from __future__ import annotations
 
 import operator
+import threading
 import traceback
 from typing import Any, Callable
 
@@ -71,6 +72,7 @@ class Recorder:
         self.paused = False  # user code runs outside the trace (an opaque call)
         # while a call kept whole runs: what its code reads from and writes to the loss's state
         self.kept_whole: KeptWhole | None = None
+        self.thread = threading.get_ident()  # the thread that runs the trace: only it records
         self.opaque_modules: dict[int, nn.Module] = {}  # modules called as one node
         self.busy = False  # inside a torch call being recorded: the recorder's own calls are plain
         self.guards: list[tuple[str, str]] = []  # (kind, location) of guard nodes, in order
@@ -254,11 +256,18 @@ class Recorder:
         return TracedSize(self.size(tensor, d) for d in range(tensor.dim()))
 
     def scalar_op(self, op: Callable, *operands: Any) -> TracedScalar:
+        """``op`` on traced numbers, as a node; on another thread (a float the trace stands in
+        for, read there meanwhile), the plain result, unrecorded."""
         result = op(*(o.value if isinstance(o, TracedScalar) else o for o in operands))
+        if threading.get_ident() != self.thread:
+            return result
         return TracedScalar(result, self.node("call_function", op, tuple(self.arg(o) for o in operands)), self)
 
     def concretize(self, scalar: TracedScalar) -> Any:
-        """Python takes the value: a guard node checks it is the same on every call."""
+        """Python takes the value: a guard node checks it is the same on every call (on
+        another thread: the value, unrecorded)."""
+        if threading.get_ident() != self.thread:
+            return scalar.value if isinstance(scalar, TracedScalar) else scalar
         self.guard(ExpectValue(f"expect_{scalar.node.name}", scalar.value, _location()), scalar.node, "value")
         return scalar.value
 

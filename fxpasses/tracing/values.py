@@ -14,12 +14,13 @@
 from __future__ import annotations
 
 import operator
+import threading
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-_active: list[Any] = []  # the recorder of the trace in progress (tracing is single-threaded)
+_active: list[Any] = []  # the recorder of the trace in progress (it records its own thread only)
 
 
 def active_recorder() -> Any:
@@ -38,6 +39,8 @@ class TracedTensor(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():  # the recorder's own tensor calls: plain
             if recorder is None or recorder.paused or recorder.busy:
                 return func(*args, **kwargs)
+            if recorder.thread != threading.get_ident():  # another thread: native, unrecorded
+                return func(*recorder.real(args), **recorder.real(kwargs))
             return recorder.torch_function(func, args, kwargs)
 
 

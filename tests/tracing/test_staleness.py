@@ -447,3 +447,139 @@ def test_a_global_callable_object_and_partial_are_never_stale():
         assert fast(x).item() == 21.0
     finally:
         _partial_scale = functools.partial(_times, k=2)
+
+
+class WeightedTerm:
+    """A plain object (no module) that defines ``__call__`` and holds settings, a tensor and a
+    module, as Ultralytics' per-branch pose losses are held by their criterion."""
+
+    def __init__(self):
+        torch.manual_seed(0)
+        self.weight = torch.tensor([1.0, 2.0])
+        self.cfg = types.SimpleNamespace(gain=2.0, power=2)
+        self.flow = nn.Linear(2, 2)
+        self.scale = 0.75
+
+    def __call__(self, x):
+        return (self.flow(x) * self.weight).pow(self.cfg.power).sum() * self.cfg.gain * self.scale
+
+
+class PlainCriterion:
+    """A plain criterion holding the callable term (``E2ELoss`` holding ``PoseLoss26``)."""
+
+    def __init__(self):
+        self.term = WeightedTerm()
+        self.mix = 0.5
+
+    def __call__(self, x):
+        return self.term(x) * self.mix
+
+
+class ModuleCriterion(nn.Module):
+    """A module holding the callable term as a plain attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.term = WeightedTerm()
+
+    def forward(self, x):
+        return self.term(x)
+
+
+def _other_flow(term):
+    flow = nn.Linear(2, 2)
+    with torch.no_grad():
+        flow.weight.fill_(0.5)
+    term.flow = flow
+
+
+CALLABLE_CHANGES = {
+    "namespace-float": lambda t: setattr(t.cfg, "gain", t.cfg.gain * 2),
+    "namespace-int": lambda t: setattr(t.cfg, "power", 3),
+    "float": lambda t: setattr(t, "scale", 1.5),
+    "tensor-rebound": lambda t: setattr(t, "weight", torch.tensor([-1.0, 0.5])),
+    "tensor-in-place": lambda t: t.weight.mul_(3.0),
+    "module-rebound": _other_flow,
+    "module-parameter": _no_grad(lambda t: t.flow.weight.mul_(-2.0)),
+    "term-rebound": None,  # below: the holder's term is another object with other settings
+}
+
+
+@pytest.mark.parametrize("change", list(CALLABLE_CHANGES))
+@pytest.mark.parametrize("holder", [PlainCriterion, ModuleCriterion])
+def test_a_callable_object_is_followed_not_taken_for_a_function(holder, change):
+    """The reads through an object that defines ``__call__`` are assumptions like any other
+    object's (its floats inputs, its tensors read live, its module tracked at its source)."""
+    loss = holder()
+    fast = optimize(loss)
+    x = torch.randn(5, 2, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        got, want = _value_and_grad(fast, x), _value_and_grad(loss, x)
+        assert all(torch.allclose(g, w) for g, w in zip(got, want))
+    (spec,) = fast.specializations
+    sources = {str(a.source) for a in spec.assumptions}
+    assert {"loss.term.cfg", "loss.term.weight", "loss.term.flow", "loss.term.scale"} <= sources
+    if change == "term-rebound":
+        other = WeightedTerm()
+        other.cfg.gain, other.weight = 5.0, torch.tensor([3.0, 1.0])
+        loss.term = other
+    else:
+        CALLABLE_CHANGES[change](loss.term)
+    got, want = _value_and_grad(fast, x), _value_and_grad(loss, x)
+    assert all(torch.allclose(g, w) for g, w in zip(got, want)), (holder, change)
+    assert fast.stats.optimized == 3  # optimized calls, not native ones
+
+
+class _Scales:
+    def double(self, v):
+        return v * 2.0
+
+    def triple(self, v):
+        return v * 3.0
+
+
+def _code_pairs():
+    scales = _Scales()
+    pairs = {"lambda": (lambda v: v * 2.0, lambda v: v * 3.0),
+             "partial": (functools.partial(torch.mul, other=2.0), functools.partial(torch.mul, other=3.0)),
+             "bound-method": (scales.double, scales.triple),
+             "builtin": (torch.exp, torch.neg)}
+    try:
+        import numpy as np
+        pairs["extension-callable"] = (np.square, np.negative)  # ufuncs: a C class, no reads to follow
+    except ImportError:
+        pass
+    return pairs
+
+
+CODE = _code_pairs()
+
+
+class HoldsCode(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x * 2.0).sum()
+
+
+class HoldsNumberCode(HoldsCode):
+    def forward(self, x):
+        return x.sum() * float(self.fn(2.0))
+
+
+@pytest.mark.parametrize("kind", list(CODE))
+def test_code_stored_on_an_object_is_still_an_identity_and_traced(kind):
+    """Functions, partials, bound methods, builtins and an extension's callables stay code: the
+    trace runs them, their identity is guarded, rebinding one traces again."""
+    first, second = CODE[kind]
+    loss = (HoldsNumberCode if kind == "extension-callable" else HoldsCode)(first)
+    fast = optimize(loss)
+    x = torch.arange(1.0, 4.0)
+    torch.testing.assert_close(fast(x), loss(x))
+    (spec,) = fast.specializations
+    assert ("identity", "loss.fn") in {(a.kind, str(a.source)) for a in spec.assumptions}
+    loss.fn = second
+    torch.testing.assert_close(fast(x), loss(x))
+    assert fast.stats.optimized == 2 and len(fast.specializations) == 2

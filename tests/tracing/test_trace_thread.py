@@ -1,0 +1,83 @@
+"""A trace records only the tracing thread: another thread reading and writing the loss's
+objects while a trace runs is native and leaves the trace as it would be without it."""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import torch
+from torch import nn
+
+from fxpasses import trace
+from fxpasses.runtime.trace_ops import ReadState, WriteAttribute
+
+
+class Settings:
+    def __init__(self):
+        self.gain, self.k, self.note = 2.0, 3, "seen"
+        self.ns = types.SimpleNamespace(w=0.5)  # a float the trace stands in for until it ends
+
+
+class Loss(nn.Module):
+    """Pauses in the middle of its call (``self.pause``) while the trace runs."""
+
+    def __init__(self, pause):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.other = nn.Linear(2, 2), nn.Linear(2, 2)
+        self.settings = Settings()
+        self.pause = pause
+
+    def forward(self, x):
+        y = self.lin(x) * self.settings.gain * self.settings.ns.w
+        self.pause()
+        return y.sum() * self.settings.k
+
+
+def _meanwhile(loss, seen):
+    """Another thread's reads and writes of the loss's objects, on the trace's objects."""
+    def work():
+        s = loss.settings
+        seen["gain"] = s.gain * 2  # a float read by the trace: a plain float here
+        seen["note"], seen["absent"] = s.note, getattr(s, "missing", None)
+        w = s.ns.w  # the trace's stand-in: computed with natively here
+        seen["w"], seen["w-tensor"], seen["w-int"] = w * 4, torch.ones(2) * w, int(w * 4)
+        seen["bias"] = loss.other.bias.detach().clone()  # a parameter the trace never reads
+        s.written = 7  # written here, kept: the trace must neither record nor undo it
+        loss.other.scale = 0.5
+    def pause():
+        thread = threading.Thread(target=work)
+        thread.start()
+        thread.join()
+    return pause
+
+
+def _traced(loss, x):
+    gm = trace(loss, (x,))
+    info = gm.meta["fxpasses"]
+    # the loss's own objects (the pause differs: a closure here, a lambda there)
+    return gm, {(a.kind, str(a.source)) for a in info.assumptions
+                if str(a.source).startswith("loss.") and str(a.source) != "loss.pause"}, [
+        (n.op, type(n.target).__name__ if not isinstance(n.target, str) else n.target)
+        for n in gm.graph.nodes]
+
+
+def test_another_threads_reads_and_writes_during_a_trace_are_not_recorded():
+    x = torch.randn(4, 2, generator=torch.Generator().manual_seed(1))
+    _, alone, alone_nodes = _traced(Loss(lambda: None), x)
+    seen: dict = {}
+    loss = Loss(lambda: None)
+    loss.pause = _meanwhile(loss, seen)
+    gm, assumed, nodes = _traced(loss, x)
+    assert assumed == alone and nodes == alone_nodes
+    assert not [n for n in gm.graph.nodes if isinstance(n.target, (WriteAttribute, ReadState))
+                and "other" in str(getattr(n.target, "name", n.target))]
+    assert type(seen["gain"]) is float and seen["gain"] == 4.0
+    assert seen["note"] == "seen" and seen["absent"] is None
+    assert seen["w"] == 2.0 and seen["w-int"] == 2 and type(seen["w-tensor"]) is torch.Tensor
+    torch.testing.assert_close(seen["w-tensor"], torch.full((2,), 0.5))
+    assert loss.settings.written == 7 and loss.other.scale == 0.5  # native: kept after the trace
+    loss.pause = lambda: None
+    out = gm.meta["fxpasses"].unflatten_output(gm(x))
+    torch.testing.assert_close(out, loss(x))
