@@ -218,6 +218,24 @@ def call_inputs(draw: st.DrawFn, program: Program, max_rows: int = 6) -> CallInp
     return CallInputs(rows, patterns, draw(st.integers(0, 2**16)))
 
 
+BASE_INPUTS = tuple(InputSpec(kind, g) for kind in ("rows", "mask") for g in GROUPS)
+
+
+def explicit_case(ops: Sequence[tuple[str, tuple[int, ...]]], *, kept: Sequence[int] = (),
+                  calls: Sequence[tuple[int, int]] = ((3, 2), (0, 4)), dim: int = 2,
+                  inputs: Sequence[InputSpec] = BASE_INPUTS, **options) -> LossCase:
+    """A hand-built case: ``ops`` as (name, args) over the registers of ``inputs`` (by default
+    r0 rows a, r1 rows b, r2 and r3 their masks), calls by (rows a, rows b) with random masks;
+    ``options`` are the other fields of :class:`LossCase`."""
+    builder = ProgramBuilder(dim, inputs)
+    for name, args in ops:
+        builder.add(name, args)
+    masks = sum(s.kind == "mask" for s in inputs)
+    return LossCase(builder.finish(kept), 0,
+                    tuple(CallInputs((("a", a), ("b", b)), ("random",) * masks, 7 + k)
+                          for k, (a, b) in enumerate(calls)), **options)
+
+
 _FEATURE_OPS = tuple(op.name for op in OP_TABLE if op.needs_dim)  # raise on a wider input
 
 
