@@ -8,9 +8,9 @@ second-order gradients). :func:`~.loss_check.check_case` runs it against every p
 
 How a program is drawn (every step a hypothesis draw, so it shrinks): the inputs (rows and a mask
 per branch, then optional extra rows, targets without gradient, masks and poisoned rows); up to
-two boolean selections; a *prelude* of random instructions; zero to three calls of the shared flow
-(the calls PairRLE pairs), each on any (r, dim) register, often two branches' different
-selections; an *epilogue*; the registers returned besides the loss (often a flow's log-probs),
+two boolean selections; a *prelude* of random instructions (none of the scaler's); zero to three
+calls of the shared flow (the calls PairRLE pairs), each on any (r, dim) register, often two
+branches' different selections; an *epilogue*; the registers returned besides the loss (often a flow's log-probs),
 each possibly through an aliasing op (a view, ``atleast_1d``, an identity leaf function).
 Every register that no instruction reads and that is not returned is summed into the loss (the
 checker differentiates every returned value), so every op reaches a gradient.
@@ -191,7 +191,10 @@ def loss_programs(draw: st.DrawFn, *, dims: Sequence[int] = (2, 3), max_selectio
     """A well-typed program (see the module docstring); ``kinds`` restricts the random ops."""
     builder = ProgramBuilder(draw(st.sampled_from(tuple(dims))), draw(input_specs()))
     ops = [op for op in OP_TABLE if op.kind in kinds]
-    phases = ((max_selections, [OPS["select"]] if "select" in kinds else []), (max_prelude, ops),
+    # the scaler's ops only after the flow calls, as a criterion's per-branch loss object reads
+    # what the model computed
+    prelude = [op for op in ops if op.kind != "callable"] or ops
+    phases = ((max_selections, [OPS["select"]] if "select" in kinds else []), (max_prelude, prelude),
               (max_flow_calls, [OPS["log_prob"]] if "flow" in kinds else []), (max_epilogue, ops))
     for most, phase_ops in phases:
         for _ in range(draw(st.integers(0, most)) if phase_ops else 0):
