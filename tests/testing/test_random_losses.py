@@ -2,8 +2,11 @@
 
 The property (``check_case``): for random programs over the op table, every arm (no pass,
 PairRLE, CaptureLoss on CPU with the emulated recorder, both) gives native's float64 values,
-gradients of every input and parameter (None only where native has None), unchanged kept outputs
-after later calls, and second-order / stale-backward gradients equal to native's or a loud error.
+gradients of every input and parameter (None only where native has None), module state (buffers,
+attributes) after each call, unchanged kept outputs after later calls, and second-order /
+stale-backward gradients equal to native's or a loud error. The caller's extra shapes (settings
+changed between calls, a stateful flow, a bad call, concurrent calls) are drawn by the second
+property test; tests/testing/test_caller_shapes.py has one case of each.
 
 * CI: ``CI_CASES`` cases, derandomized (the same cases on every run), no shrinking (a failure
   prints its whole case; tests/passes/test_capture_regressions.py keeps minimal ones). About
@@ -54,8 +57,19 @@ DRAWS = settings(max_examples=100, derandomize=True, database=None, deadline=Non
 # -- the property ---------------------------------------------------------------------------
 @pytest.mark.long
 @CI
-@given(random_losses())
+@given(random_losses(extras=False))
 def test_random_losses_match_native_under_every_pass_combination(case):
+    report = check_case(case)
+    assert report.ok, str(report)
+
+
+@pytest.mark.long
+@pytest.mark.xfail(strict=True, reason="fixed on branches h1, h2, h3 (the caller shapes' defects, "
+                   "tests/testing/test_caller_shapes.py); once merged this test replaces the one "
+                   "above")
+@CI
+@given(random_losses())
+def test_random_losses_with_caller_shapes_match_native_under_every_pass_combination(case):
     report = check_case(case)
     assert report.ok, str(report)
 
