@@ -13,7 +13,22 @@ emulated recorder, both) and drives every arm and the native module through the 
 * ``stale backward call 0 ...``: after call 0's retained graph is differentiated again once
   call 1 ran (the ``retain`` schedule);
 * ``end call k output <path>`` / ``end call k grad <input>``: the tensors the caller kept, re-read
-  after the last call: any change since they were produced is an overwritten output.
+  after the last call: any change since they were produced is an overwritten output;
+  ``end param <name>``: the parameters' values;
+* ``call k state buffer <name>`` / ``call k state attr <owner>.<name>``: after each call, every
+  buffer and every Python number or flag of a submodule, of the scaler and of its settings (a run
+  made for analysis must leave them as it found them);
+* ``bad call before call k raised`` (the exception's type name, or ``no error``) and ``... raised
+  chained`` (whether it came chained to another), and ``calls after the bad call``: a failure
+  (``disabled after raise``) where calls ran optimized before the bad call and none of the valid
+  calls after it did;
+* ``threads grad param <name>`` / ``threads state ...``: in the ``threads`` schedule, after every
+  thread is done (each thread's outputs and input gradients are recorded as its call's). The
+  native reference makes those calls one after the other; mutations before them are all made
+  before the threads start; while they run the interpreter switches threads every microsecond.
+
+Mutations are made on the module each protocol drives: the native module, or the module the arm's
+optimized loss wraps (each arm builds its own from the same seed).
 
 Each arm's observations are compared with the native ones by :func:`~.oracle.compare_leaf`
 (``|cand - ref| <= atol + rtol |ref|``, NaN only where native is NaN, None only where native has
