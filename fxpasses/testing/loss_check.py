@@ -95,7 +95,7 @@ class Observed:
     values: dict[str, Any] = field(default_factory=dict)
     step: str = ""
     raised: BaseException | None = None
-    calls: dict[str, RunStats] = field(default_factory=dict)  # an optimized loss's, by moment
+    stats: dict[str, RunStats] = field(default_factory=dict)  # an optimized loss's, by moment
 
     def record(self, label: str, value: Any) -> None:
         if isinstance(value, Tensor):
@@ -223,18 +223,18 @@ def _compare(reference: Observed, candidate: Observed, rtol: float, atol: float)
         exc = candidate.raised
         items.append(Comparison(candidate.step, False, "raised", float("inf"), reference="no error",
                                 candidate=f"{type(exc).__name__}: {str(exc)[:300]}"))
-    disabled = _disabled_after_bad_call(candidate.calls)
+    disabled = _disabled_after_bad_call(candidate.stats)
     if disabled is not None:
         items.append(disabled)
     return items
 
 
-def _disabled_after_bad_call(calls: dict[str, RunStats]) -> Comparison | None:
+def _disabled_after_bad_call(stats: dict[str, RunStats]) -> Comparison | None:
     """A failure when calls ran optimized before the bad call and none of the later valid calls
     did (each ran natively: the specialization disabled by one raised call)."""
-    if not {"before bad call", "bad call", "end"} <= set(calls):
+    if not {"before bad call", "bad call", "end"} <= set(stats):
         return None
-    before, bad, end = calls["before bad call"], calls["bad call"], calls["end"]
+    before, bad, end = stats["before bad call"], stats["bad call"], stats["end"]
     if before.optimized == 0 or end.optimized > bad.optimized or end.calls == bad.calls:
         return None
     native = dict(end.native - bad.native)
@@ -319,7 +319,7 @@ class _Protocol:
         for name, p in self.params.items():
             self.observed.record(f"end param {name}", p)
         if isinstance(self.loss, OptimizedLoss):
-            self.observed.calls["end"] = self.loss.stats
+            self.observed.stats["end"] = self.loss.stats
 
     def before(self, k: int) -> None:
         """What the caller does before call ``k``: change settings, make the bad call."""
@@ -334,7 +334,7 @@ class _Protocol:
         it comes chained to another), and the optimized loss's counters before and after."""
         self.observed.step = label = f"bad call before call {k}"
         if isinstance(self.loss, OptimizedLoss):
-            self.observed.calls["before bad call"] = self.loss.stats
+            self.observed.stats["before bad call"] = self.loss.stats
         try:
             self.loss(*self.case.calls[k].make(self.case.program, extra_features=1))
         except Exception as exc:
@@ -343,7 +343,7 @@ class _Protocol:
         else:
             self.observed.record(f"{label} raised", "no error")
         if isinstance(self.loss, OptimizedLoss):
-            self.observed.calls["bad call"] = self.loss.stats
+            self.observed.stats["bad call"] = self.loss.stats
         self.record_state(label)
 
     def concurrent(self, ks: range) -> None:

@@ -10,13 +10,16 @@ each one fails (strict xfail, naming the branch that fixes it), so the census wo
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 
 from fxpasses.testing.census import failure_class
-from fxpasses.testing.loss_check import ARMS, _compare, check_case, run_protocol
+from fxpasses.stats import RunStats
+from fxpasses.testing.loss_check import (ARMS, _compare, _disabled_after_bad_call, check_case,
+                                         run_protocol)
 from fxpasses.testing.loss_programs import OPS, Mutation, Scaler
 from fxpasses.testing.random_losses import LossCase, explicit_case as _case, loss_programs, random_losses
 
@@ -134,6 +137,22 @@ def test_the_checker_compares_module_state_after_each_call():
     failures = [c.where for c in _compare(reference, run_protocol(module, module, case), 1e-9, 1e-12)
                 if not c.ok]
     assert "call 0 state attr flow.calls" in failures
+
+
+def test_a_loss_that_runs_natively_after_the_bad_call_is_a_failure():
+    def stats(optimized, native):
+        return RunStats(optimized=optimized, native=Counter(native))
+
+    before, bad = stats(1, {}), stats(1, {"optimized-path-raised": 1})
+    disabled = stats(1, {"optimized-path-raised": 3})
+    (failure,) = [c for c in [_disabled_after_bad_call({"before bad call": before, "bad call": bad,
+                                                        "end": disabled})] if c is not None]
+    assert failure.kind == "disabled after raise" and not failure.ok
+    assert "optimized-path-raised': 2" in failure.candidate
+    recovered = {"before bad call": before, "bad call": bad, "end": stats(3, bad.native)}
+    assert _disabled_after_bad_call(recovered) is None
+    never = {"before bad call": stats(0, {"guard-failed": 1}), "bad call": bad, "end": disabled}
+    assert _disabled_after_bad_call(never) is None  # nothing ran optimized before it either
 
 
 def test_census_classes_name_the_caller_shapes():
