@@ -36,7 +36,8 @@ def failure_class(arm: str, where: str, kind: str, case: LossCase) -> str:
     where = re.sub(r"call \d+", "call #", where)
     where = re.sub(r"r\d+|\['r\d+'\]|\[\d+\]|\['loss'\]", "#", where)
     where = re.sub(r"param flow\.\S+", "param flow.*", where)
-    protocol = case.schedule + (" + second order" if case.second_order else "")
+    protocol = " + ".join([case.schedule, *(["second order"] if case.second_order else []),
+                           *case.shapes])
     return f"{arm} | {where} | {kind} | {protocol}"
 
 

@@ -13,7 +13,22 @@ emulated recorder, both) and drives every arm and the native module through the 
 * ``stale backward call 0 ...``: after call 0's retained graph is differentiated again once
   call 1 ran (the ``retain`` schedule);
 * ``end call k output <path>`` / ``end call k grad <input>``: the tensors the caller kept, re-read
-  after the last call: any change since they were produced is an overwritten output.
+  after the last call: any change since they were produced is an overwritten output;
+  ``end param <name>``: the parameters' values;
+* ``call k state buffer <name>`` / ``call k state attr <owner>.<name>``: after each call, every
+  buffer and every Python number or flag of a submodule, of the scaler and of its settings (a run
+  made for analysis must leave them as it found them);
+* ``bad call before call k raised`` (the exception's type name, or ``no error``) and ``... raised
+  chained`` (whether it came chained to another), and ``calls after the bad call``: a failure
+  (``disabled after raise``) where calls ran optimized before the bad call and none of the valid
+  calls after it did;
+* ``threads grad param <name>`` / ``threads state ...``: in the ``threads`` schedule, after every
+  thread is done (each thread's outputs and input gradients are recorded as its call's). The
+  native reference makes those calls one after the other; mutations before them are all made
+  before the threads start; while they run the interpreter switches threads every microsecond.
+
+Mutations are made on the module each protocol drives: the native module, or the module the arm's
+optimized loss wraps (each arm builds its own from the same seed).
 
 Each arm's observations are compared with the native ones by :func:`~.oracle.compare_leaf`
 (``|cand - ref| <= atol + rtol |ref|``, NaN only where native is NaN, None only where native has
@@ -30,6 +45,8 @@ finds no site is not a failure: it is counted in the arm's :func:`coverage` (``n
 from __future__ import annotations
 
 import contextlib
+import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -42,6 +59,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
 from ..optimize import OptimizedLoss, optimize
+from ..stats import RunStats
 from ..passes import CaptureLoss, PairRLE
 from ..runtime.emulated import EmulatedRecorder
 from .loss_programs import passthrough
@@ -77,6 +95,7 @@ class Observed:
     values: dict[str, Any] = field(default_factory=dict)
     step: str = ""
     raised: BaseException | None = None
+    stats: dict[str, RunStats] = field(default_factory=dict)  # an optimized loss's, by moment
 
     def record(self, label: str, value: Any) -> None:
         if isinstance(value, Tensor):
@@ -204,7 +223,23 @@ def _compare(reference: Observed, candidate: Observed, rtol: float, atol: float)
         exc = candidate.raised
         items.append(Comparison(candidate.step, False, "raised", float("inf"), reference="no error",
                                 candidate=f"{type(exc).__name__}: {str(exc)[:300]}"))
+    disabled = _disabled_after_bad_call(candidate.stats)
+    if disabled is not None:
+        items.append(disabled)
     return items
+
+
+def _disabled_after_bad_call(stats: dict[str, RunStats]) -> Comparison | None:
+    """A failure when calls ran optimized before the bad call and none of the later valid calls
+    did (each ran natively: the specialization disabled by one raised call)."""
+    if not {"before bad call", "bad call", "end"} <= set(stats):
+        return None
+    before, bad, end = stats["before bad call"], stats["bad call"], stats["end"]
+    if before.optimized == 0 or end.optimized > bad.optimized or end.calls == bad.calls:
+        return None
+    native = dict(end.native - bad.native)
+    return Comparison("calls after the bad call", False, "disabled after raise", float("inf"),
+                      reference="optimized", candidate=f"native: {native}")
 
 
 def coverage(fast: OptimizedLoss) -> Counter:
@@ -228,8 +263,13 @@ class _Call:
     objective: Tensor | None
 
 
+_SWITCH_INTERVAL = 1e-6  # seconds between the interpreter's thread switches in ``threads``
+
+
 def run_protocol(loss: Callable, module: nn.Module, case: LossCase) -> Observed:
-    """Drive ``loss`` (whose parameters are ``module``'s) through the case's schedule."""
+    """Drive ``loss`` (whose parameters are ``module``'s) through the case's schedule; the
+    ``threads`` schedule runs its concurrent calls one after the other when ``loss`` is
+    ``module`` itself (the native reference)."""
     observed = Observed()
     try:
         _Protocol(loss, module, case, observed).run()
@@ -240,30 +280,107 @@ def run_protocol(loss: Callable, module: nn.Module, case: LossCase) -> Observed:
 
 class _Protocol:
     def __init__(self, loss: Callable, module: nn.Module, case: LossCase, observed: Observed):
-        self.loss, self.case, self.observed = loss, case, observed
+        self.loss, self.module, self.case, self.observed = loss, module, case, observed
         self.params = dict(module.named_parameters())
-        self.calls: list[_Call] = []
+        self.calls: dict[int, _Call] = {}
 
     def run(self) -> None:
         last = len(self.case.calls) - 1
         if self.case.schedule == "interleaved":
             for k in range(last + 1):
+                self.before(k)
                 self.forward(k)
+                self.record_state(f"call {k}")
             for k in range(last + 1):
                 self.backward(k, second_order=self.case.second_order and k == last)
+        elif self.case.schedule == "threads":
+            self.before(0)
+            self.forward(0)
+            self.backward(0)
+            self.record_state("call 0")
+            for k in range(1, last + 1):
+                self.before(k)
+            self.concurrent(range(1, last + 1))
         else:
             retain = self.case.schedule == "retain"
             for k in range(last + 1):
+                self.before(k)
                 self.forward(k)
                 self.backward(k, retain=retain and k == 0,
                               second_order=self.case.second_order and k == last)
+                self.record_state(f"call {k}")
                 if retain and k == 1:
                     self.stale_backward(0)
         self.observed.step = "end"
-        for k, call in enumerate(self.calls):
+        for k, call in sorted(self.calls.items()):
             for path, value in call.outputs:
                 self.observed.record(f"end call {k} output {path}", value)
             self._record_input_grads(f"end call {k}", call.inputs)
+        for name, p in self.params.items():
+            self.observed.record(f"end param {name}", p)
+        if isinstance(self.loss, OptimizedLoss):
+            self.observed.stats["end"] = self.loss.stats
+
+    def before(self, k: int) -> None:
+        """What the caller does before call ``k``: change settings, make the bad call."""
+        for mutation in self.case.mutations:
+            if mutation.before == k:
+                mutation.apply(self.module)
+        if self.case.bad_call == k:
+            self.bad_call(k)
+
+    def bad_call(self, k: int) -> None:
+        """Call ``k``'s inputs one feature wider: the exception's type is recorded (and whether
+        it comes chained to another), and the optimized loss's counters before and after."""
+        self.observed.step = label = f"bad call before call {k}"
+        if isinstance(self.loss, OptimizedLoss):
+            self.observed.stats["before bad call"] = self.loss.stats
+        try:
+            self.loss(*self.case.calls[k].make(self.case.program, extra_features=1))
+        except Exception as exc:
+            self.observed.record(f"{label} raised", type(exc).__name__)
+            self.observed.record(f"{label} raised chained", exc.__context__ is not None)
+        else:
+            self.observed.record(f"{label} raised", "no error")
+        if isinstance(self.loss, OptimizedLoss):
+            self.observed.stats["bad call"] = self.loss.stats
+        self.record_state(label)
+
+    def concurrent(self, ks: range) -> None:
+        """Calls ``ks`` at once, each in its own thread (forward and backward; parameter
+        gradients are read after every thread is done), or one after the other natively."""
+        self.observed.step = f"threads calls {list(ks)}"
+        if self.loss is self.module:
+            for k in ks:
+                self.forward(k)
+                self.backward(k, params=False)
+        else:
+            barrier, errors = threading.Barrier(len(ks)), []
+
+            def work(k: int) -> None:
+                try:
+                    barrier.wait()
+                    self.forward(k)
+                    self.backward(k, params=False)
+                except Exception as exc:
+                    errors.append(exc)
+
+            interval = sys.getswitchinterval()
+            sys.setswitchinterval(_SWITCH_INTERVAL)
+            try:
+                threads = [threading.Thread(target=work, args=(k,)) for k in ks]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+            finally:
+                sys.setswitchinterval(interval)
+            self.observed.step = f"threads calls {list(ks)}"
+            if errors:
+                raise errors[0]
+        for name, p in self.params.items():
+            self.observed.record(f"threads grad param {name}", p.grad)
+        self.record_state("threads")
 
     def forward(self, k: int) -> None:
         self.observed.step = f"call {k} forward"
@@ -273,9 +390,10 @@ class _Protocol:
         outputs = [(pytree.keystr(p), v) for p, v in pairs]
         for path, value in outputs:
             self.observed.record(f"call {k} output {path}", value)
-        self.calls.append(_Call(inputs, outputs, weighted_objective([v for _, v in outputs])))
+        self.calls[k] = _Call(inputs, outputs, weighted_objective([v for _, v in outputs]))
 
-    def backward(self, k: int, *, retain: bool = False, second_order: bool = False) -> None:
+    def backward(self, k: int, *, retain: bool = False, second_order: bool = False,
+                 params: bool = True) -> None:
         call = self.calls[k]
         if call.objective is None:  # nothing requires grad (compared through the outputs)
             return
@@ -289,7 +407,10 @@ class _Protocol:
             return
         self.observed.step = f"call {k} backward"
         call.objective.backward(retain_graph=retain)
-        self._record_grads(f"call {k}", call.inputs)
+        if params:
+            self._record_grads(f"call {k}", call.inputs)
+        else:
+            self._record_input_grads(f"call {k}", call.inputs)
 
     def stale_backward(self, k: int) -> None:
         if self.calls[k].objective is None:
@@ -297,6 +418,21 @@ class _Protocol:
         self.observed.step = f"stale backward call {k}"
         self.calls[k].objective.backward()
         self._record_grads(f"stale backward call {k}", self.calls[k].inputs)
+
+    def record_state(self, prefix: str) -> None:
+        """The module's state after a call: every buffer, and every Python number or flag held
+        by a submodule or by the plain scaler and its settings."""
+        for name, buffer in self.module.named_buffers():
+            self.observed.record(f"{prefix} state buffer {name}", buffer)
+        holders = [(name, vars(m)) for name, m in self.module.named_modules()]
+        scaler = getattr(self.module, "scaler", None)
+        if scaler is not None:
+            holders += [("scaler", vars(scaler)), ("scaler.hyp", vars(scaler.hyp))]
+        for owner, attributes in holders:
+            for attr, value in attributes.items():
+                if isinstance(value, (bool, int, float)):
+                    self.observed.record(f"{prefix} state attr {owner}.{attr}".replace(" .", " "),
+                                         value)
 
     def _record_grads(self, prefix: str, inputs: tuple[Tensor, ...]) -> None:
         self._record_input_grads(prefix, inputs)

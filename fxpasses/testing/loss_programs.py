@@ -19,7 +19,9 @@ or None when the op does not apply) and the function the interpreter calls. Kind
 pointwise, reduction, matmul, view, inplace, select, flow (calls of the shared row-wise
 :class:`RowFlow`, whose ``log_prob`` PairRLE pairs), param (nn.Parameters and buffers of the loss
 used in arithmetic), no_grad (values computed inside ``torch.no_grad()``, parameters read there),
-leaf (a function declared a leaf: opaque to the passes, aliasing its input).
+leaf (a function declared a leaf: opaque to the passes, aliasing its input), callable (the
+loss's plain callable object :class:`Scaler`, called or read through: settings a caller may change
+between calls).
 """
 
 from __future__ import annotations
@@ -376,6 +378,9 @@ OP_TABLE: tuple[Op, ...] = (
     Op("no_grad_target", "no_grad", _same, lambda m, t, x: _no_grad_target(m, x)),
     # a leaf function: one opaque node that aliases its input
     Op("passthrough", "leaf", _same, lambda m, t, x: passthrough(x)),
+    # the loss's plain callable object holding settings: called, or a setting read through it
+    Op("call_scaler", "callable", _same, lambda m, t, x: m.scaler(x)),
+    Op("scaler_gain", "callable", _same, lambda m, t, x: x * m.scaler.hyp.gain),
 )
 OPS: dict[str, Op] = {op.name: op for op in OP_TABLE}
 KINDS: tuple[str, ...] = tuple(dict.fromkeys(op.kind for op in OP_TABLE))
@@ -452,29 +457,91 @@ class Program:
 
 
 class RowFlow(nn.Module):
-    """A tiny row-wise density: a shift from a two-layer MLP, a learnable scale, a Gaussian base."""
+    """A tiny row-wise density: a shift from a two-layer MLP, a learnable scale, a Gaussian base.
 
-    def __init__(self, dim: int, hidden: int = 4):
+    ``center`` (a Python flag read inside ``log_prob``, False at first) selects a row-mixing
+    path: the rows' mean is subtracted first. A ``stateful`` flow also keeps statistics in
+    training mode, as a batch norm does: each ``log_prob`` adds its rows' sum and count to
+    buffers (in place) and counts itself in the attribute ``calls``; the output reads neither.
+    """
+
+    def __init__(self, dim: int, hidden: int = 4, stateful: bool = False):
         super().__init__()
         self.inner = nn.Linear(dim, hidden)
         self.outer = nn.Linear(hidden, dim)
         self.log_scale = nn.Parameter(torch.zeros(dim))
         self.register_buffer("base_scale", torch.ones(dim))
+        self.center = False
+        self.stateful = stateful
+        if stateful:
+            self.register_buffer("row_sum", torch.zeros(dim))
+            self.register_buffer("rows_seen", torch.zeros((), dtype=torch.long))
+            self.calls = 0
 
     def log_prob(self, x: Tensor) -> Tensor:
+        if self.stateful and self.training:
+            self.row_sum.add_(x.detach().sum(0))
+            self.rows_seen.add_(x.shape[0])
+            self.calls += 1
+        if self.center:
+            x = x - x.mean(0, keepdim=True)
         z = (x - self.outer(torch.tanh(self.inner(x)))) * torch.exp(-self.log_scale) / self.base_scale
         return -0.5 * (z * z).sum(-1) - self.log_scale.sum()
+
+
+class Settings:
+    """A plain settings object (as a loss's ``hyp``): a float ``gain`` and an int ``power``."""
+
+    def __init__(self, gain: float, power: int):
+        self.gain, self.power = gain, power
+
+
+class Scaler:
+    """A plain (non-Module) callable object holding settings, as a criterion's per-branch loss
+    object: ``x ** hyp.power * hyp.gain * weight`` (``weight`` a tensor without gradient)."""
+
+    def __init__(self, hyp: Settings, weight: Tensor):
+        self.hyp, self.weight = hyp, weight
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return x ** self.hyp.power * self.hyp.gain * self.weight
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """A caller's change of a setting before call ``before``: ``target`` is ``"gain"``,
+    ``"power"`` (the scaler's settings), ``"weight"`` (the scaler's tensor, rebound to a new
+    one holding ``value``) or ``"center"`` (the flow's flag)."""
+
+    before: int
+    target: str
+    value: float | int | bool
+
+    def apply(self, module: "ProgramLoss") -> None:
+        if self.target in ("gain", "power"):
+            setattr(module.scaler.hyp, self.target, self.value)
+        elif self.target == "weight":
+            module.scaler.weight = torch.tensor(float(self.value), dtype=torch.float64)
+        elif self.target == "center":
+            module.flow.center = bool(self.value)
+        else:
+            raise ValueError(f"no setting {self.target!r}")
+
+    def __str__(self) -> str:
+        where = {"center": "flow.center", "weight": "scaler.weight"}.get(self.target,
+                                                                          f"scaler.hyp.{self.target}")
+        return f"before call {self.before}: {where} = {self.value!r}"
 
 
 class ProgramLoss(nn.Module):
     """Runs a :class:`Program`: ``forward(*inputs)`` interprets its instructions in order.
 
     Holds parameters used directly in arithmetic (``weight``, ``bias``, ``scalar``, ``mat``), a
-    learnable loss weight, an ``nn.Linear``, the shared ``RowFlow`` and two buffers; all
-    initialised from ``seed`` in float64.
+    learnable loss weight, an ``nn.Linear``, the shared ``RowFlow`` (``stateful`` or not), two
+    buffers and a plain callable :class:`Scaler`; all initialised from ``seed`` in float64.
     """
 
-    def __init__(self, program: Program, seed: int = 0):
+    def __init__(self, program: Program, seed: int = 0, stateful_flow: bool = False):
         super().__init__()
         dim = program.dim
         self.program = program
@@ -484,7 +551,7 @@ class ProgramLoss(nn.Module):
         self.loss_weight = nn.Parameter(torch.empty(()))
         self.mat = nn.Parameter(torch.empty(dim, dim))
         self.lin = nn.Linear(dim, dim)
-        self.flow = RowFlow(dim)
+        self.flow = RowFlow(dim, stateful=stateful_flow)
         self.register_buffer("offset", torch.empty(dim))
         self.register_buffer("gain", torch.empty(()))
         self.to(torch.float64)
@@ -495,6 +562,11 @@ class ProgramLoss(nn.Module):
             self.loss_weight.add_(1.0)
             self.gain.add_(1.0)
             self.flow.base_scale.abs_().add_(0.5)
+            if stateful_flow:
+                self.flow.row_sum.zero_()
+                self.flow.rows_seen.zero_()
+        self.scaler = Scaler(Settings(1.0 + 0.5 * math.tanh(seed), 1 + seed % 2),
+                             torch.tensor(0.75, dtype=torch.float64))
 
     def forward(self, *inputs: Tensor) -> Any:
         return self.program.pack(self.registers(*inputs))
@@ -520,9 +592,12 @@ class CallInputs:
     patterns: tuple[str, ...]  # one per mask input, in input order
     seed: int
 
-    def make(self, program: Program) -> tuple[Tensor, ...]:
-        """Fresh float64 tensors; rows and poisoned rows are leaves that require grad."""
+    def make(self, program: Program, extra_features: int = 0) -> tuple[Tensor, ...]:
+        """Fresh float64 tensors; rows and poisoned rows are leaves that require grad. With
+        ``extra_features``, every float input is that much wider than the program's ``dim``
+        (a bad call: ops reading the features raise)."""
         g = torch.Generator().manual_seed(self.seed)
+        dim = program.dim + extra_features
         counts = dict(self.rows)
         patterns = iter(self.patterns)
         made: list[Tensor] = []
@@ -531,11 +606,11 @@ class CallInputs:
             if spec.kind == "mask":
                 made.append(_mask(n, next(patterns), g))
                 continue
-            x = torch.randn(n, program.dim, generator=g, dtype=torch.float64)
+            x = torch.randn(n, dim, generator=g, dtype=torch.float64)
             if spec.kind == "poisoned":
                 outside = ~made[spec.mask]
-                values = torch.tensor([_POISON[i % 3] for i in range(n * program.dim)],
-                                      dtype=torch.float64).reshape(n, program.dim)
+                values = torch.tensor([_POISON[i % 3] for i in range(n * dim)],
+                                      dtype=torch.float64).reshape(n, dim)
                 x = torch.where(outside[:, None], values, x)
             made.append(x.requires_grad_(spec.kind != "target"))
         return tuple(made)

@@ -8,9 +8,9 @@ second-order gradients). :func:`~.loss_check.check_case` runs it against every p
 
 How a program is drawn (every step a hypothesis draw, so it shrinks): the inputs (rows and a mask
 per branch, then optional extra rows, targets without gradient, masks and poisoned rows); up to
-two boolean selections; a *prelude* of random instructions; zero to three calls of the shared flow
-(the calls PairRLE pairs), each on any (r, dim) register, often two branches' different
-selections; an *epilogue*; the registers returned besides the loss (often a flow's log-probs),
+two boolean selections; a *prelude* of random instructions (none of the scaler's); zero to three
+calls of the shared flow (the calls PairRLE pairs), each on any (r, dim) register, often two
+branches' different selections; an *epilogue*; the registers returned besides the loss (often a flow's log-probs),
 each possibly through an aliasing op (a view, ``atleast_1d``, an identity leaf function).
 Every register that no instruction reads and that is not returned is summed into the loss (the
 checker differentiates every returned value), so every op reaches a gradient.
@@ -19,7 +19,15 @@ typing rules admit: a prefix of a program is a program, so shrinking drops instr
 
 Schedules: ``sequential`` (forward, backward, next call), ``interleaved`` (every forward, then
 every backward), ``retain`` (call 0's backward with ``retain_graph=True``, call 1 forward and
-backward, then call 0's backward again: a stale backward).
+backward, then call 0's backward again: a stale backward), ``threads`` (call 0, then every later
+call in its own thread at once, each its forward and backward, on the one optimized loss).
+
+What a caller does besides calling, each drawn now and then (so most cases are as before):
+*mutations* between calls (a setting of the loss's plain callable object, or the flow's flag read
+inside ``log_prob``, changed before a call: :class:`~.loss_programs.Mutation`), a *stateful
+flow* (buffers and an attribute written in training mode) and a *bad call* (before call k, call
+k's inputs one feature too wide: native raises, the optimized loss must raise the same and run
+later calls optimized).
 
 ``python -m fxpasses.testing.census --cases 10000`` runs the census: cases checked, failures by
 class, pass coverage and time per case, with progress on stderr.
@@ -34,30 +42,48 @@ from typing import Sequence
 from hypothesis import strategies as st
 
 from .loss_programs import (ALIASING_OPS, KINDS, MASK_PATTERNS, OP_TABLE, OPS, Arg, CallInputs,
-                            InputSpec, Instruction, Op, Program, ProgramLoss, Ty)
+                            InputSpec, Instruction, Mutation, Op, Program, ProgramLoss, Ty)
 
-SCHEDULES = ("sequential", "interleaved", "retain")
+SCHEDULES = ("sequential", "interleaved", "retain", "threads")
 GROUPS = ("a", "b")
 
 
 @dataclass(frozen=True)
 class LossCase:
-    """A program, its parameters' seed, the calls' inputs and how the caller drives it."""
+    """A program, its parameters' seed, the calls' inputs and how the caller drives it: the
+    schedule, second-order gradients or not, settings changed between calls (``mutations``),
+    a flow that writes its state in training mode, a bad call (one that raises) before call
+    ``bad_call``."""
 
     program: Program
     seed: int
     calls: tuple[CallInputs, ...]
     schedule: str = "sequential"
     second_order: bool = False
+    mutations: tuple[Mutation, ...] = ()
+    stateful_flow: bool = False
+    bad_call: int | None = None
 
     def module(self) -> ProgramLoss:
-        return ProgramLoss(self.program, self.seed)
+        return ProgramLoss(self.program, self.seed, stateful_flow=self.stateful_flow)
+
+    @property
+    def shapes(self) -> tuple[str, ...]:
+        """The caller's extra behaviours this case has (census classes name them)."""
+        return tuple(name for name, present in (
+            ("mutations", bool(self.mutations)), ("stateful flow", self.stateful_flow),
+            ("bad call", self.bad_call is not None)) if present)
 
     def __str__(self) -> str:
         calls = "\n".join(f"  call {k}: rows {dict(c.rows)}, masks {list(c.patterns)}, seed {c.seed}"
                           for k, c in enumerate(self.calls))
+        extra = [f"  {m}" for m in self.mutations]
+        if self.bad_call is not None:
+            extra.append(f"  before call {self.bad_call}: a bad call (its inputs one feature wider)")
         return (f"{self.program}\nparameters seed {self.seed}; schedule {self.schedule}"
-                f"{'; second-order gradients' if self.second_order else ''}\n{calls}")
+                f"{'; second-order gradients' if self.second_order else ''}"
+                f"{'; stateful flow' if self.stateful_flow else ''}\n{calls}"
+                + "".join(f"\n{line}" for line in extra))
 
     __repr__ = __str__
 
@@ -165,7 +191,10 @@ def loss_programs(draw: st.DrawFn, *, dims: Sequence[int] = (2, 3), max_selectio
     """A well-typed program (see the module docstring); ``kinds`` restricts the random ops."""
     builder = ProgramBuilder(draw(st.sampled_from(tuple(dims))), draw(input_specs()))
     ops = [op for op in OP_TABLE if op.kind in kinds]
-    phases = ((max_selections, [OPS["select"]] if "select" in kinds else []), (max_prelude, ops),
+    # the scaler's ops only after the flow calls, as a criterion's per-branch loss object reads
+    # what the model computed
+    prelude = [op for op in ops if op.kind != "callable"] or ops
+    phases = ((max_selections, [OPS["select"]] if "select" in kinds else []), (max_prelude, prelude),
               (max_flow_calls, [OPS["log_prob"]] if "flow" in kinds else []), (max_epilogue, ops))
     for most, phase_ops in phases:
         for _ in range(draw(st.integers(0, most)) if phase_ops else 0):
@@ -192,14 +221,72 @@ def call_inputs(draw: st.DrawFn, program: Program, max_rows: int = 6) -> CallInp
     return CallInputs(rows, patterns, draw(st.integers(0, 2**16)))
 
 
+BASE_INPUTS = tuple(InputSpec(kind, g) for kind in ("rows", "mask") for g in GROUPS)
+
+
+def explicit_case(ops: Sequence[tuple[str, tuple[int, ...]]], *, kept: Sequence[int] = (),
+                  calls: Sequence[tuple[int, int]] = ((3, 2), (0, 4)), dim: int = 2,
+                  inputs: Sequence[InputSpec] = BASE_INPUTS, **options) -> LossCase:
+    """A hand-built case: ``ops`` as (name, args) over the registers of ``inputs`` (by default
+    r0 rows a, r1 rows b, r2 and r3 their masks), calls by (rows a, rows b) with random masks;
+    ``options`` are the other fields of :class:`LossCase`."""
+    builder = ProgramBuilder(dim, inputs)
+    for name, args in ops:
+        builder.add(name, args)
+    masks = sum(s.kind == "mask" for s in inputs)
+    return LossCase(builder.finish(kept), 0,
+                    tuple(CallInputs((("a", a), ("b", b)), ("random",) * masks, 7 + k)
+                          for k, (a, b) in enumerate(calls)), **options)
+
+
+_FEATURE_OPS = tuple(op.name for op in OP_TABLE if op.needs_dim)  # raise on a wider input
+
+
+def _now_and_then(draw: st.DrawFn, one_in: int) -> bool:
+    """True with probability ``1 / one_in``; shrinks to False."""
+    return draw(st.integers(0, one_in - 1)) == one_in - 1
+
+
+@st.composite
+def mutations(draw: st.DrawFn, program: Program, calls: int) -> tuple[Mutation, ...]:
+    """One or two settings changed before calls (the first call included: a flag set before
+    tracing), among those the program reads: the scaler's if it calls or reads it, the flow's
+    flag if it calls the flow."""
+    targets = []
+    if any(OPS[op].kind == "callable" for op in program.ops):
+        targets += ["gain", "power", "weight"]
+    if "log_prob" in program.ops:
+        targets.append("center")
+    if not targets:
+        return ()
+    changes = []
+    for _ in range(draw(st.integers(1, 2))):
+        target = draw(st.sampled_from(targets))
+        value = {"gain": st.sampled_from((2.0, -0.5, 0.0)), "power": st.sampled_from((1, 2, 3)),
+                 "weight": st.sampled_from((1.5, -2.0)), "center": st.booleans()}[target]
+        changes.append(Mutation(draw(st.integers(0, calls - 1)), target, draw(value)))
+    return tuple(sorted(changes, key=lambda m: m.before))
+
+
 @st.composite
 def random_losses(draw: st.DrawFn, *, programs: st.SearchStrategy[Program] | None = None,
-                  calls: tuple[int, int] = (2, 3),
-                  schedules: Sequence[str] = SCHEDULES) -> LossCase:
-    """A :class:`LossCase`: a program, a parameter seed, 2-3 calls, a schedule, second order or not."""
+                  calls: tuple[int, int] = (2, 3), schedules: Sequence[str] = SCHEDULES,
+                  extras: bool = True) -> LossCase:
+    """A :class:`LossCase`: a program, a parameter seed, 2-3 calls, a schedule, second order or
+    not; with ``extras``, now and then mutations between calls (one case in four that can have
+    them), a stateful flow (one in six that calls the flow) and a bad call (one in six that
+    can raise on a wider input)."""
     program = draw(programs if programs is not None else loss_programs())
     seed = draw(st.integers(0, 2**16))
     count = draw(st.integers(*calls))
     inputs = tuple(draw(call_inputs(program)) for _ in range(count))
     schedule = draw(st.sampled_from(tuple(schedules)))
-    return LossCase(program, seed, inputs, schedule, draw(st.booleans()))
+    second_order = draw(st.booleans()) and schedule != "threads"
+    if not extras:
+        return LossCase(program, seed, inputs, schedule, second_order)
+    changes = draw(mutations(program, count)) if _now_and_then(draw, 4) else ()
+    stateful = "log_prob" in program.ops and _now_and_then(draw, 6)
+    bad = None
+    if any(op in _FEATURE_OPS for op in program.ops) and _now_and_then(draw, 6):
+        bad = draw(st.integers(1, count - 1))
+    return LossCase(program, seed, inputs, schedule, second_order, changes, stateful, bad)

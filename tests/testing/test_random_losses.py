@@ -2,8 +2,11 @@
 
 The property (``check_case``): for random programs over the op table, every arm (no pass,
 PairRLE, CaptureLoss on CPU with the emulated recorder, both) gives native's float64 values,
-gradients of every input and parameter (None only where native has None), unchanged kept outputs
-after later calls, and second-order / stale-backward gradients equal to native's or a loud error.
+gradients of every input and parameter (None only where native has None), module state (buffers,
+attributes) after each call, unchanged kept outputs after later calls, and second-order /
+stale-backward gradients equal to native's or a loud error. The caller's extra shapes (settings
+changed between calls, a stateful flow, a bad call, concurrent calls) are drawn by the second
+property test; tests/testing/test_caller_shapes.py has one case of each.
 
 * CI: ``CI_CASES`` cases, derandomized (the same cases on every run), no shrinking (a failure
   prints its whole case; tests/passes/test_capture_regressions.py keeps minimal ones). About
@@ -37,8 +40,8 @@ from fxpasses.runtime.trace_ops import ReadState
 from fxpasses.testing.loss_check import check_case, run_protocol
 from fxpasses.testing.loss_programs import (ALIASING_OPS, KINDS, OP_TABLE, OPS, CallInputs,
                                             InputSpec, ProgramLoss, concrete_sizes, passthrough)
-from fxpasses.testing.random_losses import (SCHEDULES, LossCase, ProgramBuilder, loss_programs,
-                                            random_losses)
+from fxpasses.testing.random_losses import (BASE_INPUTS, SCHEDULES, LossCase, ProgramBuilder,
+                                            explicit_case, loss_programs, random_losses)
 
 CI_CASES = 40
 _NO_HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
@@ -54,8 +57,19 @@ DRAWS = settings(max_examples=100, derandomize=True, database=None, deadline=Non
 # -- the property ---------------------------------------------------------------------------
 @pytest.mark.long
 @CI
-@given(random_losses())
+@given(random_losses(extras=False))
 def test_random_losses_match_native_under_every_pass_combination(case):
+    report = check_case(case)
+    assert report.ok, str(report)
+
+
+@pytest.mark.long
+@pytest.mark.xfail(strict=True, reason="fixed on branches h1, h2, h3 (the caller shapes' defects, "
+                   "tests/testing/test_caller_shapes.py); once merged this test replaces the one "
+                   "above")
+@CI
+@given(random_losses())
+def test_random_losses_with_caller_shapes_match_native_under_every_pass_combination(case):
     report = check_case(case)
     assert report.ok, str(report)
 
@@ -71,19 +85,14 @@ def test_ten_thousand_random_losses(case):
 
 
 # -- the generator ----------------------------------------------------------------------------
-BASE = (InputSpec("rows", "a"), InputSpec("rows", "b"), InputSpec("mask", "a"), InputSpec("mask", "b"))
+BASE = BASE_INPUTS
 
 
 def _case(ops, *, kept=(), calls=((3, 2), (0, 4)), schedule="sequential", second_order=False,
           dim=2, inputs=BASE) -> LossCase:
     """An explicit case: ``ops`` as (name, args) over registers r0 rows a, r1 rows b, r2/r3 masks."""
-    builder = ProgramBuilder(dim, inputs)
-    for name, args in ops:
-        builder.add(name, args)
-    masks = sum(s.kind == "mask" for s in inputs)
-    program = builder.finish(kept)
-    return LossCase(program, 0, tuple(CallInputs((("a", a), ("b", b)), ("random",) * masks, 7 + k)
-                                      for k, (a, b) in enumerate(calls)), schedule, second_order)
+    return explicit_case(ops, kept=kept, calls=calls, dim=dim, inputs=inputs, schedule=schedule,
+                         second_order=second_order)
 
 
 def _zoo() -> ProgramBuilder:
@@ -140,7 +149,8 @@ def test_the_strategy_draws_every_op_kind_and_every_input_situation():
     wanted = {*KINDS, "input rows", "input target", "input mask", "input poisoned", "mask empty",
               "mask full", "mask random", "zero rows", "unequal rows", "flow on two selections",
               "kept through an aliasing op",
-              *(f"schedule {s}{o}" for s in SCHEDULES for o in ("", " second order"))}
+              *(f"schedule {s}{o}" for s in SCHEDULES for o in ("", " second order")
+                if (s, o) != ("threads", " second order"))}
     assert wanted - seen == set()
 
 
