@@ -67,6 +67,37 @@ def failing_as(what: str) -> Iterator[None]:
         raise CliError(f"could not {what}: {type(exc).__name__}: {exc}") from exc
 
 
+# -- options ----------------------------------------------------------------------------------
+def at_least(least: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= ``least`` (anything else is argparse's usage error)."""
+    def integer(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+        return value
+    return integer
+
+
+def check_device(text: str) -> torch.device:
+    """``--device`` as a torch.device; a usage error (one line, exit 2) for a name torch does not
+    know or a CUDA device this machine does not have."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise CliError(f"--device {text!r} is not a torch device", EXIT_USAGE) from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CliError(f"--device {text}: this torch ({torch.__version__}) sees no CUDA "
+                           f"device; run with --device cpu", EXIT_USAGE)
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise CliError(f"--device {text}: there are {torch.cuda.device_count()} CUDA "
+                           f"device(s)", EXIT_USAGE)
+    return device
+
+
 # -- naming Python objects -------------------------------------------------------------------
 def import_file(path: str | Path) -> ModuleType:
     """The module of the Python file at ``path``, imported once under a name made from its path."""
@@ -189,7 +220,8 @@ def add_explain(subparsers: Any) -> None:
     p.add_argument("--inputs", metavar="SPEC", help="input factory, module:attr or file.py:attr")
     p.add_argument("--passes", default="", metavar="A,B",
                    help="passes by class name in fxpasses.passes (or module:attr), in order")
-    p.add_argument("--calls", type=int, default=2, metavar="N", help="calls to run (default 2)")
+    p.add_argument("--calls", type=at_least(1), default=2, metavar="N",
+                   help="calls to run, at least 1 (default 2)")
     p.add_argument("--seed", type=int, default=0, help="torch.manual_seed before loading (0)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--brief", action="store_true", help="leave out each check's evidence")
@@ -200,8 +232,8 @@ def add_explain(subparsers: Any) -> None:
     p.add_argument("--svg", metavar="PATH", help="draw before/after graphs (needs Graphviz dot)")
     p.add_argument("--png", metavar="PATH", help="as --svg, in PNG")
     p.add_argument("--dot", metavar="PATH", help="write the drawing as DOT text (no Graphviz)")
-    p.add_argument("--specialization", type=int, default=0, metavar="I",
-                   help="which specialization to draw (default 0)")
+    p.add_argument("--specialization", type=at_least(0), default=0, metavar="I",
+                   help="which specialization to draw, from 0 (default 0)")
     p.add_argument("--require-applied", action="append", default=[], metavar="PASS",
                    help="exit 1 unless a certificate of PASS says applied (repeatable, or A,B)")
     p.set_defaults(run=run_explain)
@@ -214,7 +246,7 @@ def _backward(out: Any) -> None:
         sum(grads).backward()
 
 
-def _on_device(device: str, loss: Any, call_args: tuple, call_kwargs: dict) -> tuple:
+def _on_device(device: torch.device, loss: Any, call_args: tuple, call_kwargs: dict) -> tuple:
     """The loss's modules and the input tensors on ``device`` (leaves keep requires_grad)."""
     if isinstance(loss, torch.nn.Module):
         loss.to(device)
@@ -236,13 +268,17 @@ def _live_report(args: argparse.Namespace) -> dict[str, Any]:
         raise CliError(f"{args.target} is a loss: give its inputs with --inputs module:attr",
                        EXIT_USAGE)
     passes = resolve_passes(args.passes)
+    device = check_device(args.device)
+    if not passes:
+        print("fxpasses: no --passes given: the loss is traced and run with none (name them, "
+              "e.g. --passes PairRLE,SelectRows,CaptureLoss)", file=sys.stderr)
     torch.manual_seed(args.seed)
     with failing_as(f"load the loss {args.target}"):
         loss = make_loss(load_object(args.target))
     with failing_as(f"make inputs with {args.inputs}"):
         call_args, call_kwargs = make_inputs(load_object(args.inputs))
-    with failing_as(f"move the loss and inputs to {args.device}"):
-        loss, call_args, call_kwargs = _on_device(args.device, loss, call_args, call_kwargs)
+    with failing_as(f"move the loss and inputs to {device}"):
+        loss, call_args, call_kwargs = _on_device(device, loss, call_args, call_kwargs)
     fast = optimize(loss, passes)
     with failing_as(f"run the loss {args.target}"):
         for _ in progress(range(args.calls), what="calls"):
@@ -291,6 +327,10 @@ def run_explain(args: argparse.Namespace) -> int:
         except RendererMissing as exc:
             raise CliError(str(exc)) from None
     report = _report(args)
+    made = len(report["specializations"])
+    if args.specialization >= made:
+        raise CliError(f"--specialization {args.specialization}: the report has {made} "
+                       f"specialization(s)" + (f", 0 to {made - 1}" if made else ""), EXIT_USAGE)
     if args.save:
         with failing_as(f"save {args.save}"):
             save(report, args.save)

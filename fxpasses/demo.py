@@ -4,9 +4,11 @@ Runs the dual-branch pose loss (batch 4, 640 px by default) natively and through
 ``optimize(loss, passes=[PairRLE(), CaptureLoss()])``, then prints the values and gradient
 differences, the linear calls per step, the certificates in brief, the first-call times, and the
 speed: ``--steps`` rounds, each on a fresh batch, that time one forward+backward step of each
-(in alternating order), summarised as the median per-round ratio native/optimized with its
-p10-p90 spread. On a machine without CUDA, CaptureLoss refuses with ``not-on-capture-device`` and
-says so; PairRLE still applies.
+(in alternating order; recordings of a new batch's shapes included, as in training), summarised
+as the median per-round ratio native/optimized, with its p10-p90 spread from 10 rounds on. The
+last line is the verdict: whether the values match, what did not apply on this device and why,
+and how much faster the optimized loss is. On a machine without CUDA, CaptureLoss refuses with
+``not-on-capture-device``; PairRLE still applies. Exit 1 if the values do not match.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from .cli import EXIT_USAGE, CliError
+from .cli import EXIT_USAGE, CliError, check_device
 from .optimize import optimize
 from .passes import CaptureLoss, PairRLE
 from .report import build_report
@@ -27,6 +29,10 @@ from .timing import device_sync, interleave
 from .workloads.pose import DualBranchPoseLoss, make_batch
 from .workloads.pose.batches import STRIDES
 
+SPREAD_ROUNDS = 10  # fewer timed rounds give no p10-p90 spread and no speed verdict
+MATCH = 1e-4  # relative difference of loss and gradients that float32 rounding stays below
+SAME_SPEED = 0.05  # a median ratio within this of 1 is "as fast as native"
+
 def add_demo(subparsers: Any) -> None:
     p = subparsers.add_parser("demo", help="run the reference pose loss natively and optimized",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -34,8 +40,9 @@ def add_demo(subparsers: Any) -> None:
     p.add_argument("--image-size", type=int, default=640, help="pixels (default 640)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cuda (default when available) or cpu")
-    p.add_argument("--steps", type=int, default=10,
-                   help="timed rounds, each one step of both on a fresh batch (default 10)")
+    p.add_argument("--steps", type=int, default=SPREAD_ROUNDS,
+                   help="timed rounds, each one step of both on a fresh batch (default "
+                        f"{SPREAD_ROUNDS}; fewer give no spread)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save", metavar="PATH", help="write the certificates report (JSON) to PATH")
     p.set_defaults(run=run_demo)
@@ -47,19 +54,8 @@ def check_options(args: argparse.Namespace) -> torch.device:
                                  ("--image-size", args.image_size, max(STRIDES))):
         if value < least:
             raise CliError(f"{option} must be at least {least}, got {value}", EXIT_USAGE)
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise CliError(f"--device {args.device!r} is not a torch device; the demo runs on cpu "
-                       f"or cuda", EXIT_USAGE) from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise CliError(f"--device {args.device}: this torch ({torch.__version__}) sees no "
-                           f"CUDA device; run with --device cpu", EXIT_USAGE)
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise CliError(f"--device {args.device}: there are {torch.cuda.device_count()} "
-                           f"CUDA device(s)", EXIT_USAGE)
-    elif device.type != "cpu":
+    device = check_device(args.device)
+    if device.type not in ("cpu", "cuda"):
         raise CliError(f"--device {args.device}: the demo runs on cpu or cuda", EXIT_USAGE)
     return device
 
@@ -105,9 +101,9 @@ def run_demo(args: argparse.Namespace) -> int:
             a, b = reference.branches[branch][term].item(), optimized.branches[branch][term].item()
             print(f"  {branch}.{term:<18} {a:>15.8f} {b:>15.8f}")
     loss_diff, grad_diff = differences(loss, fast, batch(-2), total)
+    linear = _linear_calls(loss, first), _linear_calls(fast, first)
     print(f"  relative difference: loss {loss_diff:.2e}, gradients (worst input, L2) {grad_diff:.2e}")
-    print(f"\nlinear calls per step: native {_linear_calls(loss, first)}, "
-          f"optimized {_linear_calls(fast, first)}")
+    print(f"\nlinear calls per step: native {linear[0]}, optimized {linear[1]}")
     print("\ncertificates:")
     for cert in fast.certificates:
         codes = f" [{', '.join(cert.codes)}]" if cert.codes else ""
@@ -119,16 +115,58 @@ def run_demo(args: argparse.Namespace) -> int:
                           "optimized": lambda b: step(fast, b, total)},
                          batch, args.steps, baseline="native", sync=sync, label="demo rounds")
     native, optimized_t = timings["native"], timings["optimized"]
-    low, high = optimized_t.ratio_spread()
     print(f"\ntimings (first call; then {args.steps} rounds of one forward+backward step each, "
           f"a fresh batch per round, alternating order):")
     print(f"  native     first call {native_first:6.2f} s   step {native.median_ms:8.2f} ms (median)")
     print(f"  optimized  first call {fast_first:6.2f} s   step {optimized_t.median_ms:8.2f} ms (median)")
     print(f"  speed: native/optimized per round, median {optimized_t.ratio:.2f}x "
-          f"(p10-p90 {low:.2f}-{high:.2f}x)")
+          + _spread(optimized_t))
     print(f"\nrun time: {fast.stats.render()}")
     if args.save:
         from .certificates.io import save
         save(build_report(fast), args.save)
         print(f"\ncertificates written to {args.save} (read them with: fxpasses explain {args.save})")
-    return 0
+    match = loss_diff <= MATCH and grad_diff <= MATCH
+    print("\nverdict: " + "; ".join((_values(match, loss_diff, grad_diff),
+                                     _applied(fast, device, linear), _speed(optimized_t))))
+    return 0 if match else 1
+
+
+def _spread(timing: Any) -> str:
+    if len(timing.ratios) < SPREAD_ROUNDS:
+        return f"(no spread from {len(timing.ratios)} rounds: run --steps {SPREAD_ROUNDS} or more)"
+    low, high = timing.ratio_spread()
+    return f"(p10-p90 {low:.2f}-{high:.2f}x)"
+
+
+def _values(match: bool, loss_diff: float, grad_diff: float) -> str:
+    diffs = f"loss {loss_diff:.1e}, gradients {grad_diff:.1e} relative"
+    return f"values match ({diffs})" if match else f"VALUES DIFFER ({diffs}): please report it"
+
+
+def _applied(fast: Any, device: torch.device, linear: tuple[int, int]) -> str:
+    """Which passes applied, and why each other one did not (CUDA it needs, or its codes)."""
+    applied = {c.pass_name for c in fast.certificates if c.applied}
+    paired = f" ({linear[0]} -> {linear[1]} linear calls)" if "PairRLE" in applied else ""
+    names = [p.name for p in fast.passes]
+    if all(n in applied for n in names):
+        return f"{' and '.join(names)} applied{paired}"
+    why = []
+    for name in (n for n in names if n not in applied):
+        codes = sorted({code for c in fast.certificates if c.pass_name == name for code in c.codes})
+        why.append(f"{name} needs CUDA" if "not-on-capture-device" in codes
+                   else f"{name} refused ({', '.join(codes) or 'no site'})")
+    only = " and ".join(n for n in names if n in applied) or "no pass"
+    where = "CPU" if device.type == "cpu" else str(device)
+    return f"{', '.join(why)}: on this {where} only {only} applies{paired}"
+
+
+def _speed(timing: Any) -> str:
+    rounds = len(timing.ratios)
+    if rounds < SPREAD_ROUNDS:
+        return f"speed not judged from {rounds} rounds (it takes {SPREAD_ROUNDS})"
+    if abs(timing.ratio - 1) <= SAME_SPEED:
+        return f"as fast as native ({timing.ratio:.2f}x)"
+    if timing.ratio > 1:
+        return f"{timing.ratio:.2f}x faster than native"
+    return f"slower than native ({timing.ratio:.2f}x)"

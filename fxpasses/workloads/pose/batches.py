@@ -4,11 +4,13 @@
 a seed gives the same batch on every machine, device and dtype (up to that dtype's rounding).
 
 * anchors: strides 8, 16, 32 over a square image (640 px: 80² + 40² + 20² = 8400 anchors);
-* targets: image 0 has one object, image 1 (when there is one) ``max_objects``, the others a
-  uniform count in between; boxes are person-like (taller than wide) and lie inside the image;
-  keypoints lie inside their box; about ``unlabelled`` of them are not visible, and with
-  ``poison`` most of those carry NaN, +inf or -inf coordinates (the rest 0, COCO's convention),
-  and padding rows have NaN boxes and keypoints;
+* targets: objects per image as in COCO person images (:func:`~fxpasses.workloads.counts.object_counts`:
+  some images empty, most 1 to 4, a tail to ``max_objects``; nothing pinned), or ``counts`` as
+  given; padded, as a data loader pads, to the most objects in any image of the batch (``M``
+  changes from batch to batch, and is 0 when every image is empty); boxes are person-like
+  (taller than wide) and lie inside the image; keypoints lie inside their box; about
+  ``unlabelled`` of them are not visible, and with ``poison`` most of those carry NaN, +inf or
+  -inf coordinates (the rest 0, COCO's convention), and padding rows have NaN boxes and keypoints;
 * predictions, per branch with its own noise: anchors inside an object predict that object's box,
   keypoints and class with noise (realistic positives); the others predict a background box
   around the anchor and a low class score. Sigmas lie in (0.1, 0.9), as after a sigmoid.
@@ -18,11 +20,13 @@ a seed gives the same batch on every machine, device and dtype (up to that dtype
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
+from ..counts import object_counts
 from .boxes import anchors_inside
 from .inputs import BranchPrediction, PoseLossInputs, PoseTargets
 
@@ -49,12 +53,17 @@ def make_anchors(image_size: int, strides: tuple[int, ...] = STRIDES, *,
 def make_batch(batch_size: int = 4, *, seed: int = 0, image_size: int = 640,
                num_keypoints: int = 17, max_objects: int = 20, num_classes: int = 1,
                unlabelled: float = 0.3, poison: bool = True, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32, requires_grad: bool = True) -> PoseLossInputs:
-    """A batch of loss inputs; see the module docstring for what is drawn and how."""
+               dtype: torch.dtype = torch.float32, requires_grad: bool = True,
+               counts: Tensor | Sequence[int] | None = None) -> PoseLossInputs:
+    """A batch of loss inputs; see the module docstring for what is drawn and how.
+
+    ``counts`` (batch_size,) fixes the objects per image instead of drawing them (a test that
+    needs a pinned maximum passes it and says so); ValueError on a count outside [0, max_objects].
+    """
     g = torch.Generator().manual_seed(seed)
     anchors, strides = make_anchors(image_size, dtype=torch.float64)
     targets = _targets(g, batch_size, image_size, num_keypoints, max_objects, num_classes,
-                       unlabelled, poison)
+                       unlabelled, poison, counts)
     o2m, o2o = (_predictions(g, targets, anchors, strides, num_classes) for _ in range(2))
 
     def cast(t: Tensor) -> Tensor:
@@ -67,18 +76,25 @@ def make_batch(batch_size: int = 4, *, seed: int = 0, image_size: int = 640,
                           cast(anchors), cast(strides))
 
 
-def _object_counts(g: torch.Generator, batch_size: int, max_objects: int) -> Tensor:
-    counts = torch.randint(1, max_objects + 1, (batch_size,), generator=g)
-    counts[0] = 1
-    if batch_size > 1:
-        counts[1] = max_objects
+def _counts(g: torch.Generator, batch_size: int, max_objects: int,
+            counts: Tensor | Sequence[int] | None) -> Tensor:
+    """Objects per image: drawn as in COCO person images, or ``counts`` checked."""
+    if counts is None:
+        return object_counts(g, batch_size, max_objects)
+    counts = torch.as_tensor(counts, dtype=torch.long)
+    if counts.shape != (batch_size,) or (counts < 0).any() or (counts > max_objects).any():
+        raise ValueError(f"counts must be {batch_size} integers in [0, {max_objects}], "
+                         f"got {counts.tolist()}")
     return counts
 
 
 def _targets(g: torch.Generator, batch_size: int, size: int, num_keypoints: int,
-             max_objects: int, num_classes: int, unlabelled: float, poison: bool) -> PoseTargets:
-    shape = (batch_size, max_objects)
-    valid = torch.arange(max_objects)[None] < _object_counts(g, batch_size, max_objects)[:, None]
+             max_objects: int, num_classes: int, unlabelled: float, poison: bool,
+             counts: Tensor | Sequence[int] | None = None) -> PoseTargets:
+    counts = _counts(g, batch_size, max_objects, counts)
+    rows = int(counts.max()) if batch_size else 0  # padded as a data loader pads the batch
+    shape = (batch_size, rows)
+    valid = torch.arange(rows)[None] < counts[:, None]
     rand = lambda *s: torch.rand(*s, generator=g, dtype=torch.float64)  # noqa: E731
     wh = size * torch.stack((0.08 + 0.3 * rand(shape), 0.15 + 0.45 * rand(shape)), -1)
     top_left = rand(*shape, 2) * (size - wh)
@@ -96,6 +112,9 @@ def _targets(g: torch.Generator, batch_size: int, size: int, num_keypoints: int,
 
 def _predictions(g: torch.Generator, targets: PoseTargets, anchors: Tensor, strides: Tensor,
                  num_classes: int) -> BranchPrediction:
+    if targets.valid.shape[1] == 0:  # every image empty: one padding row that owns no anchor
+        targets = tree_map(lambda t: torch.cat((t, t.new_zeros(t.shape[0], 1, *t.shape[2:])), 1),
+                           targets)
     (batch_size, _), num_anchors = targets.valid.shape, anchors.shape[0]
     num_keypoints = targets.keypoints.shape[2]
     randn = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
