@@ -3,8 +3,10 @@ loss's plain callable object, the flow's flag read inside ``log_prob``), a flow 
 state in training mode, concurrent calls, a bad call that raises then valid ones.
 
 Each shape is drawn by ``random_losses()`` and checked by ``check_case``. The ``test_census_finds_*``
-tests are hand-built cases of each shape; on code without the fixes of the defects they exhibit
-each one fails (strict xfail, naming the branch that fixes it), so the census would find them.
+tests are hand-built cases of each shape; each failed on the code before the fixes of the defects
+they exhibit (stale settings of a callable object, a flag read inside the paired flow, analysis runs
+writing module state, racing threads, optimization disabled after a raised call), so the census
+finds that class.
 """
 
 from __future__ import annotations
@@ -170,7 +172,6 @@ def test_an_unchanged_case_of_each_shape_passes_where_nothing_is_stale():
 
 
 # -- today's defects, as the census finds them ----------------------------------------------
-@pytest.mark.xfail(strict=True, reason="fixed on branch h1 (callable plain objects followed)")
 @pytest.mark.parametrize("target, value, op", [("gain", 2.0, "call_scaler"),
                                                ("power", 3, "call_scaler"),
                                                ("weight", -2.0, "call_scaler"),
@@ -181,14 +182,12 @@ def test_census_finds_stale_callable_setting(target, value, op):
     assert report.ok, str(report)
 
 
-@pytest.mark.xfail(strict=True, reason="fixed on branch h3 (reads inside a paired call guarded)")
 def test_census_finds_stale_flag_inside_the_paired_flow():
     case = _with(_case(FLOWS, calls=THREE_CALLS), mutations=(Mutation(1, "center", True),))
     report = check_case(case, arms={"PairRLE": ARMS["PairRLE"]})
     assert report.ok, str(report)
 
 
-@pytest.mark.xfail(strict=True, reason="fixed on branch h3 (analysis runs restore module state)")
 def test_census_finds_flow_state_written_by_analysis_runs():
     case = _with(_case(FLOWS, calls=THREE_CALLS), stateful_flow=True)
     report = check_case(case, arms={"PairRLE": ARMS["PairRLE"]})
@@ -196,7 +195,6 @@ def test_census_finds_flow_state_written_by_analysis_runs():
 
 
 @pytest.mark.long
-@pytest.mark.xfail(strict=True, reason="fixed on branch h2 (OptimizedLoss thread safety)")
 def test_census_finds_concurrent_calls_racing():
     """Large row counts make the threads' calls overlap (with a few rows a race is rarer: the
     census's threads cases find it in some of them)."""
@@ -208,7 +206,6 @@ def test_census_finds_concurrent_calls_racing():
         assert report.ok, str(report)
 
 
-@pytest.mark.xfail(strict=True, reason="fixed on branch h2 (a raised call does not disable)")
 def test_census_finds_optimization_disabled_after_a_raised_call():
     case = _with(_case(FLOWS, calls=THREE_CALLS), bad_call=1)
     report = check_case(case, arms={"none": ARMS["none"]})

@@ -57,19 +57,8 @@ DRAWS = settings(max_examples=100, derandomize=True, database=None, deadline=Non
 # -- the property ---------------------------------------------------------------------------
 @pytest.mark.long
 @CI
-@given(random_losses(extras=False))
-def test_random_losses_match_native_under_every_pass_combination(case):
-    report = check_case(case)
-    assert report.ok, str(report)
-
-
-@pytest.mark.long
-@pytest.mark.xfail(strict=True, reason="fixed on branches h1, h2, h3 (the caller shapes' defects, "
-                   "tests/testing/test_caller_shapes.py); once merged this test replaces the one "
-                   "above")
-@CI
 @given(random_losses())
-def test_random_losses_with_caller_shapes_match_native_under_every_pass_combination(case):
+def test_random_losses_match_native_under_every_pass_combination(case):
     report = check_case(case)
     assert report.ok, str(report)
 
