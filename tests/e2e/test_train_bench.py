@@ -43,7 +43,9 @@ def test_training_benchmark_on_a_cpu_in_float64(tmp_path, capsys, monkeypatch, r
     assert agreement["loss_max_rel"] < 1e-10 and agreement["params_max_rel_l2"] < 1e-10, agreement
     control = arms["native-perturbed"]["agreement"]
     assert 0 < control["params_max_rel_l2"] < 1e-10, control  # rounding-sized, and not zero
-    assert arms["optimized"]["loss_stats"] == {"optimized": 43, "native": {}, "exceptions": []}
+    stats = arms["optimized"]["loss_stats"]  # realistic batches: a rare decision runs natively once
+    assert stats["optimized"] + sum(stats["native"].values()) == 43 and stats["optimized"] >= 41
+    assert set(stats["native"]) <= {"guard-failed"} and stats["exceptions"] == []
     assert "PairRLE: applied" in arms["optimized"]["certificates"]
     text = (tmp_path / "train.md").read_text()
     assert "| optimized |" in text and "skipped: needs CUDA" in text
