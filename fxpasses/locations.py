@@ -28,6 +28,8 @@ import torch.fx as fx
 TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
 _WORKLOADS_DIR = os.path.join(_OWN_DIR, "workloads")
+# the random losses of fxpasses.testing are bundled losses too (their settings are the loss's)
+_BUNDLED_LOSSES = (_WORKLOADS_DIR, os.path.join(_OWN_DIR, "testing", "loss_programs.py"))
 _STDLIB = sysconfig.get_paths()["stdlib"]
 _INSTALLED = tuple({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)')
@@ -35,8 +37,9 @@ _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S
 
 def is_user_file(path: str) -> bool:
     """Frames outside torch, fxpasses' machinery and Python's standard library (the bundled
-    workloads and installed third-party packages are user code)."""
-    if path.startswith(_WORKLOADS_DIR):
+    workloads, the random losses of :mod:`fxpasses.testing.loss_programs` and installed
+    third-party packages are user code)."""
+    if path.startswith(_BUNDLED_LOSSES):
         return True
     if path.startswith(_STDLIB) and not path.startswith(_INSTALLED):
         return False
