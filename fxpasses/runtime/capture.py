@@ -62,7 +62,6 @@ from torch.utils import _pytree as pytree
 from ..certificates.codes import note
 from ..guards import ambient_state
 from . import Propagator, RuntimeOp
-from .branch_grads import reachable
 from .module_state import MODULE_STATE
 
 
@@ -399,8 +398,7 @@ class GraphRecorder:
 def _sources(outputs: list[Any], grad_output_index: list[int], inputs: list[Any],
              grad_input_index: list[int], grad_inputs: list[Any]) -> dict[int, frozenset[int]] | None:
     """For each input that receives a gradient, the outputs whose autograd graph reaches it (a
-    walk of the recorded forward's graph to the inputs' ``AccumulateGrad`` nodes, into a paired
-    call's branches only where their parts are reached). None when it
+    walk of the recorded forward's graph to the inputs' ``AccumulateGrad`` nodes). None when it
     cannot be told: an input with a history of its own, or a walk that disagrees with the recorded
     backward (an input it finds no path to, yet given a gradient)."""
     if not grad_inputs or any(inputs[i].grad_fn is not None for i in grad_input_index):
@@ -408,10 +406,16 @@ def _sources(outputs: list[Any], grad_output_index: list[int], inputs: list[Any]
     position = {id(inputs[i]): i for i in grad_input_index}
     found: dict[int, set[int]] = {i: set() for i in grad_input_index}
     for j in grad_output_index:
-        for node in reachable(outputs[j]):
+        stack, seen = [outputs[j].grad_fn], set()
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
             variable = getattr(node, "variable", None)
             if variable is not None and id(variable) in position:
                 found[position[id(variable)]].add(j)
+            stack.extend(next_node for next_node, _ in node.next_functions)
     if any(g is not None and not found[i] for i, g in zip(grad_input_index, grad_inputs)):
         return None
     return {i: frozenset(found[i]) for i in grad_input_index}

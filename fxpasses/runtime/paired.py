@@ -6,8 +6,7 @@ A :class:`PairedCall` is the ``call_function`` target the pairing pass puts in t
 call it checks the per-call guards — all branches' rows are plain ``torch.Tensor`` of one dtype and
 one device — and otherwise runs the branches' separate native calls, counting the reason. The split
 uses each branch's row count of *this* call (unequal and zero counts included); weights are never
-stacked or copied. The stack and the split hand a branch's rows a gradient only where autograd
-reaches that branch's results (:mod:`.branch_grads`).
+stacked or copied.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from . import RuntimeOp
-from .branch_grads import BranchLink
 
 
 def guard_failure(rows: tuple[torch.Tensor, ...]) -> str | None:
@@ -79,5 +77,4 @@ class PairedCall(RuntimeOp):
         return self.paired(module, rows)
 
     def paired(self, module: nn.Module, rows: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
-        link = BranchLink([r.shape[0] for r in rows])
-        return link.split(self.bound(module)(link.stack(rows)))
+        return split_rows(self.bound(module)(torch.cat(rows)), [r.shape[0] for r in rows])

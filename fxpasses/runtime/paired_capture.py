@@ -18,10 +18,10 @@ from typing import Any, Sequence
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from .capture import CapturedRegion, Recorder
-from .branch_grads import BranchLink
-from .paired import PairedCall, guard_failure
+from .paired import PairedCall, guard_failure, split_rows
 
 
 def bucket(rows: int, minimum: int) -> int:
@@ -51,5 +51,9 @@ class CapturedPairedCall(PairedCall):
         counts = [r.shape[0] for r in rows]
         total = sum(counts)
         pad = rows[0].new_zeros((bucket(total, self.min_bucket) - total, *rows[0].shape[1:]))
-        link = BranchLink([*counts, pad.shape[0]])
-        return link.split(self.region(module, link.stack([*rows, pad])))[:-1]  # padding dropped
+        out = self.region(module, torch.cat([*rows, pad]))
+        return split_rows(_first_rows(out, total), counts)
+
+
+def _first_rows(out: Any, total: int) -> Any:
+    return pytree.tree_map(lambda leaf: leaf[:total], out)

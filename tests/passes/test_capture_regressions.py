@@ -219,6 +219,15 @@ def _opaque_inputs(cls, calls: list[tuple[int, int]]) -> list[tuple]:
             for k, (n, m) in enumerate(calls)]
 
 
+_ZERO_NOT_NONE = pytest.mark.xfail(strict=True, reason=(
+    "known defect (issue 23 item 8, open): rows whose log-probabilities pass a leaf function and "
+    "are only returned detached get a zero gradient from a paired call where natively they get "
+    "None; the fix tried (autograd Functions linking stack and split) gave wrong second-order "
+    "gradients under PairRLE+CaptureLoss (test_second_order_gradients_of_three_paired_calls_"
+    "in_a_region) and was taken back"))
+
+
+@_ZERO_NOT_NONE
 @pytest.mark.parametrize("cls", list(_OPAQUE_CALLS), ids=lambda c: c.__name__)
 @pytest.mark.parametrize("arm", ["PairRLE", "PairRLE+CaptureLoss"])
 def test_pairing_gives_no_gradient_to_rows_whose_log_probs_pass_a_leaf_then_detach(cls, arm):
@@ -243,6 +252,7 @@ def test_pairing_gives_no_gradient_to_rows_whose_log_probs_pass_a_leaf_then_deta
     assert fast.stats.optimized == len(_OPAQUE_CALLS[cls]) and not fast.stats.native
 
 
+@_ZERO_NOT_NONE
 def test_census_program_of_a_detached_opaque_branch_matches_native():
     """The census's program (seed 7777) as it found it, every arm, its calls."""
     builder = ProgramBuilder(2, [InputSpec("rows", "a"), InputSpec("rows", "b"), InputSpec("mask", "a"),
@@ -605,4 +615,21 @@ def test_a_region_backward_without_any_gradient_gives_its_inputs_none():
              CallInputs((("a", 0), ("b", 1)), ("empty", "random"), 2139))
     case = LossCase(builder.finish((11, 12)), 2299, calls, "sequential", False)
     report = check_case(case, arms={"CaptureLoss": ARMS["CaptureLoss"]})
+    assert report.ok, str(report)
+
+
+def test_second_order_gradients_of_three_paired_calls_in_a_region():
+    """Census (H200 CPUs, seed 300+, 18 cases): three flow calls on two branches' rows, paired and
+    captured, differentiated twice (create_graph): the first fix of the zero-not-None defect gave
+    rows a wrong second-order gradient (max rel 1.85); exact with the plain stack and split."""
+    import dataclasses
+
+    from fxpasses.testing.loss_check import ARMS, check_case
+    from fxpasses.testing.random_losses import explicit_case
+
+    case = dataclasses.replace(explicit_case(
+        [("shift_by_bias", (0,)), ("log_prob", (0,)), ("log_prob", (1,)), ("log_prob", (1,)),
+         ("ratio", (7, 6))], calls=((4, 6), (4, 6)), dim=3, schedule="sequential",
+        second_order=True), seed=84)
+    report = check_case(case, arms={"PairRLE+CaptureLoss": ARMS["PairRLE+CaptureLoss"]})
     assert report.ok, str(report)
