@@ -2,7 +2,8 @@
 
 ``enable()`` registers its callbacks on a real ``YOLO`` object; its ``on_pretrain_routine_end``
 goes to each rank pickled (as Ultralytics' launcher sends the trainer's callbacks) and wraps that
-rank's own DDP model's criterion. The ranks run :mod:`ultralytics_ddp_worker` (a plain module on
+rank's own DDP model's criterion, for the trainer's DDP settings with and without ``compile``
+(the latter not compiled: see the worker). The ranks run :mod:`ultralytics_ddp_worker` (a plain module on
 this folder's path, so that spawned processes import it by name). Checked: after every step the
 all-reduced gradients of every parameter equal the native criterion's to 1e-10 relative (float64)
 on both ranks, although at step 1 one rank's persons have no visible keypoints and the other rank
@@ -35,7 +36,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_ranks(tmp_path: Path) -> list[dict]:
+def _run_ranks(tmp_path: Path, mode: str) -> list[dict]:
     from ultralytics import YOLO
     from ultralytics_ddp_worker import run_rank
 
@@ -44,7 +45,7 @@ def _run_ranks(tmp_path: Path) -> list[dict]:
     callback = yolo.callbacks["on_pretrain_routine_end"][-1]
     assert isinstance(callback.__self__, fxu.Integration)
     context = mp.start_processes(run_rank,
-                                 args=(WORLD_SIZE, _free_port(), str(tmp_path), callback),
+                                 args=(WORLD_SIZE, _free_port(), str(tmp_path), mode, callback),
                                  nprocs=WORLD_SIZE, join=False, start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S
     while not context.join(timeout=1.0):  # re-raises a rank's exception with its traceback
@@ -55,12 +56,12 @@ def _run_ranks(tmp_path: Path) -> list[dict]:
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
 
 
-@pytest.fixture(scope="module")
-def reports(tmp_path_factory):
+@pytest.fixture(scope="module", params=["eager", "compile"])
+def reports(request, tmp_path_factory):
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.syspath_prepend(str(Path(__file__).parent))  # spawned ranks inherit sys.path
     try:
-        yield _run_ranks(tmp_path_factory.mktemp("ultralytics_ddp"))
+        yield _run_ranks(tmp_path_factory.mktemp(f"ultralytics_ddp_{request.param}"), request.param)
     finally:
         monkeypatch.undo()
 

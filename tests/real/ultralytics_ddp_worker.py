@@ -1,10 +1,11 @@
 """One rank of the real-model DDP test (imported by spawned processes; see test_ultralytics_ddp.py).
 
 Each rank builds the YOLO26n pose model in float64 (default dtype float64, so that the criterion's
-own buffers are float64 too), and two DistributedDataParallel copies of it wrapped as Ultralytics'
-trainer wraps its model without ``compile`` (``find_unused_parameters=True``, no buffer sync),
-trained as its loop trains (``loss, items = model(batch)``, ``(loss.sum() * world_size).backward()``,
-then an optimizer step). The native copy builds its criterion lazily, as natively; the other has its
+own buffers are float64 too), and two DistributedDataParallel copies of it wrapped and trained as
+Ultralytics' trainer does (``(loss.sum() * world_size).backward()``, then an optimizer step): mode
+"eager" as without ``compile`` (``find_unused_parameters=True``, the loss computed inside the DDP
+forward of the batch), mode "compile" as with it, uncompiled (``static_graph=True``, the model's
+``loss`` on the DDP forward's predictions); no buffer sync in either. The native copy builds its criterion lazily, as natively; the other has its
 criterion wrapped by the integration's own ``on_pretrain_routine_end`` callback (received pickled,
 as the Ultralytics launcher sends callbacks to its ranks) called with a trainer-like object holding
 the DDP model. Both copies step in lockstep on the same per-rank batches; after each backward the
@@ -55,16 +56,27 @@ def _worst(got: torch.Tensor | None, want: torch.Tensor | None) -> float:
     return ((got - want).abs() / (ATOL + RTOL * want.abs())).max().item()
 
 
-def _ddp(model: torch.nn.Module) -> DistributedDataParallel:
-    """As ``BaseTrainer._setup_train`` wraps it when not compiling (CPU: no device_ids)."""
-    return DistributedDataParallel(model, find_unused_parameters=True, forward_sync_buffers=False)
+def _ddp(model: torch.nn.Module, mode: str) -> DistributedDataParallel:
+    """As ``BaseTrainer._setup_train`` wraps it (CPU: no device_ids); ``mode`` "compile": as with
+    ``compile=True`` (without compiling)."""
+    compiled = mode == "compile"
+    return DistributedDataParallel(model, find_unused_parameters=not compiled,
+                                   static_graph=compiled, forward_sync_buffers=False)
 
 
-def train_and_compare(rank: int, world_size: int,
+def _loss(model: DistributedDataParallel, mode: str, batch: dict) -> torch.Tensor:
+    """The trainer's loss: through the DDP forward of the batch, or (``compile``) the model's
+    ``loss`` on the DDP forward's predictions."""
+    if mode == "compile":
+        return model.module.loss(batch, model(batch["img"]))[0]
+    return model(batch)[0]  # BaseModel.forward(dict): the model's loss, inside DDP
+
+
+def train_and_compare(rank: int, world_size: int, mode: str,
                       on_pretrain_routine_end: Callable[[Any], None]) -> dict:
     torch.manual_seed(0)
     base = pose_model().double().train()
-    models = {arm: _ddp(copy.deepcopy(base)) for arm in ARMS}
+    models = {arm: _ddp(copy.deepcopy(base), mode) for arm in ARMS}
     on_pretrain_routine_end(SimpleNamespace(model=models["optimized"]))  # the rank's callback
     criterion = models["optimized"].module.criterion
     integration = on_pretrain_routine_end.__self__
@@ -79,7 +91,7 @@ def train_and_compare(rank: int, world_size: int,
         grads = {}
         for arm, model in models.items():
             optimizers[arm].zero_grad(set_to_none=True)
-            loss, _ = model(batch)  # BaseModel.forward(dict): the model's loss, inside DDP
+            loss = _loss(model, mode, batch)
             (loss.sum() * world_size).backward()
             grads[arm] = {n: p.grad for n, p in model.module.named_parameters() if p.requires_grad}
             report[arm]["loss"].append(loss.detach().tolist())
@@ -94,7 +106,7 @@ def train_and_compare(rank: int, world_size: int,
         report["stats"] = criterion.optimized.stats.as_dict()
         report["summary"] = summary(criterion)
     for model in models.values():
-        model(batch_for(rank, 0))  # raises if the last backward left a reduction unfinished
+        _loss(model, mode, batch_for(rank, 0))  # raises if the last backward left a reduction unfinished
     return report
 
 
@@ -103,7 +115,7 @@ def _loopback_interface() -> str | None:
     return next((n for n in names if n.startswith("lo")), None)
 
 
-def run_rank(rank: int, world_size: int, port: int, out_dir: str,
+def run_rank(rank: int, world_size: int, port: int, out_dir: str, mode: str,
              on_pretrain_routine_end: Callable[[Any], None]) -> None:
     """Join the gloo group on 127.0.0.1:port, train and compare, write ``rank<r>.json``."""
     interface = _loopback_interface()
@@ -114,7 +126,7 @@ def run_rank(rank: int, world_size: int, port: int, out_dir: str,
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=600))
     try:
-        report = train_and_compare(rank, world_size, on_pretrain_routine_end)
+        report = train_and_compare(rank, world_size, mode, on_pretrain_routine_end)
     finally:
         dist.destroy_process_group()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report, indent=1))
