@@ -2,9 +2,9 @@
 
 ``enable()`` registers its callbacks on a real ``YOLO`` object; its ``on_pretrain_routine_end``
 goes to each rank pickled (as Ultralytics' launcher sends the trainer's callbacks) and wraps that
-rank's own DDP model's criterion, for the trainer's DDP settings with and without ``compile``
-(the latter not compiled: see the worker). The ranks run :mod:`ultralytics_ddp_worker` (a plain module on
-this folder's path, so that spawned processes import it by name). Checked: after every step the
+rank's own DDP model's criterion, for the trainer's DDP settings with and without ``compile`` (the
+latter not compiled: see the worker). The ranks run :mod:`ultralytics_ddp_worker` (a plain module
+on this folder's path, so that spawned processes import it by name). Checked: after every step the
 all-reduced gradients of every parameter equal the native criterion's to 1e-10 relative (float64)
 on both ranks, although at step 1 one rank's persons have no visible keypoints and the other rank
 has no persons; no parameter lacks a gradient; DDP (as the trainer sets it) raises nothing; each

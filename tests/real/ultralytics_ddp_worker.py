@@ -5,12 +5,13 @@ own buffers are float64 too), and two DistributedDataParallel copies of it wrapp
 Ultralytics' trainer does (``(loss.sum() * world_size).backward()``, then an optimizer step): mode
 "eager" as without ``compile`` (``find_unused_parameters=True``, the loss computed inside the DDP
 forward of the batch), mode "compile" as with it, uncompiled (``static_graph=True``, the model's
-``loss`` on the DDP forward's predictions); no buffer sync in either. The native copy builds its criterion lazily, as natively; the other has its
-criterion wrapped by the integration's own ``on_pretrain_routine_end`` callback (received pickled,
-as the Ultralytics launcher sends callbacks to its ranks) called with a trainer-like object holding
-the DDP model. Both copies step in lockstep on the same per-rank batches; after each backward the
-all-reduced gradients of every parameter are compared. At step 1 rank 0's persons have no visible
-keypoints and rank 1's batch has no persons at all.
+``loss`` on the DDP forward's predictions); no buffer sync in either. The native copy builds its
+criterion lazily, as natively; the other has its criterion wrapped by the integration's own
+``on_pretrain_routine_end`` callback (received pickled, as the Ultralytics launcher sends callbacks
+to its ranks) called with a trainer-like object holding the DDP model. Both copies step in lockstep
+on the same per-rank batches; after each backward the all-reduced gradients of every parameter are
+compared. At step 1 rank 0's persons have no visible keypoints and rank 1's batch has no persons at
+all.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def train_and_compare(rank: int, world_size: int, mode: str,
         report["stats"] = criterion.optimized.stats.as_dict()
         report["summary"] = summary(criterion)
     for model in models.values():
-        _loss(model, mode, batch_for(rank, 0))  # raises if the last backward left a reduction unfinished
+        _loss(model, mode, batch_for(rank, 0))  # raises if the last reduction was left unfinished
     return report
 
 
