@@ -721,15 +721,7 @@ def _getattribute_hook(original: Any) -> Any:
             raise
         if name[:2] == "__":
             return value
-        tracker = _tracker()
-        if tracker is None:
-            inside = _inside()
-            if inside is not None and _recorded_read(obj, name):
-                inside.read_inside(obj, name, value)
-            return value
-        if not _recorded_read(obj, name):
-            return value
-        return tracker.read(obj, name, value)
+        return _read(obj, name, value)
 
     __getattribute__._fxpasses_hook = True
     return __getattribute__
@@ -746,17 +738,23 @@ def _module_getattr_hook(original: Any) -> Any:
             elif tracker is None and (inside := _inside()) is not None and _user_caller():
                 inside.absent_inside(module, name)
             raise
-        tracker = _tracker()
-        if tracker is None:
-            inside = _inside()
-            if inside is not None and _recorded_read(module, name):
-                inside.read_inside(module, name, value)
-            return value
-        if not _recorded_read(module, name):
-            return value
-        return tracker.read(module, name, value)
+        return _read(module, name, value)
 
     return __getattr__
+
+
+def _read(obj: Any, name: str, value: Any) -> Any:
+    """An attribute read the hooks saw: recorded by the trace (or, inside a call kept whole,
+    as that call's read) when user code made it; the value the caller gets."""
+    tracker = _tracker()
+    if tracker is None:
+        inside = _inside()
+        if inside is not None and _recorded_read(obj, name, depth=3):
+            inside.read_inside(obj, name, value)
+        return value
+    if not _recorded_read(obj, name, depth=3):
+        return value
+    return tracker.read(obj, name, value)
 
 
 def _setattr_hook(original: Any) -> Any:
