@@ -38,7 +38,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .guards import (AUTOCAST_OFF, GUARD_HELPERS, GUARD_KINDS, Assumption, LossRoots, _instance_methods,
                      _method_names, _module_overrides, flat_form, whole_loss_assumptions)
-from .tracing.sources import Source
+from .ir.sources import Source
 
 FAILED_READ = -2  # a read raised: run the exact path
 

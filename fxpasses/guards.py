@@ -33,9 +33,9 @@ from torch.nn.modules import module as module_mod
 from torch.utils.hooks import RemovableHandle
 
 from .certificates import Guard
+from .ir.carriers import ScalarCarrier
+from .ir.sources import Roots, Source
 from .locations import is_user_class
-from .tracing.sources import Roots, Source
-from .tracing.values import TracedScalar
 
 _GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_pre_hooks",
                       "_global_backward_hooks", "_global_backward_pre_hooks")
@@ -258,11 +258,11 @@ def _held_items(owner: Any, items: Iterable, step: str, depth: int, floats: list
         return ("id", id(owner))
     held = []
     for k, v in items:
-        if not exact and (type(v) is float or type(v) is TracedScalar):
+        if not exact and (type(v) is float or isinstance(v, ScalarCarrier)):
             held.append((k, (float, FLOAT_READ)))
             if floats is not None:
                 floats.append(((*path, (step, k)), owner, k))
-        elif type(v) is TracedScalar:  # a trace's stand-in for the float it holds
+        elif isinstance(v, ScalarCarrier):  # a trace's stand-in for the float it holds
             held.append((k, (float, v.value)))
         else:
             held.append((k, snapshot(v, depth - 1, floats, (*path, (step, k)), exact)))

@@ -23,6 +23,7 @@ from .certificates.digest import content_digest
 from .certificates.io import REPORT_SCHEMA
 from .certificates.model import _as_evidence, _to_json_data
 from .locations import shown
+from .version import __version__
 
 if TYPE_CHECKING:
     from .optimize import OptimizedLoss, Specialization
@@ -46,8 +47,6 @@ def _specialization(special: "Specialization") -> dict[str, Any]:
 
 def build_report(opt: "OptimizedLoss") -> dict[str, Any]:
     """The JSON data of ``opt``'s report (schema ``REPORT_SCHEMA``); see the module docstring."""
-    from . import __version__  # here, not at the top: fxpasses/__init__ imports this module
-
     report = {
         "report_schema": REPORT_SCHEMA,
         "certificate_schema": SCHEMA_VERSION,

@@ -43,7 +43,7 @@ from .signature import CallSignature, flatten_call
 from .tracing.objects import ObjectTracker
 from .tracing.patches import ModulePatcher, _Patches, patched
 from .tracing.recorder import Recorder, Unsupported
-from .tracing.sources import Source
+from .ir.sources import Source
 from .tracing.values import TracedScalar, _active
 
 META_KEY = "fxpasses"

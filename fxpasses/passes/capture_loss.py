@@ -5,7 +5,7 @@ nodes; each region is fused into a submodule (:mod:`fxpasses.analysis.fusion`) a
 replaced by a :class:`~fxpasses.runtime.capture.CapturedRegion`, which records and replays it
 (:mod:`fxpasses.runtime.capture`). Everything else runs eagerly between regions. Certificates: one
 per region (applied), one per source line whose nodes stay eager (a check per node, with its
-code), and one per call proven row-independent by an earlier pass (``fxpasses.facts``): inside a region when its shapes are static; otherwise, when the rows are on
+code), and one per call proven row-independent by an earlier pass (``fxpasses.ir.facts``): inside a region when its shapes are static; otherwise, when the rows are on
 a capture device and zero padding rows are inert (a float64 witness), its one flow call is recorded
 per power-of-two row bucket (:mod:`fxpasses.runtime.paired_capture`).
 """
@@ -25,9 +25,9 @@ from ..analysis.meta import is_dynamic, tensors_in, value
 from ..analysis.witness import padding_witness, witness_holds
 from .. import options
 from ..certificates import Certificate, Check, Guard, Site
-from ..facts import RowIndependentCall, proven
+from ..ir.facts import RowIndependentCall, proven
 from ..pipeline import PassResult
-from ..runtime import RuntimeOp
+from ..ir.runtime_op import RuntimeOp
 from ..runtime.capture import CapturedRegion, Recorder
 from ..runtime.grad_mode import GradOff, GradRestore
 from ..runtime.ownership import OwnedOutputs

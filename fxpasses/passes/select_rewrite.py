@@ -43,10 +43,10 @@ from ..analysis.meta import storages_of, tensors_in, value
 from ..analysis.ops import node_facts
 from ..analysis.order import effects
 from ..analysis.selection import SpaceAnalysis
-from ..facts import BucketedSizes, prove
+from ..ir.facts import BucketedSizes, prove
 from ..locations import node_location
 from ..runtime.select import Capacities, CheckCounts, NonEmptyRows, StartCounts
-from ..runtime.trace_ops import Guard, WriteAttribute
+from ..ir.trace_ops import Guard, WriteAttribute
 
 # aten ops that read memory at positions given by a tensor (a bad index fails the device)
 _INDEXING = ("aten.index", "aten.gather", "aten.scatter", "aten.take", "aten.embedding",

@@ -61,7 +61,7 @@ from torch.utils import _pytree as pytree
 
 from ..certificates.codes import note
 from ..guards import ambient_state
-from . import Propagator, RuntimeOp
+from ..ir.runtime_op import Propagator, RuntimeOp
 from .module_state import MODULE_STATE
 
 

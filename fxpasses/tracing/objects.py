@@ -56,9 +56,9 @@ from torch import nn
 
 from ..guards import Assumption, callable_object, exact_snapshot, is_container, snapshot
 from ..locations import is_user_class, is_user_file
-from ..runtime.trace_ops import ReadSource, WriteAttribute
+from ..ir.trace_ops import ReadSource, WriteAttribute
 from .recorder import Recorder, _location
-from .sources import Source
+from ..ir.sources import Source
 from .values import TracedScalar, TracedTensor, active_recorder
 
 _CONSTANTS = (bool, int, str, bytes, type(None), enum.Enum, torch.dtype, torch.device)

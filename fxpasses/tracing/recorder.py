@@ -3,9 +3,9 @@
 :meth:`Recorder.torch_function` receives every torch call made on a :class:`~.values.TracedTensor`
 (through ``__torch_function__``): it runs the call on the real tensors, writes the node, and wraps
 the results. Sizes and scalars become :class:`~.values.TracedScalar`; where Python takes their
-value, :meth:`Recorder.concretize` writes a guard node (:mod:`fxpasses.runtime.trace_ops`).
+value, :meth:`Recorder.concretize` writes a guard node (:mod:`fxpasses.ir.trace_ops`).
 Tensors from outside the trace become nodes too: parameters and buffers of the root module as
-``get_attr``, values read from the loss's state as :class:`~fxpasses.runtime.trace_ops.ReadSource`
+``get_attr``, values read from the loss's state as :class:`~fxpasses.ir.trace_ops.ReadSource`
 (read on every call), anything else as a constant held by reference.
 
 What a trace cannot record raises :class:`Unsupported` (the trace fails with a certificate that
@@ -24,9 +24,9 @@ import torch.fx as fx
 from torch import nn
 
 from ..analysis.ops import method_writes_self
-from ..facts import KEPT_WHOLE, KeptWhole
+from ..ir.facts import KEPT_WHOLE, KeptWhole
 from ..locations import is_user_file
-from ..runtime.trace_ops import ExpectLength, ExpectTruth, ExpectValue, ReadSource, ReadState, set_item
+from ..ir.trace_ops import ExpectLength, ExpectTruth, ExpectValue, ReadSource, ReadState, set_item
 from .values import TracedScalar, TracedSize, TracedTensor
 
 _CONSTANT_TYPES = (type(None), bool, int, float, complex, str, torch.dtype, torch.device,

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..ir.carriers import ScalarCarrier
+
 _active: list[Any] = []  # the recorder of the trace in progress (it records its own thread only)
 
 
@@ -79,7 +81,7 @@ def _binary(op):
     return forward, reflected
 
 
-class TracedScalar:
+class TracedScalar(ScalarCarrier):
     """A number known at trace time that the graph computes at run time (see module docstring)."""
 
     __slots__ = ("value", "node", "recorder")

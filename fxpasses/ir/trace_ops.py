@@ -2,7 +2,7 @@
 
 * :class:`ExpectValue`, :class:`ExpectTruth`, :class:`ExpectLength`: a value Python took during
   tracing (a size turned into an int, ``if mask.any():``, the length of a split) is the same in
-  this call, else the call is abandoned (:class:`~fxpasses.runtime.abandon.Abandon`, code
+  this call, else the call is abandoned (:class:`~fxpasses.ir.abandon.Abandon`, code
   ``guard-failed``) and runs natively. Counted per guard.
 * :class:`ReadSource`: a value read on every call from the loss's state (a float weight decayed
   each epoch, a tensor attribute): an input of the graph, never a baked constant.
@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 from torch import nn
 
-from . import RuntimeOp
+from .runtime_op import RuntimeOp
 from .abandon import Abandon
 
 _MISSING = object()
