@@ -82,7 +82,7 @@ def callable_object(value: Any) -> bool:
     return cls.__flags__ & (_HEAP_TYPE | _IMMUTABLE_TYPE) == _HEAP_TYPE and is_user_class(cls)
 
 
-def _instance_methods(o: object) -> tuple:
+def instance_methods(o: object) -> tuple:
     """The functions stored on an object (a plain object's: read in full); an object that
     defines ``__call__`` is guarded where the trace read it, as any object is."""
     return tuple([(k, id(v)) for k, v in vars(o).items()
@@ -98,7 +98,7 @@ def is_method(value: Any) -> bool:
 _CLASS_METHOD_NAMES: dict[type, frozenset] = {}
 
 
-def _method_names(cls: type) -> frozenset:
+def method_names(cls: type) -> frozenset:
     """Names of the callables and descriptors ``cls`` and its bases define (cached per class)."""
     names = _CLASS_METHOD_NAMES.get(cls)
     if names is None:
@@ -108,14 +108,14 @@ def _method_names(cls: type) -> frozenset:
     return names
 
 
-def _module_overrides(m: nn.Module) -> tuple:
+def module_overrides(m: nn.Module) -> tuple:
     """What on a module instance can change which code its call runs: attributes that shadow a
     method of its class (``m.forward = ...``), and ``m.compile()``'s compiled call. Other
     callables stored on a module matter only if the trace read them, and those reads are
     guarded one by one (``identity``); reading only these keeps the check to a set
     intersection per module instead of a walk of every attribute."""
     d = m.__dict__
-    names = _method_names(type(m))
+    names = method_names(type(m))
     shadowing = () if names.isdisjoint(d) else tuple((k, id(d[k])) for k in d if k in names)
     return shadowing, id(d.get("_compiled_call_impl"))
 
@@ -205,8 +205,8 @@ class LossRoots(Roots):
 
 _COMPONENTS: dict[str, Callable[[LossRoots], Any]] = {
     "hooks": lambda r: (global_hook_keys(), tuple([module_hook_keys(m) for m in r.modules])),
-    "methods": lambda r: (_instance_methods(r.loss) if not isinstance(r.loss, nn.Module) else (),
-                          tuple([_module_overrides(m) for m in r.modules]),
+    "methods": lambda r: (instance_methods(r.loss) if not isinstance(r.loss, nn.Module) else (),
+                          tuple([module_overrides(m) for m in r.modules]),
                           tuple([_class_methods(c) for c in r.classes])),
     "modules": lambda r: tuple([tuple(map(id, m._modules.values())) for m in r.modules]),
     "modes": lambda r: tuple([m.training for m in r.modules]),

@@ -235,7 +235,7 @@ class Recorder:
             traced._fx_node = node
             return traced
         if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
-            self.guard(ExpectLength(f"length_{node.name}", len(value), _location()), node, "length")
+            self.guard(ExpectLength(f"length_{node.name}", len(value), user_location()), node, "length")
             items = [self.wrap(v, self.node("call_function", operator.getitem, (node, i)))
                      for i, v in enumerate(value)]
             return items if isinstance(value, list) else type(value)(items)
@@ -268,7 +268,7 @@ class Recorder:
         another thread: the value, unrecorded)."""
         if threading.get_ident() != self.thread:
             return scalar.value if isinstance(scalar, TracedScalar) else scalar
-        self.guard(ExpectValue(f"expect_{scalar.node.name}", scalar.value, _location()), scalar.node, "value")
+        self.guard(ExpectValue(f"expect_{scalar.node.name}", scalar.value, user_location()), scalar.node, "value")
         return scalar.value
 
     # -- torch calls -----------------------------------------------------------------------------
@@ -327,13 +327,13 @@ class Recorder:
         """Before an in-place write to an input, a parameter, a buffer or a tensor read from
         the loss's state: keep its value (the trace's own write is undone, see :meth:`keep`)."""
         if isinstance(tensor, torch.Tensor) and _storage(tensor) in self._outside:
-            self.keep(tensor, _location(), followed=True)
+            self.keep(tensor, user_location(), followed=True)
 
     def _written(self, tensor: Any, node: fx.Node) -> None:
         if not isinstance(tensor, TracedTensor):
             raise Unsupported("an in-place write to a tensor the trace did not make or read")
         if _storage(tensor) in self._outside:
-            self._events.append(("write", _location()))
+            self._events.append(("write", user_location()))
         tensor._fx_node = node
 
     def set_item(self, args: tuple, kwargs: dict) -> None:
@@ -354,7 +354,7 @@ class Recorder:
         if name in ("requires_grad", "is_leaf"):
             out = self.run(func, args, {})
             node = self.node("call_function", getattr, (tensor._fx_node, name))
-            self.guard(ExpectValue(f"expect_{node.name}", out, _location()), node, "value")
+            self.guard(ExpectValue(f"expect_{node.name}", out, user_location()), node, "value")
             return out
         if name in _UNSUPPORTED:
             raise Unsupported(f"tensor.{name} during a trace")
@@ -419,14 +419,14 @@ def _to_python(convert: Callable) -> Callable:
 
 def _bool(rec: Recorder, args: tuple, kwargs: dict) -> bool:
     value = rec.run(torch.Tensor.__bool__, args, kwargs)
-    rec.guard(ExpectTruth(f"truth_{args[0]._fx_node.name}", value, _location()), args[0]._fx_node, "truth")
+    rec.guard(ExpectTruth(f"truth_{args[0]._fx_node.name}", value, user_location()), args[0]._fx_node, "truth")
     return value
 
 
 def _tolist(rec: Recorder, args: tuple, kwargs: dict) -> Any:
     value = rec.run(torch.Tensor.tolist, args, kwargs)
     node = rec.node("call_method", "tolist", (args[0]._fx_node,))
-    rec.guard(ExpectValue(f"expect_{node.name}", value, _location()), node, "value")
+    rec.guard(ExpectValue(f"expect_{node.name}", value, user_location()), node, "value")
     return value
 
 
@@ -454,7 +454,7 @@ def _storage(tensor: torch.Tensor) -> int:
         return tensor.untyped_storage()._cdata
 
 
-def _location() -> str:
+def user_location() -> str:
     """``file:line`` of the innermost user frame now."""
     for frame in reversed(traceback.extract_stack(limit=40)):
         if is_user_file(frame.filename):

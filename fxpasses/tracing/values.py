@@ -13,9 +13,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
@@ -27,6 +28,16 @@ _active: list[Any] = []  # the recorder of the trace in progress (it records its
 
 def active_recorder() -> Any:
     return _active[-1] if _active else None
+
+
+@contextlib.contextmanager
+def recording(recorder: Any) -> Iterator[None]:
+    """``recorder`` is the active recorder inside (the innermost, for nested traces)."""
+    _active.append(recorder)
+    try:
+        yield
+    finally:
+        _active.pop()
 
 
 class TracedTensor(torch.Tensor):
