@@ -12,7 +12,7 @@ guards are (``torch/_dynamo/guards.py``): one table, a source per assumption, a 
 Values that steer control flow or shapes are guarded; a float read only as arithmetic is not a
 guard but an input, read on every call (kind ``float`` only checks it is still a float).
 
-Cost: the whole-loss facts are read once per call, for the loss and the modules its traces
+Cost: the whole-loss state is read once per call, for the loss and the modules its traces
 depend on (not every module it holds); hooks are read only when a hook handle was made since
 they last held (every ``register_*hook`` makes one; with no hook recorded, none can be removed);
 a module's methods are checked by what shadows its class's methods; a specialization's own
@@ -44,7 +44,7 @@ _MODULE_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
 MISSING = object()  # what a source reads as when its attribute or key does not exist
 
 
-# -- facts about modules -------------------------------------------------------------------------
+# -- the state of modules ------------------------------------------------------------------------
 
 def global_hook_keys() -> tuple:
     return tuple(tuple(getattr(module_mod, name, {})) for name in _GLOBAL_HOOK_DICTS)

@@ -20,7 +20,7 @@ from torch import nn
 
 from .certificates import Certificate, Check, Guard, Site
 from .guard_code import compile_check
-from .ir.facts import relied_on
+from .ir.proofs import relied_on
 from .isolation import module_state_kept
 from .guards import Assumption, LossRoots, first_failure, whole_loss_assumptions
 from .tracing.recorder import put_back

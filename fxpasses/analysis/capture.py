@@ -41,7 +41,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from ..ir.facts import BucketedSizes, proven
+from ..ir.proofs import BucketedSizes, proven
 from ..ir.runtime_op import RuntimeOp
 from ..ir.trace_ops import ReadSource, ReadState
 from .capture_rules import Verdict, launches_kernels, verdict
@@ -142,7 +142,7 @@ def _outside_block_ok(node: fx.Node) -> bool:
 
 
 def bucketed_symbols(gm: fx.GraphModule) -> frozenset:
-    """The data-dependent sizes that are bucketed capacities (:class:`~fxpasses.ir.facts.BucketedSizes`):
+    """The data-dependent sizes that are bucketed capacities (:class:`~fxpasses.ir.proofs.BucketedSizes`):
     static for one recording, as each bucket value is a recording of its own."""
     found: set = set()
     for node in gm.graph.nodes:

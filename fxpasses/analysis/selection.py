@@ -35,7 +35,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..ir.facts import RowIndependentCall, proven
+from ..ir.proofs import RowIndependentCall, proven
 from ..locations import node_location
 from .meta import value
 from .ops import aten_facts, node_facts

@@ -6,7 +6,7 @@
   reads of the loss's state, attribute writes, ``x[i] = v`` as an expression;
 * :mod:`.abandon`: how a run-time op abandons an optimized call (it then runs natively);
 * :mod:`.sources`: where a value the trace read came from, readable again on any call;
-* :mod:`.facts`: facts one pass proves about a node and another relies on, kept in ``node.meta``.
+* :mod:`.proofs`: what one pass proves about a node and another relies on, kept in ``node.meta``.
 
 Tracing, analysis, passes and the run-time objects import from here; nothing here imports them
 (``tools/import_layers.py`` checks the order, ``docs/layers.md`` states it).

@@ -17,14 +17,14 @@ from __future__ import annotations
 import operator
 import threading
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.fx as fx
 from torch import nn
 
 from ..analysis.ops import method_writes_self
-from ..ir.facts import KEPT_WHOLE, KeptWhole
+from ..ir.proofs import KEPT_WHOLE, KeptWhole
 from ..locations import is_user_file
 from ..ir.trace_ops import ExpectLength, ExpectTruth, ExpectValue, ReadSource, ReadState, set_item
 from .values import TracedScalar, TracedSize, TracedTensor
@@ -63,6 +63,16 @@ def _is_tensor_method(func: Any) -> bool:
     return getattr(func, "__qualname__", "").startswith(("TensorBase.", "Tensor."))
 
 
+class KeptTensor(NamedTuple):
+    """A tensor of the loss's state as the trace first reached it (see :meth:`Recorder.keep`)."""
+
+    tensor: torch.Tensor
+    version: int  # its version counter then
+    value: torch.Tensor  # a copy of its value then
+    where: str  # the user line that reached it (the last unfollowed one, once there is one)
+    followed: bool  # every path that reached it read it as a traced value
+
+
 class Recorder:
     """Builds the graph of one concrete trace (see the module docstring)."""
 
@@ -83,7 +93,7 @@ class Recorder:
         self._state: dict[int, tuple[nn.Module, str, str]] = {}  # id(tensor) -> (owner, name, path)
         self._modules: dict[int, str] = {}  # id(module) -> qualified name
         self._outside: set[int] = set()  # storages of inputs, parameters and buffers
-        self._kept: dict[tuple, tuple] = {}  # view -> (tensor, version, value, where, followed): see keep()
+        self._kept: dict[tuple, KeptTensor] = {}  # by view (storage, offset, shape, strides): see keep()
         self.index_root_modules()
 
     # -- nodes -------------------------------------------------------------------------------
@@ -170,20 +180,19 @@ class Recorder:
         with torch._C.DisableTorchFunctionSubclass():
             view = (_storage(tensor), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
             if view not in self._kept:
-                self._kept[view] = (tensor, tensor._version, tensor.detach().clone(), where, followed)
-            elif not followed and self._kept[view][4]:  # also reached where writes are not seen
-                self._kept[view] = (*self._kept[view][:3], where, False)
+                self._kept[view] = KeptTensor(tensor, tensor._version, tensor.detach().clone(), where, followed)
+            elif not followed and self._kept[view].followed:  # also reached where writes are not seen
+                self._kept[view] = self._kept[view]._replace(where=where, followed=False)
 
     def unrecorded_writes(self) -> list[str]:
         """Where a tensor the trace does not follow was written in place during the trace."""
-        return [where for tensor, version, _, where, followed in self._kept.values()
-                if not followed and tensor._version != version]
+        return [k.where for k in self._kept.values() if not k.followed and k.tensor._version != k.version]
 
     def put_back(self) -> tuple[tuple[torch.Tensor, int, torch.Tensor], ...]:
         """The kept tensors' values as before the trace (see :meth:`keep`). Returns those that
         were written, as ``(tensor, version now, value)``: what ran the graph before its first
         call (the passes' propagation) must put them back again (:func:`put_back`)."""
-        written = tuple((t, saved) for t, version, saved, _, _ in self._kept.values() if t._version != version)
+        written = tuple((k.tensor, k.value) for k in self._kept.values() if k.tensor._version != k.version)
         return put_back(tuple((t, -1, saved) for t, saved in written))
 
     # -- values into nodes, nodes into values -------------------------------------------------
