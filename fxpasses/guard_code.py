@@ -10,9 +10,9 @@ assumptions (``loss.assign_o2m`` for ``.topk``, ``.alpha``...) is read once. Dyn
 guards the same way before its C++ guard manager (``torch/_dynamo/guards.py``); torch offers no
 such generator for other callers, hence this one.
 
-How each kind compares comes from its row of :data:`~fxpasses.guards.GUARD_KINDS` (``inline``:
-an expression over the value read and the value recorded); a kind without one is checked by its
-assumption's own :meth:`~fxpasses.guards.Assumption.holds`.
+Each assumption's lines are written by its kind (:meth:`~fxpasses.guards.GuardKind.emit`, beside
+the comparison it inlines), through a :class:`CheckWriter`; a kind without lines of its own is
+checked by the assumption's :meth:`~fxpasses.guards.Assumption.holds`.
 
 :func:`compile_whole_check` does the same for the whole-loss assumptions (hooks, methods,
 submodules, modes of the loss and of the modules the traces depend on): ``check() -> bool``,
@@ -36,8 +36,9 @@ from typing import Any, Callable, Optional, Sequence
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .guards import (AUTOCAST_OFF, GUARD_HELPERS, GUARD_KINDS, Assumption, LossRoots, instance_methods,
-                     method_names, module_overrides, flat_form, whole_loss_assumptions)
+from .guards import (CHECKED_PER_CALL, GUARD_HELPERS, HOOKS, METHODS, MODES, MODULES, READ_ERRORS_TEXT,
+                     Assumption, LossRoots, instance_methods, method_names, module_overrides,
+                     whole_loss_assumptions)
 from .ir.sources import Source
 
 FAILED_READ = -2  # a read raised: run the exact path
@@ -71,11 +72,12 @@ def _class_dict(cls: type) -> Optional[dict]:
     """The dict behind ``cls.__dict__`` (a read-only proxy of it), or None."""
     inner = gc.get_referents(cls.__dict__)
     return inner[0] if len(inner) == 1 and type(inner[0]) is dict else None
-_READ_ERRORS = "(AttributeError, KeyError, IndexError, TypeError, ValueError)"
 
 
-class _Writer:
-    """The generated function's lines and the constants they refer to by name."""
+class CheckWriter:
+    """The generated function's lines and the constants they refer to by name; a guard kind
+    writes its own lines (:meth:`fxpasses.guards.GuardKind.emit`) with :meth:`constant` and
+    :meth:`read`."""
 
     def __init__(self) -> None:
         self.lines: list[str] = []
@@ -134,48 +136,12 @@ class _Writer:
 
 def compile_check(assumptions: Sequence[Assumption]) -> Callable[[Any, Sequence[Any]], int]:
     """``check(loss, leaves)``: see the module docstring."""
-    w = _Writer()
+    w = CheckWriter()
     body = "        "
     for i, a in enumerate(assumptions):
-        kind = GUARD_KINDS[a.kind]
-        if a.source is None and kind.inline is not None and "{v}" not in kind.inline:
-            test = kind.inline.format(e=w.constant(a.expected, "expected_"))
-            if a.kind == "autocast" and a.expected == AUTOCAST_OFF:
-                test = f"autocast_off() or {test}"  # one call when no autocast is on
-            w.lines.append(f"{body}if not ({test}): return {i}")
-        elif a.source is None or (kind.inline is None and a.kind != "absent"):
-            held = w.constant(a, "assumption_")
-            w.lines.append(f"{body}if not {held}.holds(LossRoots(loss, leaves)): return {i}")
-        elif a.kind == "absent":  # holds when the read fails
-            inner = body
-            last_step, name = a.source.path[-1] if a.source.path else (None, None)
-            if last_step == "attr":  # found absent without raising, else read
-                owner = w.read(Source(a.source.root, a.source.path[:-1]), body, keep=True)
-                w.lines.append(f"{body}if not certainly_absent({owner}, {w.constant(name, 'key_')}):")
-                inner = body + "    "
-            w.lines.append(f"{inner}try:")
-            w.lines.append(f"{inner}    {w.read(a.source, inner, keep=False)}")
-            w.lines.append(f"{inner}except {_READ_ERRORS}:")
-            w.lines.append(f"{inner}    pass")
-            w.lines.append(f"{inner}else:")
-            w.lines.append(f"{inner}    return {i}")
-        elif a.kind == "tensor":
-            value = w.read(a.source, body, keep=True)
-            dtype, device_type, dim = a.expected
-            on_device = {"cpu": f"{value}.is_cpu", "cuda": f"{value}.is_cuda"}.get(
-                device_type, f"{value}.device.type == {w.constant(device_type, 'expected_')}")
-            w.lines.append(f"{body}if not (isinstance({value}, Tensor) and {value}.dtype is "
-                           f"{w.constant(dtype, 'expected_')} and {on_device} and {value}.ndim == {dim}):"
-                           f" return {i}")
-        else:
-            value = w.read(a.source, body, keep=True)
-            test = kind.inline.format(v=value, e=w.constant(a.expected, "expected_"))
-            form = flat_form(a.expected) if a.kind == "contents" else None
-            if form is not None:  # a flat container: compared without a snapshot when equal
-                test = f"same_flat({value}, *{w.constant(form, 'flat_')}) or {test}"
-            w.lines.append(f"{body}if not ({test}): return {i}")
+        a.kind.emit(w, a, f"return {i}", body)
     source = "\n".join(["def check(loss, leaves):", "    try:", *(w.lines or [f"{body}pass"]),
-                        f"    except {_READ_ERRORS}:", f"        return {FAILED_READ}",
+                        f"    except {READ_ERRORS_TEXT}:", f"        return {FAILED_READ}",
                         "    return -1"])
     namespace = {**w.names, "LossRoots": LossRoots, **GUARD_HELPERS}
     exec(compile(source, f"<fxpasses guards of {len(assumptions)} assumptions>", "exec"), namespace)
@@ -196,13 +162,13 @@ def compile_whole_check(assumptions: Sequence[Assumption], loss: Any, modules: S
     the generator does not know, makes ``check`` answer ``False`` (the exact path decides).
     ``parts``: a subset of :data:`WHOLE_CHECK_PARTS` generates only those checks (to measure
     what each costs: ``bench/guard_cost.py --parts``); the guards use them all."""
-    w = _Writer()
+    w = CheckWriter()
     lines = w.lines
     body = "    "
     roots = LossRoots(loss, (), modules, classes)
     now = {a.kind: a for a in whole_loss_assumptions(roots)}
     by_kind = {a.kind: a for a in assumptions}
-    if set(by_kind) - {"hooks", "methods", "modules", "modes"} or any(
+    if set(by_kind) - set(CHECKED_PER_CALL) or any(
             by_kind[k].expected != now[k].expected for k in by_kind):
         lines.append(f"{body}return False")  # recorded for another state: the exact path decides
     else:
@@ -219,16 +185,16 @@ def compile_whole_check(assumptions: Sequence[Assumption], loss: Any, modules: S
     return check
 
 
-def _whole_lines(w: _Writer, by_kind: dict[str, Assumption], loss: Any, modules: Sequence[nn.Module],
+def _whole_lines(w: CheckWriter, by_kind: dict[str, Assumption], loss: Any, modules: Sequence[nn.Module],
                  classes: Sequence[type], body: str, parts: frozenset[str]) -> None:
     lines = w.lines
-    hooks = by_kind.get("hooks") if "hooks" in parts else None
+    hooks = by_kind.get(HOOKS) if "hooks" in parts else None
     if hooks is not None:  # the counter, then the exact read only when it moved
-        seen, held = w.constant(hooks.counter_seen, "seen_"), w.constant(hooks, "assumption_")
+        seen, held = w.constant(HOOKS.confirmed(hooks), "seen_"), w.constant(hooks, "assumption_")
         roots = w.constant((loss, (), modules, classes), "roots_")
         lines.append(f"{body}if not ({seen} and {seen}[0] == RemovableHandle.next_id) and "
                      f"not {held}.holds(LossRoots(*{roots})): return False")
-    methods = "methods" in by_kind
+    methods = METHODS in by_kind
     if methods and not isinstance(loss, nn.Module) and "loss callables" in parts:
         values = tuple(vars(loss).values())
         seen = w.constant([tuple(vars(loss)), tuple(map(id, values)), values,
@@ -236,7 +202,7 @@ def _whole_lines(w: _Writer, by_kind: dict[str, Assumption], loss: Any, modules:
         lines.append(f"{body}if not same_callables({w.constant(loss, 'loss_')}, {seen}, "
                      f"{w.constant(instance_methods(loss), 'expected_')}): return False")
     if "modules" in parts:
-        _module_lines(w, modules, methods, "modules" in by_kind, "modes" in by_kind, body)
+        _module_lines(w, modules, methods, MODULES in by_kind, MODES in by_kind, body)
     if methods and "classes" in parts:
         _class_lines(w, classes, body)
 
@@ -259,7 +225,7 @@ def _same_callables(obj: Any, seen: list, expected: tuple) -> bool:
     return True
 
 
-def _module_lines(w: _Writer, modules: Sequence[nn.Module], methods: bool, children: bool,
+def _module_lines(w: CheckWriter, modules: Sequence[nn.Module], methods: bool, children: bool,
                   modes: bool, body: str) -> None:
     """Every module's checks, in one loop over a record per module, each from one read of its
     ``__dict__``: in training, with cold caches, 42 unrolled blocks of checks cost a third more
@@ -305,7 +271,7 @@ def _module_lines(w: _Writer, modules: Sequence[nn.Module], methods: bool, child
         lines.append(f"{inner}seen[:] = d, version(d), d['_modules'], version(d['_modules'])")
 
 
-def _class_lines(w: _Writer, classes: Sequence[type], body: str) -> None:
+def _class_lines(w: CheckWriter, classes: Sequence[type], body: str) -> None:
     """Each class's attributes: the same names, each bound to the same object (held, so their
     ids are not reused). Stricter than the methods kind (a non-method value rebound fails here
     and the exact path decides), and read in two passes over the class's dict instead of one

@@ -4,10 +4,14 @@ An :class:`Assumption` is one thing that must still hold for an optimized graph 
 the loss computes: a value the trace read (``loss.assign_o2m.topk`` is 10, ``loss.flow`` is that
 module, ``loss.hyp`` holds the same gains, ``loss.o2m`` is a float), or a fact about the whole
 loss (no hook registered since, no method replaced, no submodule swapped, train/eval modes, grad
-mode, autocast). Each has a *kind*, a row of :data:`GUARD_KINDS`: its reason code, its description,
-how its current value is read and compared. The same record is written into certificates
+mode, autocast). Its *kind* is one object of :data:`GUARD_KINDS` (a :class:`GuardKind`): the reason
+code, the description, how the value is read now and compared, and beside that comparison the
+lines the generated check runs for it. The same record is written into certificates
 (:meth:`Assumption.as_guard`) and checked at run time (:meth:`Assumption.holds`), as Dynamo's
 guards are (``torch/_dynamo/guards.py``): one table, a source per assumption, a cheap check.
+A :class:`SiteGuard` is the same idea for the per-call checks a run-time op makes (the rows of
+a paired call, a captured region's signature): the op checks the record, the pass's
+certificate lists it.
 
 Values that steer control flow or shapes are guarded; a float read only as arithmetic is not a
 guard but an input, read on every call (kind ``float`` only checks it is still a float).
@@ -22,20 +26,20 @@ bench/RESULTS.md.
 
 from __future__ import annotations
 
-import enum
-import types
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 from torch.nn.modules import module as module_mod
 from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .certificates import Guard
-from .ir.carriers import ScalarCarrier
+from .certificates.codes import lookup
 from .ir.sources import Roots, Source
 from .locations import is_user_class
+from .snapshots import exact_snapshot, flat_form, same_flat, snapshot
 
 _GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_pre_hooks",
                       "_global_backward_hooks", "_global_backward_pre_hooks")
@@ -189,6 +193,226 @@ def ambient_state() -> tuple:
     return (torch.is_grad_enabled(), *autocast_state())
 
 
+# -- the table -------------------------------------------------------------------------------------
+
+READ_ERRORS = (AttributeError, KeyError, IndexError, TypeError, ValueError)  # a read that fails: MISSING
+
+
+class GuardKind(str):
+    """One kind of assumption, a row of :data:`GUARD_KINDS`: the reason code counted when one
+    fails, its description, how its value is read now and compared with the recorded one
+    (:meth:`holds`), and beside that comparison the lines the generated checks run for it
+    (:meth:`emit`, :mod:`fxpasses.guard_code`).
+
+    A kind *is* its name (a ``str``: ``assumption.kind == "identity"``, and certificates record
+    the name); there is one object per name, which pickling and copying keep."""
+
+    code: str
+    description: str  # "{source}" and "{value}" are filled in
+
+    def __new__(cls, name: str, code: str, description: str) -> "GuardKind":
+        kind = super().__new__(cls, name)
+        lookup(code)
+        kind.code, kind.description = code, description
+        return kind
+
+    def __reduce__(self) -> tuple:
+        return (kind_named, (str(self),))
+
+    def read(self, a: "Assumption", roots: "LossRoots") -> Any:
+        """The value ``a`` reads now: its source, read from ``roots`` (:data:`MISSING` if that fails)."""
+        try:
+            return a.source.read(roots)
+        except READ_ERRORS:
+            return MISSING
+
+    def same(self, now: Any, expected: Any) -> bool:
+        """Whether the value now still is the value recorded."""
+        raise NotImplementedError
+
+    def holds(self, a: "Assumption", roots: "LossRoots") -> bool:
+        return self.same(self.read(a, roots), a.expected)
+
+    def emit(self, w: Any, a: "Assumption", fail: str, indent: str) -> None:
+        """Append to ``w`` (a :class:`fxpasses.guard_code.CheckWriter`) the lines that run ``fail``
+        when ``a`` does not hold: here, a call of :meth:`Assumption.holds`."""
+        w.lines.append(f"{indent}if not {w.constant(a, 'assumption_')}.holds(LossRoots(loss, leaves)): {fail}")
+
+
+class ValueKind(GuardKind):
+    """A kind whose comparison is one Python expression over ``{v}`` (the value now) and ``{e}``
+    (the value recorded) that calls only :data:`GUARD_HELPERS`: compiled once for :meth:`same`,
+    written into the generated checks by :meth:`emit`."""
+
+    def __new__(cls, name: str, code: str, description: str, test: str) -> "ValueKind":
+        kind = super().__new__(cls, name, code, description)
+        kind.test = test
+        kind._compare = eval(compile(f"lambda v, e: {test.format(v='v', e='e')}", f"<guard kind {name}>",
+                                     "eval"), dict(GUARD_HELPERS))
+        return kind
+
+    def same(self, now: Any, expected: Any) -> bool:
+        return self._compare(now, expected)
+
+    def emit(self, w: Any, a: "Assumption", fail: str, indent: str) -> None:
+        value = w.read(a.source, indent, keep=True)
+        w.lines.append(f"{indent}if not ({self._test(w, value, a)}): {fail}")
+
+    def _test(self, w: Any, value: str, a: "Assumption") -> str:
+        return self.test.format(v=value, e=w.constant(a.expected, "expected_"))
+
+
+class ContentsKind(ValueKind):
+    """:class:`ValueKind` whose generated check compares a flat container (plain values in a
+    dict, list, tuple or namespace) without making a snapshot when it is equal."""
+
+    def _test(self, w: Any, value: str, a: "Assumption") -> str:
+        test = super()._test(w, value, a)
+        form = flat_form(a.expected)
+        return test if form is None else f"same_flat({value}, *{w.constant(form, 'flat_')}) or {test}"
+
+
+class TensorKind(GuardKind):
+    """A tensor of the recorded (dtype, device type, dimensions); its generated check is the same
+    comparison specialized to the recorded values (three attribute reads for a plain tensor)."""
+
+    def same(self, now: Any, expected: Any) -> bool:
+        return isinstance(now, torch.Tensor) and (now.dtype, now.device.type, now.dim()) == expected
+
+    def emit(self, w: Any, a: "Assumption", fail: str, indent: str) -> None:
+        value = w.read(a.source, indent, keep=True)
+        dtype, device_type, dim = a.expected
+        on_device = {"cpu": f"{value}.is_cpu", "cuda": f"{value}.is_cuda"}.get(
+            device_type, f"{value}.device.type == {w.constant(device_type, 'expected_')}")
+        w.lines.append(f"{indent}if not (isinstance({value}, Tensor) and {value}.dtype is "
+                       f"{w.constant(dtype, 'expected_')} and {on_device} and {value}.ndim == {dim}):"
+                       f" {fail}")
+
+
+class AbsentKind(GuardKind):
+    """The source does not exist: it holds when its read fails; the generated check finds an
+    attribute absent without raising where it can (:func:`certainly_absent`), else reads it."""
+
+    def same(self, now: Any, expected: Any) -> bool:
+        return now is MISSING
+
+    def emit(self, w: Any, a: "Assumption", fail: str, indent: str) -> None:
+        inner = indent
+        last_step, name = a.source.path[-1] if a.source.path else (None, None)
+        if last_step == "attr":
+            owner = w.read(Source(a.source.root, a.source.path[:-1]), indent, keep=True)
+            w.lines.append(f"{indent}if not certainly_absent({owner}, {w.constant(name, 'key_')}):")
+            inner = indent + "    "
+        w.lines += [f"{inner}try:", f"{inner}    {w.read(a.source, inner, keep=False)}",
+                    f"{inner}except {READ_ERRORS_TEXT}:", f"{inner}    pass", f"{inner}else:", f"{inner}    {fail}"]
+
+
+class WholeLossKind(GuardKind):
+    """A fact about the whole loss (no source): ``component`` reads it from the roots' loss,
+    modules and classes, once per call (:meth:`LossRoots.component`); compared by equality.
+    ``shown``: its value as text for certificates (default: how many modules it covers)."""
+
+    def __new__(cls, name: str, code: str, description: str, component: Callable[["LossRoots"], Any],
+                shown: Callable[[Any], str] | None = None) -> "WholeLossKind":
+        kind = super().__new__(cls, name, code, description)
+        kind.component, kind.shown = component, shown
+        return kind
+
+    def read(self, a: "Assumption", roots: "LossRoots") -> Any:
+        return roots.component(self)
+
+    def same(self, now: Any, expected: Any) -> bool:
+        return now == expected
+
+    def summary(self, roots: "LossRoots") -> str:
+        return self.shown(roots.component(self)) if self.shown else f"{len(roots.modules)} modules"
+
+
+class HooksKind(WholeLossKind):
+    """The hooks of the loss's modules and the global ones. Every ``register_*hook`` makes a
+    ``RemovableHandle``, which takes the next id; where none was recorded there is none to
+    remove, so an id that has not moved since such an assumption last held means none was added
+    (hooks are then not read again). That id is kept here, by the assumption's identity (the
+    assumption itself is frozen), and the generated whole-loss check shares it."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "HooksKind":
+        kind = super().__new__(cls, *args, **kwargs)
+        kind._confirmed = WeakIdKeyDictionary()
+        return kind
+
+    def confirmed(self, a: "Assumption") -> list:
+        """``[handle id]`` when ``a`` last held in full with no hook recorded (else empty)."""
+        return self._confirmed.setdefault(a, [])
+
+    def holds(self, a: "Assumption", roots: "LossRoots") -> bool:
+        count = RemovableHandle.next_id  # read first: a hook added meanwhile moves it again
+        seen = self.confirmed(a)
+        if seen and seen[0] == count:
+            return True
+        ok = self.same(self.read(a, roots), a.expected)
+        if ok and not any(map(any, (a.expected[0], *a.expected[1]))):
+            seen[:] = [count]
+        return ok
+
+
+class AutocastKind(WholeLossKind):
+    """Autocast enabled/dtype on cuda and cpu; the generated check reads it inline (one call
+    when no autocast is on at all)."""
+
+    def emit(self, w: Any, a: "Assumption", fail: str, indent: str) -> None:
+        test = f"autocast_state() == {w.constant(a.expected, 'expected_')}"
+        if a.expected == AUTOCAST_OFF:
+            test = f"autocast_off() or {test}"
+        w.lines.append(f"{indent}if not ({test}): {fail}")
+
+
+READ_ERRORS_TEXT = f"({', '.join(e.__name__ for e in READ_ERRORS)})"
+GUARD_HELPERS = {"snapshot": snapshot, "exact_snapshot": exact_snapshot, "autocast_state": autocast_state,
+                 "same_flat": same_flat, "autocast_off": autocast_off, "certainly_absent": certainly_absent,
+                 "Tensor": torch.Tensor}
+
+_CHANGED = "assumption-changed"
+HOOKS = HooksKind("hooks", "hook-added", "no module or global hook registered since optimization",
+                  lambda r: (global_hook_keys(), tuple([module_hook_keys(m) for m in r.modules])))
+METHODS = WholeLossKind("methods", "method-replaced",
+                        "no method replaced on an instance or class since optimization",
+                        lambda r: (instance_methods(r.loss) if not isinstance(r.loss, nn.Module) else (),
+                                   tuple([module_overrides(m) for m in r.modules]),
+                                   tuple([_class_methods(c) for c in r.classes])))
+MODULES = WholeLossKind("modules", "module-replaced", "no submodule replaced by another object since optimization",
+                        lambda r: tuple([tuple(map(id, m._modules.values())) for m in r.modules]))
+MODES = WholeLossKind("modes", "mode-changed", "train/eval mode of every module as at optimization",
+                      lambda r: tuple([m.training for m in r.modules]))
+AUTOCAST = AutocastKind("autocast", "autocast-changed", "autocast enabled/dtype (cuda and cpu) as at tracing",
+                        lambda r: autocast_state(), repr)
+
+GUARD_KINDS: dict[str, GuardKind] = {str(k): k for k in (
+    ValueKind("constant", _CHANGED, "{source} is {value}", "type({v}) is type({e}) and bool({v} == {e})"),
+    ValueKind("identity", _CHANGED, "{source} is the same object ({value})", "{v} is {e}"),
+    ContentsKind("contents", _CHANGED, "{source} holds the same contents ({value})", "snapshot({v}) == {e}"),
+    ValueKind("held", _CHANGED, "{source} holds the same contents, floats by value ({value})",
+              "exact_snapshot({v}) == {e}"),
+    TensorKind("tensor", _CHANGED, "{source} is a tensor of {value}, read on every call"),
+    ValueKind("float", _CHANGED, "{source} is a float, read on every call (an input, not a constant)",
+              "type({v}) is float"),
+    AbsentKind("absent", _CHANGED, "{source} does not exist"),
+    HOOKS, METHODS, MODULES, MODES,
+    WholeLossKind("grad-mode", "grad-mode-changed", "grad mode as at tracing", lambda r: torch.is_grad_enabled(), str),
+    AUTOCAST,
+)}
+WHOLE_LOSS_KINDS = tuple(k for k in GUARD_KINDS.values() if isinstance(k, WholeLossKind))  # in recording order
+CHECKED_PER_CALL = (HOOKS, METHODS, MODULES, MODES)  # over the loss and its traces' modules, before each call
+CHECKED_PER_TRACE = (AUTOCAST,)  # a specialization's own (a trace under autocast is another trace)
+
+
+def kind_named(name: str) -> GuardKind:
+    """The kind called ``name`` (a KeyError names an unknown one)."""
+    try:
+        return GUARD_KINDS[name]
+    except KeyError:
+        raise KeyError(f"unknown guard kind {name!r}; known: {sorted(GUARD_KINDS)}") from None
+
+
 @dataclass
 class LossRoots(Roots):
     """Roots of one call, plus the modules and user classes the whole-loss kinds read."""
@@ -197,244 +421,38 @@ class LossRoots(Roots):
     classes: Sequence[type] = ()
     _cache: dict = field(default_factory=dict)
 
-    def component(self, name: str) -> Any:
-        if name not in self._cache:
-            self._cache[name] = _COMPONENTS[name](self)
-        return self._cache[name]
-
-
-_COMPONENTS: dict[str, Callable[[LossRoots], Any]] = {
-    "hooks": lambda r: (global_hook_keys(), tuple([module_hook_keys(m) for m in r.modules])),
-    "methods": lambda r: (instance_methods(r.loss) if not isinstance(r.loss, nn.Module) else (),
-                          tuple([module_overrides(m) for m in r.modules]),
-                          tuple([_class_methods(c) for c in r.classes])),
-    "modules": lambda r: tuple([tuple(map(id, m._modules.values())) for m in r.modules]),
-    "modes": lambda r: tuple([m.training for m in r.modules]),
-    "grad-mode": lambda r: torch.is_grad_enabled(),
-    "autocast": lambda r: autocast_state(),
-}
-
-
-# -- snapshots of containers -------------------------------------------------------------------
-
-_PLAIN = (bool, int, float, str, bytes, type(None), enum.Enum, torch.dtype, torch.device)
-FLOAT_READ = "a float, read on every call"  # a snapshot's record of a float held in a dict or namespace
-
-
-def snapshot(value: Any, depth: int = 4, floats: list | None = None, path: tuple = (),
-             exact: bool = False) -> Any:
-    """A comparable copy of a container's contents: plain values by value, anything else
-    (tensors, modules, objects) by identity; dicts, lists, tuples, sets, namespaces and
-    dataclass instances recursively. A float held in a dict or a namespace is recorded by type
-    only (:data:`FLOAT_READ`): a trace reads it on every call, as an input; ``floats``, when
-    given, collects where each is: ``(path from value, its container, key)``. ``exact``: every
-    float by value (what code the trace does not follow read, see ``held``)."""
-    if isinstance(value, _PLAIN):
-        return (type(value), value)
-    if depth <= 0:
-        return ("id", id(value))
-    if isinstance(value, dict):
-        return ("dict", _held_items(value, value.items(), "item", depth, floats, path, exact))
-    if isinstance(value, (list, tuple)):
-        return (type(value), tuple(snapshot(v, depth - 1, floats, (*path, ("item", i)), exact)
-                                   for i, v in enumerate(value)))
-    if isinstance(value, (set, frozenset)):
-        return (type(value), frozenset(snapshot(v, depth - 1, exact=exact) for v in value))
-    if isinstance(value, types.SimpleNamespace):
-        return ("namespace", ("dict", _held_items(value, vars(value).items(), "attr", depth - 1, floats,
-                                                  path, exact)))
-    if is_dataclass(value) and not isinstance(value, type):
-        return (type(value), tuple((f.name, snapshot(getattr(value, f.name), depth - 1, floats,
-                                                     (*path, ("attr", f.name)), exact))
-                                   for f in fields(value)))
-    return ("id", id(value))
-
-
-def _held_items(owner: Any, items: Iterable, step: str, depth: int, floats: list | None,
-                path: tuple, exact: bool = False) -> tuple:
-    """A dict's or namespace's items for :func:`snapshot`: floats (and, during a trace, the
-    inputs standing in for them) by type only, unless ``exact``."""
-    if depth <= 0:
-        return ("id", id(owner))
-    held = []
-    for k, v in items:
-        if not exact and (type(v) is float or isinstance(v, ScalarCarrier)):
-            held.append((k, (float, FLOAT_READ)))
-            if floats is not None:
-                floats.append(((*path, (step, k)), owner, k))
-        elif isinstance(v, ScalarCarrier):  # a trace's stand-in for the float it holds
-            held.append((k, (float, v.value)))
-        else:
-            held.append((k, snapshot(v, depth - 1, floats, (*path, (step, k)), exact)))
-    return tuple(held)
-
-
-def exact_snapshot(value: Any) -> Any:
-    """:func:`snapshot` with every float by value."""
-    return snapshot(value, exact=True)
-
-
-def flat_form(snap: Any) -> tuple | None:
-    """For the snapshot of a dict, namespace, list or tuple of plain values: (container type,
-    keys, value types, the values compared), what :func:`same_flat` compares; None for any other
-    snapshot."""
-    tag, body = snap
-    if tag == "namespace":
-        form = flat_form(body)
-        return None if form is None else (types.SimpleNamespace, *form[1:])
-    if tag == "dict":
-        if not isinstance(body, tuple) or body[:1] == ("id",):
-            return None
-        keys, items = [k for k, _ in body], [v for _, v in body]
-    elif tag in (list, tuple):
-        keys, items = None, list(body)
-    else:
-        return None
-    if not all(type(i) is tuple and isinstance(i[0], type) and issubclass(i[0], _PLAIN)
-               for i in items):
-        return None
-    if keys is None:
-        values = tag(v for _, v in items)
-    else:  # floats read on every call: their type only
-        values = {k: v for k, (_, v) in zip(keys, items) if v is not FLOAT_READ}
-    return (dict if tag == "dict" else tag, keys, [t for t, _ in items], values)
-
-
-def same_flat(value: Any, container: type, keys: list | None, value_types: list, values: Any) -> bool:
-    """``snapshot(value) == snap`` for a snapshot whose :func:`flat_form` is the other arguments
-    (True only then; False may also mean "compare the snapshots"), without building one."""
-    if type(value) is not container:
-        return False
-    if container is types.SimpleNamespace:
-        value = vars(value)
-    if keys is None:
-        return list(map(type, value)) == value_types and value == values
-    if list(value) != keys or list(map(type, value.values())) != value_types:
-        return False
-    if len(values) == len(keys):
-        return value == values
-    return all(value[k] == v for k, v in values.items())
-
-
-def is_container(value: Any) -> bool:
-    return isinstance(value, (dict, list, tuple, set, frozenset, types.SimpleNamespace)) or (
-        is_dataclass(value) and not isinstance(value, type))
-
-
-# -- the table -------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class GuardKind:
-    """One row: the code counted when it fails, its description, how it compares; and, for a
-    value that is costly to read, a global counter that moves whenever it can change (see
-    :meth:`Assumption.holds`) and the recorded values for which the counter is enough."""
-
-    name: str
-    code: str
-    description: str  # "{source}" and "{value}" are filled in
-    same: Callable[[Any, Any], bool]  # (value now, value recorded) -> still holds
-    counter: Callable[[], int] | None = None
-    counter_suffices: Callable[[Any], bool] = lambda expected: False
-    # ``same`` as a Python expression over {v} (the value now) and {e} (the value recorded),
-    # calling only GUARD_HELPERS (without {v}: a whole-loss value the helpers read themselves);
-    # the generated checks (fxpasses.guard_code) use it
-    inline: str | None = None
-
-
-def _same_constant(now: Any, expected: Any) -> bool:
-    return type(now) is type(expected) and bool(now == expected)
-
-
-def _same_tensor(now: Any, expected: Any) -> bool:
-    return isinstance(now, torch.Tensor) and (now.dtype, now.device.type, now.dim()) == expected
-
-
-GUARD_KINDS: dict[str, GuardKind] = {k.name: k for k in (
-    GuardKind("constant", "assumption-changed", "{source} is {value}", _same_constant,
-              inline="type({v}) is type({e}) and bool({v} == {e})"),
-    GuardKind("identity", "assumption-changed", "{source} is the same object ({value})",
-              lambda now, expected: now is expected, inline="{v} is {e}"),
-    GuardKind("contents", "assumption-changed", "{source} holds the same contents ({value})",
-              lambda now, expected: snapshot(now) == expected, inline="snapshot({v}) == {e}"),
-    GuardKind("held", "assumption-changed",
-              "{source} holds the same contents, floats by value ({value})",
-              lambda now, expected: exact_snapshot(now) == expected, inline="exact_snapshot({v}) == {e}"),
-    GuardKind("tensor", "assumption-changed",
-              "{source} is a tensor of {value}, read on every call", _same_tensor,
-              inline="same_tensor({v}, {e})"),
-    GuardKind("float", "assumption-changed",
-              "{source} is a float, read on every call (an input, not a constant)",
-              lambda now, expected: type(now) is float, inline="type({v}) is float"),
-    GuardKind("absent", "assumption-changed", "{source} does not exist",
-              lambda now, expected: now is MISSING),
-    GuardKind("hooks", "hook-added", "no module or global hook registered since optimization",
-              lambda now, expected: now == expected,
-              # every register_*hook makes a RemovableHandle, which takes the next id; with no
-              # hook recorded there is none to remove, so an unmoved id means none was added
-              counter=lambda: RemovableHandle.next_id,
-              counter_suffices=lambda expected: not any(map(any, (expected[0], *expected[1])))),
-    GuardKind("methods", "method-replaced",
-              "no method replaced on an instance or class since optimization",
-              lambda now, expected: now == expected),
-    GuardKind("modules", "module-replaced",
-              "no submodule replaced by another object since optimization",
-              lambda now, expected: now == expected),
-    GuardKind("modes", "mode-changed", "train/eval mode of every module as at optimization",
-              lambda now, expected: now == expected),
-    GuardKind("grad-mode", "grad-mode-changed", "grad mode as at tracing",
-              lambda now, expected: now == expected),
-    GuardKind("autocast", "autocast-changed", "autocast enabled/dtype (cuda and cpu) as at tracing",
-              lambda now, expected: now == expected, inline="autocast_state() == {e}"),
-)}
-
-
-GUARD_HELPERS = {"snapshot": snapshot, "exact_snapshot": exact_snapshot, "same_tensor": _same_tensor, "autocast_state": autocast_state,
-                 "same_flat": same_flat, "autocast_off": autocast_off, "certainly_absent": certainly_absent,
-                 "Tensor": torch.Tensor}
+    def component(self, kind: WholeLossKind) -> Any:
+        """What ``kind`` reads, read once for this call."""
+        if kind not in self._cache:
+            self._cache[kind] = kind.component(self)
+        return self._cache[kind]
 
 
 @dataclass(frozen=True)
 class Assumption:
-    """One assumption: its kind, what it reads (a source, or a whole-loss component), the value
-    recorded, where the trace made it, and that value as text for certificates."""
+    """One assumption: its kind (a :class:`GuardKind`; given by name, the kind of that name),
+    what it reads (a source, or nothing for a whole-loss kind), the value recorded, where the
+    trace made it, and that value as text for certificates."""
 
-    kind: str
+    kind: GuardKind
     source: Source | None
     expected: Any = field(compare=False)
     location: str = ""
     shown: str = ""
-    # the kind's counter when this assumption last held in full (empty: never, or not usable)
-    counter_seen: list = field(default_factory=list, compare=False, repr=False)
 
-    def now(self, roots: LossRoots) -> Any:
-        if self.source is None:
-            return roots.component(self.kind)
-        try:
-            return self.source.read(roots)
-        except (AttributeError, KeyError, IndexError, TypeError, ValueError):
-            return MISSING
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", kind_named(self.kind))
 
     def holds(self, roots: LossRoots) -> bool:
-        """Whether the value now is the value recorded. A kind with a counter reads the value
-        only when the counter moved since it last held in full (the counter is read first, so
-        a change made meanwhile moves it again)."""
-        kind = GUARD_KINDS[self.kind]
-        if kind.counter is None:
-            return kind.same(self.now(roots), self.expected)
-        count = kind.counter()
-        if self.counter_seen and self.counter_seen[0] == count:
-            return True
-        ok = kind.same(self.now(roots), self.expected)
-        if ok and kind.counter_suffices(self.expected):
-            self.counter_seen[:] = [count]
-        return ok
+        """Whether the value now is the value recorded (see :meth:`GuardKind.holds`)."""
+        return self.kind.holds(self, roots)
 
     @property
     def code(self) -> str:
-        return GUARD_KINDS[self.kind].code
+        return self.kind.code
 
     def describe(self) -> str:
-        return GUARD_KINDS[self.kind].description.format(source=self.source, value=self.shown)
+        return self.kind.description.format(source=self.source, value=self.shown)
 
     def as_guard(self) -> Guard:
         where = str(self.source) if self.source is not None else "the whole loss"
@@ -448,18 +466,30 @@ class Assumption:
 
 def whole_loss_assumptions(roots: LossRoots) -> tuple[Assumption, ...]:
     """The whole-loss kinds, recorded now (at optimization)."""
-    return tuple(Assumption(kind, None, roots.component(kind), shown=_summary(kind, roots))
-                 for kind in _COMPONENTS)
-
-
-def _summary(kind: str, roots: LossRoots) -> str:
-    if kind == "grad-mode":
-        return str(roots.component(kind))
-    if kind == "autocast":
-        return repr(roots.component(kind))
-    return f"{len(roots.modules)} modules"
+    return tuple(Assumption(kind, None, roots.component(kind), shown=kind.summary(roots))
+                 for kind in WHOLE_LOSS_KINDS)
 
 
 def first_failure(assumptions: Iterable[Assumption], roots: LossRoots) -> Assumption | None:
     """The first assumption that no longer holds, or None."""
     return next((a for a in assumptions if not a.holds(roots)), None)
+
+
+@dataclass(frozen=True)
+class SiteGuard:
+    """A condition a run-time op checks on each call before its rewritten path (a per-site guard):
+    where it does not hold, that site runs natively and the op counts ``code``. The op declares
+    its guards as these records and counts their codes; the pass that puts the op in a graph
+    writes the same records into its certificate (:meth:`as_guard`), so the two cannot differ.
+    ``holds``: the check itself, where it is one predicate of the op's arguments."""
+
+    id: str
+    description: str
+    code: str
+    holds: Callable[..., bool] | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        lookup(self.code)
+
+    def as_guard(self, **evidence: Any) -> Guard:
+        return Guard(self.id, self.description, self.code, evidence)

@@ -61,7 +61,7 @@ from .certificates import Certificate
 from .certificates.codes import note
 from .certificates.io import save
 from .guard_code import compile_whole_check
-from .guards import LossRoots, first_failure, user_classes, whole_loss_assumptions
+from .guards import CHECKED_PER_CALL, LossRoots, first_failure, user_classes, whole_loss_assumptions
 from .isolation import isolated
 from .log import logger
 from .pipeline import Pass
@@ -78,7 +78,6 @@ from .trace import LeafPolicy
 _RETRACE_AFTER = 2  # the 2nd call since the last trace that every trace abandons is traced
 _ABANDONED = object()  # every specialization that could run the call abandoned it
 _NONE_HOLDS = object()  # no specialization covers the call with its assumptions holding
-_WHOLE_LOSS_KINDS = ("hooks", "methods", "modules", "modes")
 _RECENT_CALLS = 32  # specializations are tried most often useful in this many calls first
 _RETRIES = 3  # runs again of a call whose run-time op adjusted itself (a selection level each)
 _DISABLE_AFTER = 3  # consecutive failures of a specialization that native survived disable it
@@ -132,7 +131,7 @@ class OptimizedLoss(nn.Module):
         self._guarded_modules = list({id(m): m for m in (*own, *modules)}.values())
         self._classes = user_classes([self._loss, *self._guarded_modules])
         roots = LossRoots(self._loss, (), self._guarded_modules, self._classes)
-        self._whole = tuple(a for a in whole_loss_assumptions(roots) if a.kind in _WHOLE_LOSS_KINDS)
+        self._whole = tuple(a for a in whole_loss_assumptions(roots) if a.kind in CHECKED_PER_CALL)
         self._whole_holds = compile_whole_check(self._whole, self._loss, self._guarded_modules,
                                                 self._classes)
 

@@ -22,15 +22,13 @@ from .certificates import Certificate, Check, Guard, Site
 from .guard_code import compile_check
 from .ir.proofs import relied_on
 from .isolation import module_state_kept
-from .guards import Assumption, LossRoots, first_failure, whole_loss_assumptions
+from .guards import CHECKED_PER_TRACE, Assumption, LossRoots, first_failure, whole_loss_assumptions
 from .tracing.recorder import put_back
 from .log import logger
 from .certificates.digest import fingerprint
 from .pipeline import Pass, PipelineRun, run_pipeline
 from .signature import CallSignature, flatten_call
 from .trace import LeafPolicy, TraceFailure, TraceInfo, positional_names, trace
-
-_PER_TRACE_KINDS = ("autocast",)
 
 
 @dataclass
@@ -115,7 +113,7 @@ def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pas
     leaves, _ = flatten_call(args, kwargs)
     special.info, special.signature = info, info.signature
     ambient = tuple(a for a in whole_loss_assumptions(special.roots(loss, leaves))
-                    if a.kind in _PER_TRACE_KINDS)
+                    if a.kind in CHECKED_PER_TRACE)
     special.assumptions = info.assumptions + ambient
     special.check = compile_check(special.assumptions)
     special.signature.prepare()

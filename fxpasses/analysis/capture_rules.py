@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import torch
 import torch.fx as fx
 
-from ..certificates.codes import occurs
+from ..certificates.codes import note
 from ..ir.runtime_op import RuntimeOp
 from .meta import is_dynamic, tensors_in, value
 from .ops import NodeFacts, node_facts
@@ -30,7 +30,7 @@ class Verdict:
 
     def __post_init__(self) -> None:
         if self.code is not None:  # a registered code, noted as occurring (see codes.observe)
-            occurs(self.code)
+            note(self.code)
 
 
 @dataclass(frozen=True)

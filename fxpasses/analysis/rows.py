@@ -40,7 +40,7 @@ from torch.fx.node import map_arg
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from ..certificates.codes import occurs
+from ..certificates.codes import note
 from ..locations import exception_location, node_source
 from .row_rules import (OpCall, RowRefusal, RowValue, data_dependent, functional_counterpart,
                         rule_for)
@@ -67,7 +67,7 @@ def _note_codes(code: str | None, evidence: dict) -> None:
     shows each registered code is exercised, see :func:`fxpasses.certificates.codes.observe`)."""
     for name in [code, *(f.get("code") for f in evidence.get("findings", ()))]:
         if name is not None:
-            occurs(name)
+            note(name)
 
 
 @dataclass(frozen=True)

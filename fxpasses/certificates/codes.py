@@ -325,6 +325,19 @@ REGISTRY: dict[str, Code] = {code.name: code for code in _CODES}
 assert len(REGISTRY) == len(_CODES), "duplicate code names"
 assert all(code.kind in KINDS for code in _CODES)
 
+# What run-time ops count besides reason codes: events of the rewritten path, counted beside the
+# codes in their counters (``OptimizedLoss.stats.sites``) but never noted as codes.
+EVENTS: dict[str, str] = {
+    "paired": "a paired call ran once on the stacked rows of its branches",
+    "recorded": "a captured region recorded its function for a new input signature",
+    "replayed": "a captured region replayed a recording",
+    "evicted": "a captured region dropped its least recently replayed recording to make room",
+    "read": "a selection read its row counts to the host (its one synchronisation)",
+    "grown": "a selection's capacity grew to fit the rows of a call",
+    "outputs-copied": "an output in a captured region's memory was copied before it reached the caller",
+}
+assert not set(EVENTS) & set(REGISTRY), "an event named like a code"
+
 
 _observed: set[str] | None = None
 
@@ -339,17 +352,13 @@ def observe() -> set[str]:
 
 
 def note(name: str) -> None:
-    """Record that ``name`` occurred, when collecting (see :func:`observe`); cheap otherwise."""
-    if _observed is not None and name in REGISTRY:
-        _observed.add(name)
-
-
-def occurs(name: str) -> None:
     """``name``, a registered code (a KeyError names an unknown one), occurred: noted when
     collecting (see :func:`observe`). What carries a code (a check, a certificate, an analysis
-    result, a verdict) calls this when it is made."""
-    lookup(name)
-    note(name)
+    result, a verdict, a run-time counter) calls this when it is made."""
+    if name not in REGISTRY:
+        lookup(name)
+    if _observed is not None:
+        _observed.add(name)
 
 
 def lookup(name: str) -> Code:
@@ -369,6 +378,11 @@ def markdown() -> str:
         lines += [f"## {kind}", "", "| code | explanation | hint |", "| --- | --- | --- |"]
         lines += [f"| `{c.name}` | {c.explanation} | {c.hint} |" for c in _CODES if c.kind == kind]
         lines.append("")
+    lines += ["## run-time events", "",
+              "Counted by run-time ops beside the codes (`OptimizedLoss.stats.sites`); not reasons.", "",
+              "| event | meaning |", "| --- | --- |"]
+    lines += [f"| `{name}` | {meaning} |" for name, meaning in EVENTS.items()]
+    lines.append("")
     return "\n".join(lines)
 
 

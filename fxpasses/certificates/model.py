@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Mapping
 
-from .codes import REGISTRY, lookup, occurs
+from .codes import REGISTRY, lookup, note
 from .digest import DIGEST_KEY, content_digest
 from .schema import CERTIFICATE, mismatches
 
@@ -104,7 +104,7 @@ class Check:
     def __post_init__(self) -> None:
         _set(self, "evidence", jsonable(dict(self.evidence)))
         if self.code is not None:
-            occurs(self.code)
+            note(self.code)
         if not self.ok and self.code is None:
             raise ValueError(f"failed check {self.id!r} needs a code")
 
@@ -176,7 +176,7 @@ class Certificate:
         if self.decision not in DECISIONS:
             raise ValueError(f"decision must be one of {DECISIONS}, got {self.decision!r}")
         for code in self.codes:
-            occurs(code)
+            note(code)
         if self.decision == "applied" and self.codes:
             raise ValueError("an applied certificate carries no refusal codes")
         if self.decision != "applied" and not self.codes:

@@ -3,8 +3,10 @@
 A rewrite that needs run-time decisions (per-call guards, CUDA graph replay) puts a
 :class:`RuntimeOp` into the graph as a ``call_function`` target. A RuntimeOp has two behaviours:
 
-* ``op(*args)``: the call at run time, which keeps a Counter of what happened (``paired``,
-  ``replayed``, ``pair-dtype-mismatch``...), gathered by ``OptimizedLoss.stats``;
+* ``op(*args)``: the call at run time, which counts in one Counter, gathered by
+  ``OptimizedLoss.stats``, the reason codes of what fell back (``pair-dtype-mismatch``:
+  :meth:`~RuntimeOp.count_code`) and the events of its rewritten path (``paired``, ``replayed``:
+  :meth:`~RuntimeOp.count_event`), each from its own registry;
 * ``op.propagate(*args)``: what it computes when shapes are propagated with fake tensors
   (:mod:`fxpasses.analysis.meta` calls it instead of the op): no counters, no recordings, no
   run-time guards — only the values' metadata matters.
@@ -18,7 +20,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..certificates.codes import note
+from ..certificates.codes import EVENTS, note
 
 
 class RuntimeOp:
@@ -40,10 +42,18 @@ class RuntimeOp:
         self.__qualname__ = self.__name__
         self.counters: Counter[str] = Counter()
 
-    def count(self, event: str) -> None:
-        """Count one occurrence of ``event`` (a reason code or an event such as ``replayed``)."""
+    def count_code(self, code: str) -> None:
+        """Count a reason code: why this call, or this site of it, left the rewritten path (a
+        registered code, noted as occurring; an unknown one raises KeyError)."""
+        note(code)
+        self.counters[code] += 1
+
+    def count_event(self, event: str) -> None:
+        """Count an event of the rewritten path (one of :data:`~fxpasses.certificates.codes.EVENTS`;
+        an unknown one raises KeyError)."""
+        if event not in EVENTS:
+            raise KeyError(f"unknown fxpasses run-time event {event!r}; registered: {sorted(EVENTS)}")
         self.counters[event] += 1
-        note(event)
 
     def __call__(self, *args: Any) -> Any:
         raise NotImplementedError

@@ -51,7 +51,7 @@ class GuardOp(RuntimeOp):
         return None
 
     def _fail(self, seen: Any) -> None:
-        self.count("guard-failed")
+        self.count_code("guard-failed")
         raise Abandon("guard-failed", self.location, f"{self.op_id}: traced {self.expected!r}, now {seen!r}")
 
 

@@ -25,13 +25,14 @@ from ..analysis.meta import is_dynamic, tensors_in, value
 from ..analysis.witness import padding_witness, witness_holds
 from .. import options
 from ..certificates import Certificate, Check, Guard, Site
+from ..guards import HOOKS, SiteGuard
 from ..ir.proofs import RowIndependentCall, proven
 from ..pipeline import PassResult
 from ..ir.runtime_op import RuntimeOp
-from ..runtime.capture import CaptureRecorder, CapturedRegion
+from ..runtime.capture import REGION_GUARDS, SIGNATURE, CaptureRecorder, CapturedRegion
 from ..runtime.grad_mode import GradOff, GradRestore
 from ..runtime.ownership import OwnedOutputs
-from ..runtime.paired_capture import CapturedPairedCall
+from ..runtime.paired_capture import PADDED_GUARDS, CapturedPairedCall
 from ..locations import node_location
 
 _PREFIX = "capture_region_"
@@ -198,23 +199,15 @@ class CaptureLoss:
                   "copy_out": "every input gradient is cloned out of graph memory; outputs that "
                               "reach the caller are cloned when they lie in graph memory",
                   "memory_pool": "one private pool per region (forward, backward, all recordings)"}
-        guards = (
-            Guard("signature", "input shapes, strides, dtypes, devices, requires_grad, constants, "
-                  "grad mode and autocast match a recording (else record on the signature's "
-                  "record_after-th call, replacing the least recently replayed beyond "
-                  "max_recordings, within four times max_recordings in all; natively until then)",
-                  "record-budget", {"max_recordings": self.max_recordings, "record_after": self.record_after}),
-            Guard("backward-done", "the previous replay's backward has run (or its graph was "
-                  "freed)", "replay-pending-backward"),
-            Guard("memory-free", "no tensor outside the recording refers to its static memory "
-                  "(storage use counts)", "outputs-alive"),
-            Guard("one-thread", "no other thread is inside the region", "concurrent-call"),
-            Guard("capture-ok", "recording did not fail", "capture-failed"),
-            Guard("no-new-hooks", "whole-loss guard", "hook-added"),
-        )
+        guards = (*self._run_time_guards(REGION_GUARDS), Guard("no-new-hooks", "whole-loss guard", HOOKS.code))
         site = Site(tuple(n.name for n in nodes), tuple(dict.fromkeys(
             loc for n in nodes if (loc := node_location(n)))), f"capture region {index}")
         return Certificate.from_checks(self.name, site, the_checks, effect=effect, guards=guards)
+
+    def _run_time_guards(self, guards: Sequence[SiteGuard]) -> tuple[Guard, ...]:
+        """The certificate's form of a region's run-time guards; the recording one with its budget."""
+        budget = {"max_recordings": self.max_recordings, "record_after": self.record_after}
+        return tuple(g.as_guard(**budget) if g.code == SIGNATURE.code else g.as_guard() for g in guards)
 
     def _region_checks(self, gm: fx.GraphModule, nodes: list[fx.Node], plan: CapturePlan) -> list[Check]:
         """What fusing ``nodes`` into one replayed call needs, read from the graph and the plan."""
@@ -313,10 +306,6 @@ class CaptureLoss:
                   "record_after": self.record_after,
                   "copy_in": "the stacked rows, padded with zero rows; parameters and buffers used in place",
                   "copy_out": "every gradient cloned out of graph memory"}
-        guards = (Guard("bucket-recorded", "a recording exists for the padded row count (else record, "
-                        "within budget, on the bucket's record_after-th call; natively until then)",
-                        "record-budget", {"max_recordings": self.max_recordings,
-                                          "record_after": self.record_after}),
-                  Guard("backward-done", "the previous replay's backward has run", "replay-pending-backward"))
+        guards = self._run_time_guards(PADDED_GUARDS)
         return Certificate.from_checks(self.name, where, checks, effect=effect, guards=guards,
                                        witness=witness)

@@ -30,9 +30,10 @@ from ..analysis.rows import analyze_rows
 from ..analysis.witness import pairing_witness, witness_holds
 from .. import options
 from ..certificates import Certificate, Check, Guard, Site
+from ..guards import HOOKS, METHODS
 from ..ir.proofs import RowIndependentCall, kept_whole, prove, rely_on
 from ..pipeline import PassResult
-from ..runtime.paired import PairedCall
+from ..runtime.paired import ROW_GUARDS, PairedCall
 from ..locations import node_location
 from . import checks
 
@@ -182,12 +183,10 @@ class PairCalls:
         if per_call is not None:
             effect.update(linear_calls_before=per_call * len(s.calls), linear_calls_after=per_call)
         guards = (
-            Guard("rows-plain-tensors", "every branch's rows are plain torch.Tensor", "pair-tensor-subclass"),
-            Guard("rows-one-dtype", "all branches' rows share one dtype", "pair-dtype-mismatch"),
-            Guard("rows-one-device", "all branches' rows share one device", "pair-device-mismatch"),
-            Guard("no-new-hooks", "no hook registered since optimization (whole-loss guard)", "hook-added"),
+            *(g.as_guard() for g in ROW_GUARDS),
+            Guard("no-new-hooks", "no hook registered since optimization (whole-loss guard)", HOOKS.code),
             Guard("method-unchanged", f"{type(module).__qualname__}.{s.method} not replaced since "
-                  "optimization (whole-loss guard)", "method-replaced"),
+                  "optimization (whole-loss guard)", METHODS.code),
             *self._read_guards(s),
         )
         cert = Certificate.from_checks(self.name, s.site(), the_checks, effect=effect, guards=guards)

@@ -53,10 +53,11 @@ import torch.fx as fx
 from .. import options
 from ..analysis.meta import value
 from ..analysis.selection import Space, SpaceAnalysis, analyze_space, find_spaces
-from ..certificates import Certificate, Check, Guard, Site
+from ..certificates import Certificate, Check, Site
 from ..ir.proofs import kept_whole, rely_on
 from ..locations import node_location
 from ..pipeline import PassResult
+from ..runtime.select import COUNT_GUARDS
 from .select_rewrite import external_storages, place_reads, rewrite_level, visible_before
 from .select_witness import selection_witness
 
@@ -188,11 +189,7 @@ class SelectRows:
             "masked_reductions": tuple(f"{r.kind} at {r.node}" for r in analysis.reductions),
             "divisors": "true counts, on the device",
             "empty_selection": "abandoned at the read: the call runs natively (selection-empty)"}
-        guards = (Guard("selection-not-empty", "every selection of the level has a row",
-                        "selection-empty"),
-                  Guard("selection-fits", "every count is at most the capacity its rows were "
-                        "gathered into (else the capacity grows and the call runs again)",
-                        "selection-capacity"),
+        guards = (*(g.as_guard() for g in COUNT_GUARDS),
                   *(a.as_guard() for a in kept_whole([named[n] for n in analysis.region
                                                       if n in named]).reads))
         site = Site((space.mask, *space.sites),

@@ -60,13 +60,32 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
 from ..certificates.codes import note
-from ..guards import ambient_state
+from ..guards import SiteGuard, ambient_state
 from ..ir.runtime_op import Propagator, RuntimeOp
 from .module_state import MODULE_STATE
 
 
 MAX_SIGHTINGS = 256  # unrecorded signatures a region remembers (see CapturedRegion._seen_enough)
 RERECORDINGS = 4  # a region records at most this many times max_recordings signatures in all
+
+# A region's per-call guards: where one fails, the call runs the region eagerly, counting its code
+# (CaptureLoss's certificates list these records).
+SIGNATURE = SiteGuard(
+    "signature", "input shapes, strides, dtypes, devices, requires_grad, constants, grad mode and "
+    "autocast match a recording (else record on the signature's record_after-th call, replacing the "
+    "least recently replayed beyond max_recordings, within four times max_recordings in all; "
+    "natively until then)", "record-budget")
+SIGNATURE_RECURRED = SiteGuard("signature-recurred", "a new signature is recorded on its "
+                               "record_after-th call (natively until then)", "awaiting-repeat")
+BACKWARD_DONE = SiteGuard("backward-done", "the previous replay's backward has run (or its graph was "
+                          "freed)", "replay-pending-backward")
+MEMORY_FREE = SiteGuard("memory-free", "no tensor outside the recording refers to its static memory "
+                        "(storage use counts)", "outputs-alive")
+ONE_THREAD = SiteGuard("one-thread", "no other thread is inside the region", "concurrent-call")
+CAPTURE_OK = SiteGuard("capture-ok", "recording did not fail", "capture-failed")
+FIRST_ORDER = SiteGuard("first-order-backward", "a backward through a replay makes no graph (else the "
+                        "region's gradient is recomputed eagerly, differentiable)", "double-backward-eager")
+REGION_GUARDS = (SIGNATURE, SIGNATURE_RECURRED, BACKWARD_DONE, MEMORY_FREE, ONE_THREAD, CAPTURE_OK, FIRST_ORDER)
 
 
 class StaleReplayError(RuntimeError):
@@ -543,12 +562,12 @@ class CapturedRegion(RuntimeOp):
 
     def __call__(self, *args: Any) -> Any:
         if not self.lock.acquire(blocking=False):
-            return self._eager("concurrent-call", args)
+            return self._eager(ONE_THREAD.code, args)
         try:
             reason, recording, flat = self._admit(args)
             if reason is not None:
                 return self._eager(reason, args)
-            self.count("replayed")
+            self.count_event("replayed")
             tensors = [a for a in flat if isinstance(a, torch.Tensor)]
             if recording.backward is not None and torch.is_grad_enabled():
                 return recording.rebuild(_Replay.apply(self, recording, *tensors))
@@ -561,7 +580,7 @@ class CapturedRegion(RuntimeOp):
     def _admit(self, args: tuple) -> tuple[str | None, Recording | None, list[Any]]:
         """(reason to run eagerly or None, the recording to replay, the flat inputs)."""
         if self.failure is not None:
-            return "capture-failed", None, []
+            return CAPTURE_OK.code, None, []
         # containers among the arguments (a tuple a region passes on) are flattened: each
         # tensor in them is an input of its own (copied, differentiated), never a constant
         leaves, specs, starts = flatten_arguments(args)
@@ -578,29 +597,29 @@ class CapturedRegion(RuntimeOp):
             recording.used = next(self._clock)
         else:
             if self.made >= RERECORDINGS * self.max_recordings:
-                return "record-budget", None, flat
+                return SIGNATURE.code, None, flat
             if not self._seen_enough(key):
-                return "awaiting-repeat", None, flat
+                return SIGNATURE_RECURRED.code, None, flat
             if self._pending is not None:
-                return "replay-pending-backward", None, flat
+                return BACKWARD_DONE.code, None, flat
             if len(self.recordings) >= self.max_recordings and not self._evict():
-                return "record-budget", None, flat
+                return SIGNATURE.code, None, flat
             with MODULE_STATE.exclusive() as alone:  # the recording swaps parameters for aliases
                 if not alone:  # this thread's native call of another loss holds them
-                    return "concurrent-call", None, flat
+                    return ONE_THREAD.code, None, flat
                 self.made += 1
                 try:
                     recording = self._record(flat, starts, identity, specs)
                 except Exception as exc:  # never lose the step: this region runs eagerly from now on
                     self.failure = f"{type(exc).__name__}: {exc}"[:500]
-                    return "capture-failed", None, flat
+                    return CAPTURE_OK.code, None, flat
             recording.used = next(self._clock)
             self.recordings[key] = recording
-            self.count("recorded")
+            self.count_event("recorded")
         if self._pending is not None:
-            return "replay-pending-backward", None, flat
+            return BACKWARD_DONE.code, None, flat
         if recording.referenced():
-            return "outputs-alive", None, flat
+            return MEMORY_FREE.code, None, flat
         return None, recording, flat
 
     def _state(self, modules: list[nn.Module]) -> list[torch.Tensor]:
@@ -616,7 +635,7 @@ class CapturedRegion(RuntimeOp):
         for key, recording in sorted(self.recordings.items(), key=lambda kv: kv[1].used):
             if not recording.referenced():
                 del self.recordings[key]
-                self.count("evicted")
+                self.count_event("evicted")
                 return True
         return False
 
@@ -656,7 +675,7 @@ class CapturedRegion(RuntimeOp):
         return frozenset().union(*(r.memory for r in self.recordings.values()))
 
     def _eager(self, reason: str, args: Sequence[Any]) -> Any:
-        self.count(reason)
+        self.count_code(reason)
         return self.fn(*args)
 
     # -- replay bookkeeping (called by _Replay) -----------------------------------------------
@@ -691,7 +710,7 @@ class CapturedRegion(RuntimeOp):
         respect to the inputs themselves, a gradient would also flow through the history of an
         input computed from another (``x`` and ``y = f(x)`` both inputs) and be counted twice.
         """
-        self.count("double-backward-eager")
+        self.count_code(FIRST_ORDER.code)
         aliases = [t.view_as(t) if t.requires_grad else t for t in saved]
         with torch.enable_grad(), MODULE_STATE.exclusive():  # (parameters' aliases on the modules)
             outputs = [o for o in pytree.tree_leaves(recording.call(*recording.arguments(aliases)))

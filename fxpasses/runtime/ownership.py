@@ -37,7 +37,7 @@ class OwnedOutputs(RuntimeOp):
         owned = []
         for out in outputs:
             if isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() in memory:
-                self.count("outputs-copied")
+                self.count_event("outputs-copied")
                 out = out.clone()
             owned.append(out)
         return tuple(owned)

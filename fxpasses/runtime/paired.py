@@ -3,8 +3,9 @@
     # f(cat(x, y)) == cat(f(x), f(y))   when f maps each row from that row alone
 
 A :class:`PairedCall` is the ``call_function`` target the pairing pass puts in the graph. On every
-call it checks the per-call guards — all branches' rows are plain ``torch.Tensor`` of one dtype and
-one device — and otherwise runs the branches' separate native calls, counting the reason. The split
+call it checks the per-call guards (:data:`ROW_GUARDS`: all branches' rows are plain
+``torch.Tensor`` of one dtype and one device) and otherwise runs the branches' separate native
+calls, counting the reason. The split
 uses each branch's row count of *this* call (unequal and zero counts included); weights are never
 stacked or copied.
 """
@@ -17,19 +18,22 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from ..guards import SiteGuard
 from ..ir.runtime_op import RuntimeOp
+
+ROW_GUARDS = (  # in the order they are checked
+    SiteGuard("rows-plain-tensors", "every branch's rows are plain torch.Tensor", "pair-tensor-subclass",
+              lambda rows: all(type(r) is torch.Tensor for r in rows)),
+    SiteGuard("rows-one-dtype", "all branches' rows share one dtype", "pair-dtype-mismatch",
+              lambda rows: all(r.dtype == rows[0].dtype for r in rows)),
+    SiteGuard("rows-one-device", "all branches' rows share one device", "pair-device-mismatch",
+              lambda rows: all(r.device == rows[0].device for r in rows)),
+)
 
 
 def guard_failure(rows: tuple[torch.Tensor, ...]) -> str | None:
-    """The reason code why these rows must not be stacked, or None."""
-    first = rows[0]
-    if any(type(r) is not torch.Tensor for r in rows):
-        return "pair-tensor-subclass"
-    if any(r.dtype != first.dtype for r in rows):
-        return "pair-dtype-mismatch"
-    if any(r.device != first.device for r in rows):
-        return "pair-device-mismatch"
-    return None
+    """The code of the first of :data:`ROW_GUARDS` these rows fail (they must not be stacked), or None."""
+    return next((guard.code for guard in ROW_GUARDS if not guard.holds(rows)), None)
 
 
 def split_rows(out: Any, counts: list[int]) -> tuple[Any, ...]:
@@ -70,10 +74,10 @@ class PairedCall(RuntimeOp):
     def __call__(self, module: nn.Module, *rows: torch.Tensor) -> tuple[Any, ...]:
         reason = guard_failure(rows)
         if reason is not None:
-            self.count(reason)
+            self.count_code(reason)
             call = self.bound(module)
             return tuple(call(r) for r in rows)
-        self.count("paired")
+        self.count_event("paired")
         return self.paired(module, rows)
 
     def paired(self, module: nn.Module, rows: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:

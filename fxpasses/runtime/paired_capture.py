@@ -20,8 +20,14 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .capture import CaptureRecorder, CapturedRegion
+from ..guards import SiteGuard
+from .capture import REGION_GUARDS, SIGNATURE, CaptureRecorder, CapturedRegion
 from .paired import PairedCall, guard_failure, split_rows
+
+BUCKET_RECORDED = SiteGuard("bucket-recorded", "a recording exists for the padded row count (else record, "
+                            "within budget, on the bucket's record_after-th call; natively until then)",
+                            SIGNATURE.code)
+PADDED_GUARDS = tuple(BUCKET_RECORDED if g is SIGNATURE else g for g in REGION_GUARDS)  # its region's
 
 
 def bucket(rows: int, minimum: int) -> int:
@@ -47,7 +53,7 @@ class CapturedPairedCall(PairedCall):
     def __call__(self, module: nn.Module, *rows: torch.Tensor) -> tuple[Any, ...]:
         if guard_failure(rows) is not None or rows[0].device.type not in self.devices:
             return super().__call__(module, *rows)
-        self.count("paired")
+        self.count_event("paired")
         counts = [r.shape[0] for r in rows]
         total = sum(counts)
         pad = rows[0].new_zeros((bucket(total, self.min_bucket) - total, *rows[0].shape[1:]))

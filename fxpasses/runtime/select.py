@@ -26,9 +26,15 @@ from typing import Any, Sequence
 import torch
 from torch._guards import detect_fake_mode
 
+from ..guards import SiteGuard
 from ..ir.runtime_op import RuntimeOp
 from ..ir.abandon import Abandon
 from .paired_capture import bucket
+
+NOT_EMPTY = SiteGuard("selection-not-empty", "every selection of the level has a row", "selection-empty")
+FITS = SiteGuard("selection-fits", "every count is at most the capacity its rows were gathered into "
+                 "(else the capacity grows and the call runs again)", "selection-capacity")
+COUNT_GUARDS = (NOT_EMPTY, FITS)  # what CheckCounts checks; SelectRows's certificates list them
 
 
 class Capacities(RuntimeOp):
@@ -52,7 +58,7 @@ class Capacities(RuntimeOp):
 
     def grow(self, count: int) -> None:
         self.value = max(self.value, bucket(count, self.min_bucket))
-        self.count("grown")
+        self.count_event("grown")
 
     def propagate(self) -> tuple[torch.SymInt]:
         """A fresh unbacked size, at least ``min_bucket``."""
@@ -111,13 +117,13 @@ class CheckCounts(RuntimeOp):
 
     def __call__(self, *args: Any) -> tuple[int, ...]:
         caps, pending = args[:-1], args[-1]
-        self.count("read")
+        self.count_event("read")
         counts = pending.values()  # the one synchronisation
         short = []
         for selection, cap, count in zip(self.selections, caps, counts):
             if count == 0:
-                self.count("selection-empty")
-                raise Abandon("selection-empty", selection.site, "a selection is empty: no real "
+                self.count_code(NOT_EMPTY.code)
+                raise Abandon(NOT_EMPTY.code, selection.site, "a selection is empty: no real "
                               "row to pad with", retrace=False)  # any trace's read abandons it again
             if count > cap:
                 short.append((selection, cap, count))
@@ -126,9 +132,9 @@ class CheckCounts(RuntimeOp):
             grown = [(s, cap, count) for s, cap, count in short if s.level == lowest]
             for selection, _, count in grown:
                 selection.grow(count)
-            self.count("selection-capacity")
+            self.count_code(FITS.code)
             selection, cap, count = grown[0]
-            raise Abandon("selection-capacity", selection.site,
+            raise Abandon(FITS.code, selection.site,
                           f"{count} rows selected, capacity {cap}: grown to {selection.value}",
                           retrace=False, retry=True)
         return tuple(counts)

@@ -54,11 +54,12 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..guards import Assumption, callable_object, exact_snapshot, is_container, snapshot
+from ..guards import Assumption, callable_object
 from ..locations import is_user_class, is_user_file
 from ..ir.trace_ops import ReadSource, WriteAttribute
 from .recorder import Recorder, user_location
 from ..ir.sources import Source
+from ..snapshots import exact_snapshot, is_container, snapshot
 from .values import TracedScalar, TracedTensor, active_recorder
 
 _CONSTANTS = (bool, int, str, bytes, type(None), enum.Enum, torch.dtype, torch.device)

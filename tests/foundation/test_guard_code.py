@@ -12,7 +12,8 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from fxpasses.guard_code import FAILED_READ, compile_check
-from fxpasses.guards import Assumption, LossRoots, first_failure, snapshot, whole_loss_assumptions
+from fxpasses.guards import Assumption, LossRoots, first_failure, whole_loss_assumptions
+from fxpasses.snapshots import snapshot
 from fxpasses.specialize import Specialization
 from fxpasses.ir.sources import Source
 
@@ -249,7 +250,7 @@ _FLAT = st.one_of(
 @settings(max_examples=400, deadline=None, derandomize=True)
 @given(_FLAT, _FLAT | _PLAIN_VALUES | st.just(object()))
 def test_flat_containers_are_compared_as_their_snapshots_are(recorded, now):
-    from fxpasses.guards import flat_form, same_flat
+    from fxpasses.snapshots import flat_form, same_flat
     snap = snapshot(recorded)
     form = flat_form(snap)
     assert form is not None and same_flat(recorded, *form)
@@ -262,7 +263,7 @@ def test_flat_containers_are_compared_as_their_snapshots_are(recorded, now):
 def test_flat_comparison_tells_types_order_and_containers_apart():
     from collections import OrderedDict
 
-    from fxpasses.guards import flat_form, same_flat
+    from fxpasses.snapshots import flat_form, same_flat
     nan = float("nan")
     for recorded, now in (({"a": 1}, {"a": True}), ([1.0], [1]), ({"a": 1, "b": 2}, {"b": 2, "a": 1}),
                           ((1, 2), [1, 2]), ({"a": 1}, OrderedDict(a=1)), ([nan], [float("nan")]),
