@@ -10,8 +10,7 @@
 from .optimize import OptimizedLoss, optimize
 from .pipeline import Pass, PassResult, run_pipeline
 from .trace import LeafPolicy, TraceFailure, trace
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = ["LeafPolicy", "OptimizedLoss", "Pass", "PassResult", "TraceFailure", "optimize",
            "run_pipeline", "trace", "__version__"]

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils import _pytree as pytree
 
-from . import __version__
+from .version import __version__
 from .certificates.io import certificates_of, dumps, load, save
 from .draw import RendererMissing, dot_text, find_dot, render
 from .log import enable, progress

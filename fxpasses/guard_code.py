@@ -36,9 +36,9 @@ from typing import Any, Callable, Optional, Sequence
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .guards import (AUTOCAST_OFF, GUARD_HELPERS, GUARD_KINDS, Assumption, LossRoots, _instance_methods,
-                     _method_names, _module_overrides, flat_form, whole_loss_assumptions)
-from .tracing.sources import Source
+from .guards import (AUTOCAST_OFF, GUARD_HELPERS, GUARD_KINDS, Assumption, LossRoots, instance_methods,
+                     method_names, module_overrides, flat_form, whole_loss_assumptions)
+from .ir.sources import Source
 
 FAILED_READ = -2  # a read raised: run the exact path
 
@@ -211,7 +211,7 @@ def compile_whole_check(assumptions: Sequence[Assumption], loss: Any, modules: S
                         "    except Exception:  # a read that raises: the exact path decides",
                         "        return False", "    return True"])
     namespace = {**w.names, "LossRoots": LossRoots, "RemovableHandle": RemovableHandle,
-                 "same_callables": _same_callables, "module_overrides": _module_overrides,
+                 "same_callables": _same_callables, "module_overrides": module_overrides,
                  "version": DICT_VERSION}
     exec(compile(source, f"<fxpasses whole-loss guards of {len(modules)} modules>", "exec"), namespace)
     check = namespace["check"]
@@ -234,7 +234,7 @@ def _whole_lines(w: _Writer, by_kind: dict[str, Assumption], loss: Any, modules:
         seen = w.constant([tuple(vars(loss)), tuple(map(id, values)), values,
                            DICT_VERSION and DICT_VERSION(vars(loss))], "seen_")
         lines.append(f"{body}if not same_callables({w.constant(loss, 'loss_')}, {seen}, "
-                     f"{w.constant(_instance_methods(loss), 'expected_')}): return False")
+                     f"{w.constant(instance_methods(loss), 'expected_')}): return False")
     if "modules" in parts:
         _module_lines(w, modules, methods, "modules" in by_kind, "modes" in by_kind, body)
     if methods and "classes" in parts:
@@ -243,7 +243,7 @@ def _whole_lines(w: _Writer, by_kind: dict[str, Assumption], loss: Any, modules:
 
 def _same_callables(obj: Any, seen: list, expected: tuple) -> bool:
     """Whether the callables stored on ``obj`` are those recorded (``expected``, as
-    :func:`~fxpasses.guards._instance_methods` reads them). Fast when no attribute was rebound
+    :func:`~fxpasses.guards.instance_methods` reads them). Fast when no attribute was rebound
     since ``seen`` (names, ids of the values, the values, held so that ids are not reused): the
     values are not read then, only the dict (with :data:`DICT_VERSION`, only its version tag when
     the dict is the one seen). Else the exact read, and ``seen`` moves on when it holds (a float
@@ -252,7 +252,7 @@ def _same_callables(obj: Any, seen: list, expected: tuple) -> bool:
     if DICT_VERSION is not None and DICT_VERSION(d) == seen[3]:
         return True
     if not (tuple(d) == seen[0] and tuple(map(id, d.values())) == seen[1]) and \
-            _instance_methods(obj) != expected:
+            instance_methods(obj) != expected:
         return False
     values = tuple(d.values())
     seen[:] = [tuple(d), tuple(map(id, values)), values, DICT_VERSION and DICT_VERSION(d)]
@@ -275,11 +275,11 @@ def _module_lines(w: _Writer, modules: Sequence[nn.Module], methods: bool, child
     one = lambda value: shared.setdefault(value, value)  # noqa: E731 (equal tuples: one object)
     records = []
     for m in modules:
-        shadowing, compiled = _module_overrides(m) if methods else ((), id(None))
+        shadowing, compiled = module_overrides(m) if methods else ((), id(None))
         seen = [m.__dict__, DICT_VERSION(m.__dict__), m._modules, DICT_VERSION(m._modules)] \
             if DICT_VERSION else None
         records.append((m, m.training, one(tuple(map(id, m._modules.values()))), one(tuple(m.__dict__)),
-                        _method_names(type(m)) if methods else frozenset(), shadowing,
+                        method_names(type(m)) if methods else frozenset(), shadowing,
                         None if compiled == id(None) else compiled, seen))
     w.constant(tuple(tuple(m._modules.values()) for m in modules), "children_")  # held: ids not reused
     lines = w.lines

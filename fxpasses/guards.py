@@ -12,7 +12,7 @@ guards are (``torch/_dynamo/guards.py``): one table, a source per assumption, a 
 Values that steer control flow or shapes are guarded; a float read only as arithmetic is not a
 guard but an input, read on every call (kind ``float`` only checks it is still a float).
 
-Cost: the whole-loss facts are read once per call, for the loss and the modules its traces
+Cost: the whole-loss state is read once per call, for the loss and the modules its traces
 depend on (not every module it holds); hooks are read only when a hook handle was made since
 they last held (every ``register_*hook`` makes one; with no hook recorded, none can be removed);
 a module's methods are checked by what shadows its class's methods; a specialization's own
@@ -33,9 +33,9 @@ from torch.nn.modules import module as module_mod
 from torch.utils.hooks import RemovableHandle
 
 from .certificates import Guard
+from .ir.carriers import ScalarCarrier
+from .ir.sources import Roots, Source
 from .locations import is_user_class
-from .tracing.sources import Roots, Source
-from .tracing.values import TracedScalar
 
 _GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_pre_hooks",
                       "_global_backward_hooks", "_global_backward_pre_hooks")
@@ -44,7 +44,7 @@ _MODULE_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
 MISSING = object()  # what a source reads as when its attribute or key does not exist
 
 
-# -- facts about modules -------------------------------------------------------------------------
+# -- the state of modules ------------------------------------------------------------------------
 
 def global_hook_keys() -> tuple:
     return tuple(tuple(getattr(module_mod, name, {})) for name in _GLOBAL_HOOK_DICTS)
@@ -82,7 +82,7 @@ def callable_object(value: Any) -> bool:
     return cls.__flags__ & (_HEAP_TYPE | _IMMUTABLE_TYPE) == _HEAP_TYPE and is_user_class(cls)
 
 
-def _instance_methods(o: object) -> tuple:
+def instance_methods(o: object) -> tuple:
     """The functions stored on an object (a plain object's: read in full); an object that
     defines ``__call__`` is guarded where the trace read it, as any object is."""
     return tuple([(k, id(v)) for k, v in vars(o).items()
@@ -98,7 +98,7 @@ def is_method(value: Any) -> bool:
 _CLASS_METHOD_NAMES: dict[type, frozenset] = {}
 
 
-def _method_names(cls: type) -> frozenset:
+def method_names(cls: type) -> frozenset:
     """Names of the callables and descriptors ``cls`` and its bases define (cached per class)."""
     names = _CLASS_METHOD_NAMES.get(cls)
     if names is None:
@@ -108,14 +108,14 @@ def _method_names(cls: type) -> frozenset:
     return names
 
 
-def _module_overrides(m: nn.Module) -> tuple:
+def module_overrides(m: nn.Module) -> tuple:
     """What on a module instance can change which code its call runs: attributes that shadow a
     method of its class (``m.forward = ...``), and ``m.compile()``'s compiled call. Other
     callables stored on a module matter only if the trace read them, and those reads are
     guarded one by one (``identity``); reading only these keeps the check to a set
     intersection per module instead of a walk of every attribute."""
     d = m.__dict__
-    names = _method_names(type(m))
+    names = method_names(type(m))
     shadowing = () if names.isdisjoint(d) else tuple((k, id(d[k])) for k in d if k in names)
     return shadowing, id(d.get("_compiled_call_impl"))
 
@@ -205,8 +205,8 @@ class LossRoots(Roots):
 
 _COMPONENTS: dict[str, Callable[[LossRoots], Any]] = {
     "hooks": lambda r: (global_hook_keys(), tuple([module_hook_keys(m) for m in r.modules])),
-    "methods": lambda r: (_instance_methods(r.loss) if not isinstance(r.loss, nn.Module) else (),
-                          tuple([_module_overrides(m) for m in r.modules]),
+    "methods": lambda r: (instance_methods(r.loss) if not isinstance(r.loss, nn.Module) else (),
+                          tuple([module_overrides(m) for m in r.modules]),
                           tuple([_class_methods(c) for c in r.classes])),
     "modules": lambda r: tuple([tuple(map(id, m._modules.values())) for m in r.modules]),
     "modes": lambda r: tuple([m.training for m in r.modules]),
@@ -258,11 +258,11 @@ def _held_items(owner: Any, items: Iterable, step: str, depth: int, floats: list
         return ("id", id(owner))
     held = []
     for k, v in items:
-        if not exact and (type(v) is float or type(v) is TracedScalar):
+        if not exact and (type(v) is float or isinstance(v, ScalarCarrier)):
             held.append((k, (float, FLOAT_READ)))
             if floats is not None:
                 floats.append(((*path, (step, k)), owner, k))
-        elif type(v) is TracedScalar:  # a trace's stand-in for the float it holds
+        elif isinstance(v, ScalarCarrier):  # a trace's stand-in for the float it holds
             held.append((k, (float, v.value)))
         else:
             held.append((k, snapshot(v, depth - 1, floats, (*path, (step, k)), exact)))

@@ -66,10 +66,10 @@ from .isolation import isolated
 from .log import logger
 from .pipeline import Pass
 from .report import build_report, render_report
-from .runtime import runtime_ops
-from .runtime.abandon import Abandon
+from .ir.runtime_op import runtime_ops
+from .ir.abandon import Abandon
 from .runtime.module_state import MODULE_STATE
-from .runtime.trace_ops import undone_on_failure
+from .ir.trace_ops import undone_on_failure
 from .signature import flatten_call
 from .specialize import Specialization, build, same_checks
 from .stats import RecordedException, RunStats

@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from .analysis.meta import annotate, annotate_new
 from .certificates import Certificate, Check, Site, pass_counters
-from .certificates.digest import code_fingerprint
+from .certificates.digest import code_fingerprint, fingerprint
 from .locations import node_location
 from .log import logger
 
@@ -78,10 +78,6 @@ class PipelineRun:
         return "".join(difflib.unified_diff(
             first.code.splitlines(keepends=True), last.code.splitlines(keepends=True),
             fromfile=f"before ({first.step})", tofile=f"after ({last.step})"))
-
-
-def fingerprint(gm: fx.GraphModule) -> str:
-    return code_fingerprint(gm.graph.python_code("self").src)
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:

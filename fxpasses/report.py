@@ -21,8 +21,9 @@ import torch
 from .certificates import Certificate, SCHEMA_VERSION, pass_counters, render_certificate
 from .certificates.digest import content_digest
 from .certificates.io import REPORT_SCHEMA
-from .certificates.model import _as_evidence, _to_json_data
+from .certificates.model import as_evidence, to_json_data
 from .locations import shown
+from .version import __version__
 
 if TYPE_CHECKING:
     from .optimize import OptimizedLoss, Specialization
@@ -46,8 +47,6 @@ def _specialization(special: "Specialization") -> dict[str, Any]:
 
 def build_report(opt: "OptimizedLoss") -> dict[str, Any]:
     """The JSON data of ``opt``'s report (schema ``REPORT_SCHEMA``); see the module docstring."""
-    from . import __version__  # here, not at the top: fxpasses/__init__ imports this module
-
     report = {
         "report_schema": REPORT_SCHEMA,
         "certificate_schema": SCHEMA_VERSION,
@@ -56,7 +55,7 @@ def build_report(opt: "OptimizedLoss") -> dict[str, Any]:
                      "python": platform.python_version()},
         "loss": type(opt._loss).__name__,
         "pipeline": [p.name for p in opt.passes],
-        "guards": [_to_json_data(_as_evidence(g)) for g in opt.guards()],
+        "guards": [to_json_data(as_evidence(g)) for g in opt.guards()],
         "specializations": [_specialization(s) for s in opt.specializations],
         "stats": opt.stats.as_dict(),
     }

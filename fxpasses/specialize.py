@@ -20,12 +20,13 @@ from torch import nn
 
 from .certificates import Certificate, Check, Guard, Site
 from .guard_code import compile_check
-from .facts import relied_on
+from .ir.proofs import relied_on
 from .isolation import module_state_kept
 from .guards import Assumption, LossRoots, first_failure, whole_loss_assumptions
 from .tracing.recorder import put_back
 from .log import logger
-from .pipeline import Pass, PipelineRun, fingerprint, run_pipeline
+from .certificates.digest import fingerprint
+from .pipeline import Pass, PipelineRun, run_pipeline
 from .signature import CallSignature, flatten_call
 from .trace import LeafPolicy, TraceFailure, TraceInfo, positional_names, trace
 

@@ -24,12 +24,11 @@ optimizer step on the original is seen by the traced graph. A trace failure rais
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -41,10 +40,10 @@ from .guards import Assumption
 from .locations import exception_location
 from .signature import CallSignature, flatten_call
 from .tracing.objects import ObjectTracker
-from .tracing.patches import ModulePatcher, _Patches, patched
+from .tracing.patches import ModulePatcher, Patches, patched
 from .tracing.recorder import Recorder, Unsupported
-from .tracing.sources import Source
-from .tracing.values import TracedScalar, _active
+from .ir.sources import Source
+from .tracing.values import TracedScalar, recording
 
 META_KEY = "fxpasses"
 
@@ -181,15 +180,6 @@ def _inputs(rec: Recorder, tracker: ObjectTracker, signature: CallSignature,
     return values
 
 
-@contextlib.contextmanager
-def _recording(rec: Recorder) -> Iterator[None]:
-    _active.append(rec)
-    try:
-        yield
-    finally:
-        _active.pop()
-
-
 def _function_state(tracker: ObjectTracker, function: types.FunctionType | None,
                     source: Source | None) -> None:
     """The globals, closure cells and default arguments of the loss's function; ``source``:
@@ -240,7 +230,7 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
     example_kwargs = dict(example_kwargs or {})
     signature = CallSignature.of_call(tuple(example_args), example_kwargs, positional_names(loss_fn))
     rec = Recorder(root)
-    patcher = ModulePatcher(rec, _Patches(), tuple(policy.density_methods), policy.is_leaf_instance)
+    patcher = ModulePatcher(rec, Patches(), tuple(policy.density_methods), policy.is_leaf_instance)
     tracker = ObjectTracker(rec, on_module=patcher)
     rec.tracker = tracker
     leaves, _ = flatten_call(tuple(example_args), example_kwargs)
@@ -255,7 +245,7 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
             tracker.track(loss_fn, Source(("loss",)))
         patcher(root)
         _function_state(tracker, function, _bound_state(tracker, loss_fn))
-        with _recording(rec), patched(rec, tracker, patcher, tuple(policy.leaf_functions)):
+        with recording(rec), patched(rec, tracker, patcher, tuple(policy.leaf_functions)):
             out = loss_fn(*args, **kwargs)
             spec = _output(rec, out)
             rec.paused = True  # what the contexts do on exit is not the loss's

@@ -41,9 +41,9 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from ..facts import BucketedSizes, proven
-from ..runtime import RuntimeOp
-from ..runtime.trace_ops import ReadSource, ReadState
+from ..ir.proofs import BucketedSizes, proven
+from ..ir.runtime_op import RuntimeOp
+from ..ir.trace_ops import ReadSource, ReadState
 from .capture_rules import Verdict, launches_kernels, verdict
 from .meta import storages_of, tensors_in, value
 from .ops import node_facts
@@ -142,7 +142,7 @@ def _outside_block_ok(node: fx.Node) -> bool:
 
 
 def bucketed_symbols(gm: fx.GraphModule) -> frozenset:
-    """The data-dependent sizes that are bucketed capacities (:class:`~fxpasses.facts.BucketedSizes`):
+    """The data-dependent sizes that are bucketed capacities (:class:`~fxpasses.ir.proofs.BucketedSizes`):
     static for one recording, as each bucket value is a recording of its own."""
     found: set = set()
     for node in gm.graph.nodes:

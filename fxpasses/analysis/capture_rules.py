@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from ..certificates.codes import occurs
-from ..runtime import RuntimeOp
+from ..ir.runtime_op import RuntimeOp
 from .meta import is_dynamic, tensors_in, value
 from .ops import NodeFacts, node_facts
 

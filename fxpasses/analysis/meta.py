@@ -24,8 +24,8 @@ from torch.utils import _pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..runtime import propagating_call
-from ..runtime.trace_ops import ReadSource, ReadState, set_item
+from ..ir.runtime_op import propagating_call
+from ..ir.trace_ops import ReadSource, ReadState, set_item
 from .ops import NODE_FACTS, NodeFacts, aten_facts, is_torch_code, written_storages, storage_id
 
 

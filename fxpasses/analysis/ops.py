@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..runtime.trace_ops import set_item
+from ..ir.trace_ops import set_item
 
 NODE_FACTS = "fxpasses.facts"  # node.meta key of a NodeFacts
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..runtime import RuntimeOp
-from ..runtime.trace_ops import ReadSource, WriteAttribute
+from ..ir.runtime_op import RuntimeOp
+from ..ir.trace_ops import ReadSource, WriteAttribute
 from .meta import storages_of
 from .ops import may_write_inputs, node_facts
 

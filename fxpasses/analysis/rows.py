@@ -405,7 +405,7 @@ class _Walk:
         schema = getattr(target, "_schema", None)
         mutated = [arg.name for arg in (schema.arguments if schema else ())
                    if arg.alias_info is not None and arg.alias_info.is_write]
-        raw = _bind(schema, a.args, a.kwargs)
+        raw = bind_arguments(schema, a.args, a.kwargs)
         self._check_mutation(name, [raw[m] for m in mutated])
         rule = rule_for(functional_counterpart(target) if mutated else target)
         if rule is None:
@@ -472,7 +472,7 @@ class _Walk:
         """Arguments may differ between the traces only as output sizes equal to the row counts
         (``zeros([N])``, ``view(N, -1)``, ``x[:N]``), which the sizes check verifies. An index or
         offset equal to the row count (``x.select(1, N)``) would make values depend on it."""
-        first, second = _bind(schema, a.args, a.kwargs), _bind(schema, b.args, b.kwargs)
+        first, second = bind_arguments(schema, a.args, a.kwargs), bind_arguments(schema, b.args, b.kwargs)
         types = {arg.name: str(arg.type) for arg in schema.arguments} if schema else {}
         for key, value in first.items():
             pairs = [(x, y) for x, y in zip(pytree.tree_leaves(value),
@@ -500,7 +500,7 @@ class _Walk:
 
 # -- small helpers -------------------------------------------------------------------------------
 
-def _bind(schema: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+def bind_arguments(schema: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     """Arguments by schema name, defaults filled (hand-written: fx's ``normalize_function``
     renames them to the Python API's names); ``{"args": args}`` for targets without a schema."""
     if schema is None:

@@ -35,12 +35,12 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..facts import RowIndependentCall, proven
+from ..ir.proofs import RowIndependentCall, proven
 from ..locations import node_location
 from .meta import value
 from .ops import aten_facts, node_facts
 from .row_rules import RowValue
-from .rows import FunctionRows, _bind, analyze_function_rows
+from .rows import FunctionRows, bind_arguments, analyze_function_rows
 
 aten = torch.ops.aten
 _SUMS = (aten.sum.default, aten.sum.dim_IntList)
@@ -192,7 +192,7 @@ def _reduction(node: fx.Node, carries: Callable[[fx.Node], bool]) -> Reduction |
     if len(calls) != 1 or calls[0][0] not in (*_SUMS, *_MEANS):
         return None
     op, args, kwargs = calls[0]
-    bound = _bind(op._schema, args, kwargs)
+    bound = bind_arguments(op._schema, args, kwargs)
     rows = [a for a in node.all_input_nodes if carries(a) and value(a) is bound["self"]]
     if len(rows) != 1:
         return None

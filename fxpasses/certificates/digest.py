@@ -5,14 +5,18 @@ sorted, no whitespace, strict), leaving out a top-level ``"digest"`` key: the va
 that key in a certificate or a report file. It detects any edit made after writing — by a person
 or a tool that does not recompute it — not a forgery: anyone can recompute a plain hash.
 ``code_fingerprint(code)`` is the graph fingerprint the pipeline records for each step, a hash of
-the code torch.fx generated for the graph, so a recorded step can be checked against its code.
+the code torch.fx generated for the graph (``fingerprint(gm)``), so a recorded step can be checked
+against its code.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    import torch.fx as fx
 
 DIGEST_KEY = "digest"
 ALGORITHM = "sha256"
@@ -33,3 +37,8 @@ def content_digest(data: Mapping[str, Any]) -> str:
 def code_fingerprint(code: str) -> str:
     """The fingerprint of a graph whose generated code is ``code`` (16 hex digits)."""
     return hashlib.sha256(code.encode()).hexdigest()[:16]
+
+
+def fingerprint(gm: fx.GraphModule) -> str:
+    """The fingerprint of ``gm``'s graph: :func:`code_fingerprint` of its generated code."""
+    return code_fingerprint(gm.graph.python_code("self").src)

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..log import logger
 from .integrity import report_problems
-from .model import SCHEMA_VERSION, Certificate, _decode_floats
+from .model import SCHEMA_VERSION, Certificate, decode_floats
 from .schema import REPORT, mismatches
 
 REPORT_SCHEMA = 3  # bump when the report's structure changes (tests/report/test_schema.py)
@@ -58,7 +58,7 @@ def validate(report: Any) -> None:
         raise ValueError(f"certificate schema {report.get('certificate_schema')!r}; this "
                          f"fxpasses reads schema {SCHEMA_VERSION}")
     try:
-        wrong = mismatches(_decode_floats(report), REPORT)
+        wrong = mismatches(decode_floats(report), REPORT)
     except (TypeError, ValueError) as exc:
         wrong = [f"a tagged float is not a float: {exc}"]
     if wrong:

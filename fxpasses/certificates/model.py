@@ -67,24 +67,24 @@ def _from_json_data(value: Any) -> Any:
     return value
 
 
-def _to_json_data(value: Any) -> Any:
+def to_json_data(value: Any) -> Any:
     """Evidence into plain JSON data; non-finite floats become tagged dicts (strict JSON)."""
     if isinstance(value, float) and not math.isfinite(value):
         return {"__float__": repr(value)}
     if isinstance(value, tuple):
-        return [_to_json_data(item) for item in value]
+        return [to_json_data(item) for item in value]
     if isinstance(value, dict):
-        return {key: _to_json_data(item) for key, item in value.items()}
+        return {key: to_json_data(item) for key, item in value.items()}
     return value
 
 
-def _decode_floats(value: Any) -> Any:
+def decode_floats(value: Any) -> Any:
     if isinstance(value, dict):
         if set(value) == {"__float__"}:
             return float(value["__float__"])
-        return {key: _decode_floats(item) for key, item in value.items()}
+        return {key: decode_floats(item) for key, item in value.items()}
     if isinstance(value, list):
-        return [_decode_floats(item) for item in value]
+        return [decode_floats(item) for item in value]
     return value
 
 
@@ -202,7 +202,7 @@ class Certificate:
     # -- JSON -----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """The JSON data of this certificate, its ``digest`` last."""
-        data = _to_json_data(_as_evidence(self))
+        data = to_json_data(as_evidence(self))
         data[DIGEST_KEY] = content_digest(data)
         return data
 
@@ -218,7 +218,7 @@ class Certificate:
         if version != SCHEMA_VERSION:
             raise ValueError(f"certificate schema {version!r} is not {SCHEMA_VERSION}")
         try:
-            decoded = _decode_floats(dict(data))
+            decoded = decode_floats(dict(data))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"a tagged float is not a float: {exc}") from None
         wrong = mismatches(decoded, CERTIFICATE, "certificate")
@@ -268,12 +268,12 @@ def decide(checks: Iterable[Check]) -> tuple[str, tuple[str, ...]]:
     return ("failed" if failure else "refused"), codes
 
 
-def _as_evidence(obj: Any) -> Any:
+def as_evidence(obj: Any) -> Any:
     """A certificate part as nested evidence data (dataclasses become dicts)."""
     if hasattr(obj, "__dataclass_fields__"):
-        return {f.name: _as_evidence(getattr(obj, f.name)) for f in fields(obj)}
+        return {f.name: as_evidence(getattr(obj, f.name)) for f in fields(obj)}
     if isinstance(obj, tuple):
-        return tuple(_as_evidence(item) for item in obj)
+        return tuple(as_evidence(item) for item in obj)
     return obj
 
 

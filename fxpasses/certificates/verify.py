@@ -28,7 +28,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from ..pipeline import fingerprint
+from .digest import fingerprint
 from .integrity import PROBLEM_KINDS, Problem, decision_problems, label, report_problems
 from .io import validate
 from .model import Certificate

@@ -5,7 +5,7 @@ nodes; each region is fused into a submodule (:mod:`fxpasses.analysis.fusion`) a
 replaced by a :class:`~fxpasses.runtime.capture.CapturedRegion`, which records and replays it
 (:mod:`fxpasses.runtime.capture`). Everything else runs eagerly between regions. Certificates: one
 per region (applied), one per source line whose nodes stay eager (a check per node, with its
-code), and one per call proven row-independent by an earlier pass (``fxpasses.facts``): inside a region when its shapes are static; otherwise, when the rows are on
+code), and one per call proven row-independent by an earlier pass (``fxpasses.ir.proofs``): inside a region when its shapes are static; otherwise, when the rows are on
 a capture device and zero padding rows are inert (a float64 witness), its one flow call is recorded
 per power-of-two row bucket (:mod:`fxpasses.runtime.paired_capture`).
 """
@@ -25,10 +25,10 @@ from ..analysis.meta import is_dynamic, tensors_in, value
 from ..analysis.witness import padding_witness, witness_holds
 from .. import options
 from ..certificates import Certificate, Check, Guard, Site
-from ..facts import RowIndependentCall, proven
+from ..ir.proofs import RowIndependentCall, proven
 from ..pipeline import PassResult
-from ..runtime import RuntimeOp
-from ..runtime.capture import CapturedRegion, Recorder
+from ..ir.runtime_op import RuntimeOp
+from ..runtime.capture import CaptureRecorder, CapturedRegion
 from ..runtime.grad_mode import GradOff, GradRestore
 from ..runtime.ownership import OwnedOutputs
 from ..runtime.paired_capture import CapturedPairedCall
@@ -95,7 +95,7 @@ class CaptureLoss:
 
     def __init__(self, *, max_recordings: int = 8, record_after: int = 2, min_region_ops: int = 4,
                  min_bucket: int = 1024, count_copies: bool = True,
-                 recorder: Recorder | None = None, devices: Sequence[str] = ("cuda",)):
+                 recorder: CaptureRecorder | None = None, devices: Sequence[str] = ("cuda",)):
         self.max_recordings = options.count("max_recordings", max_recordings, 1)
         self.record_after = options.count("record_after", record_after, 1)
         self.count_copies = options.flag("count_copies", count_copies)

@@ -30,7 +30,7 @@ from ..analysis.rows import analyze_rows
 from ..analysis.witness import pairing_witness, witness_holds
 from .. import options
 from ..certificates import Certificate, Check, Guard, Site
-from ..facts import RowIndependentCall, kept_whole, prove, rely_on
+from ..ir.proofs import RowIndependentCall, kept_whole, prove, rely_on
 from ..pipeline import PassResult
 from ..runtime.paired import PairedCall
 from ..locations import node_location

@@ -43,10 +43,10 @@ from ..analysis.meta import storages_of, tensors_in, value
 from ..analysis.ops import node_facts
 from ..analysis.order import effects
 from ..analysis.selection import SpaceAnalysis
-from ..facts import BucketedSizes, prove
+from ..ir.proofs import BucketedSizes, prove
 from ..locations import node_location
 from ..runtime.select import Capacities, CheckCounts, NonEmptyRows, StartCounts
-from ..runtime.trace_ops import Guard, WriteAttribute
+from ..ir.trace_ops import GuardOp, WriteAttribute
 
 # aten ops that read memory at positions given by a tensor (a bad index fails the device)
 _INDEXING = ("aten.index", "aten.gather", "aten.scatter", "aten.take", "aten.embedding",
@@ -329,7 +329,7 @@ def _shows(node: fx.Node, external: set[int]) -> str | None:
 
 def _suffers(node: fx.Node, padded: set[fx.Node], cleaned: set[fx.Node]) -> str | None:
     """Why ``node``, downstream of the gathers, may fail or decide on rows that did not fit."""
-    if isinstance(node.target, Guard) and node.target.reads_values and \
+    if isinstance(node.target, GuardOp) and node.target.reads_values and \
             any(tensors_in(value(a)) for a in node.all_input_nodes):
         return "a host read of values downstream of the gathers"  # bool(tensor), a compared value
     facts = node_facts(node)

@@ -54,7 +54,7 @@ from .. import options
 from ..analysis.meta import value
 from ..analysis.selection import Space, SpaceAnalysis, analyze_space, find_spaces
 from ..certificates import Certificate, Check, Guard, Site
-from ..facts import kept_whole, rely_on
+from ..ir.proofs import kept_whole, rely_on
 from ..locations import node_location
 from ..pipeline import PassResult
 from .select_rewrite import external_storages, place_reads, rewrite_level, visible_before

@@ -36,8 +36,8 @@ from ..analysis.selection import (SpaceAnalysis, concrete_size, example_value, m
                                   subgraph, symbols_of)
 from ..certificates import Witness
 from ..pipeline import copy_graph_module
-from ..runtime import RuntimeOp
-from ..runtime.abandon import Abandon
+from ..ir.runtime_op import RuntimeOp
+from ..ir.abandon import Abandon
 from ..runtime.paired_capture import bucket
 from ..runtime.select import Capacities, CheckCounts, NonEmptyRows, StartCounts
 from .select_rewrite import place_reads, rewrite_level

@@ -61,7 +61,7 @@ from torch.utils import _pytree as pytree
 
 from ..certificates.codes import note
 from ..guards import ambient_state
-from . import Propagator, RuntimeOp
+from ..ir.runtime_op import Propagator, RuntimeOp
 from .module_state import MODULE_STATE
 
 
@@ -162,7 +162,7 @@ def flatten_arguments(args: Sequence[Any]) -> tuple[list[Any], tuple[Any, ...], 
     return leaves, tuple(specs), starts
 
 
-class Recorder(Protocol):
+class CaptureRecorder(Protocol):
     def record(self, fn: Callable, args: Sequence[Any], pool: Any,
                identity: frozenset[int] = frozenset()) -> "Recording": ...
 
@@ -514,7 +514,7 @@ class CapturedRegion(RuntimeOp):
     capturable = False
 
     def __init__(self, op_id: str, fn: Callable, *, max_recordings: int = 4, record_after: int = 1,
-                 recorder: Recorder | None = None, identity: frozenset[int] = frozenset(),
+                 recorder: CaptureRecorder | None = None, identity: frozenset[int] = frozenset(),
                  counters: Any = None):
         super().__init__(op_id)
         self.fn = fn

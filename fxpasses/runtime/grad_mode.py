@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import RuntimeOp
+from ..ir.runtime_op import RuntimeOp
 
 
 class GradOff(RuntimeOp):

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import torch
 
-from . import RuntimeOp
+from ..ir.runtime_op import RuntimeOp
 from .capture import CapturedRegion
 
 

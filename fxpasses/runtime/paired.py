@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from . import RuntimeOp
+from ..ir.runtime_op import RuntimeOp
 
 
 def guard_failure(rows: tuple[torch.Tensor, ...]) -> str | None:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .capture import CapturedRegion, Recorder
+from .capture import CaptureRecorder, CapturedRegion
 from .paired import PairedCall, guard_failure, split_rows
 
 
@@ -34,7 +34,7 @@ class CapturedPairedCall(PairedCall):
 
     def __init__(self, op_id: str, method: str, *, devices: Sequence[str] = ("cuda",),
                  min_bucket: int = 1024, max_recordings: int = 8, record_after: int = 1,
-                 recorder: Recorder | None = None):
+                 recorder: CaptureRecorder | None = None):
         super().__init__(op_id, method)
         self.devices = tuple(devices)
         self.min_bucket = min_bucket

@@ -9,7 +9,7 @@ earlier calls needed (the power-of-two bucket of the largest count seen, at leas
 ``min_bucket``), :class:`StartCounts` queues the counts' copy to the host as soon as they are
 computed, and one :class:`CheckCounts` waits for that copy alone (ONE synchronisation) late in
 the forward, when the GPU has the rest of the step queued, before anything of the call is
-visible. It abandons the call (:class:`~fxpasses.runtime.abandon.Abandon`)
+visible. It abandons the call (:class:`~fxpasses.ir.abandon.Abandon`)
 
 * ``selection-capacity``: a count exceeds its capacity (rows were cut off, the results are
   wrong): the capacity grows to the count's bucket, and the call runs again at once with it
@@ -26,8 +26,8 @@ from typing import Any, Sequence
 import torch
 from torch._guards import detect_fake_mode
 
-from . import RuntimeOp
-from .abandon import Abandon
+from ..ir.runtime_op import RuntimeOp
+from ..ir.abandon import Abandon
 from .paired_capture import bucket
 
 

@@ -11,8 +11,8 @@ Reads of the loss's attributes (and of the objects it holds, globals and closure
 function loss, objects passed as arguments) are recorded as *assumptions* with their source;
 floats read as arithmetic become inputs read on every call.
 
-Modules: :mod:`.values` (the carriers), :mod:`.sources` (where a value was read), :mod:`.recorder`
-(graph building and torch calls), :mod:`.objects` (attribute reads and writes),
-:mod:`.patches` (factories, grad-mode switches, density and leaf calls). :func:`fxpasses.trace.trace`
-is the entry point.
+Modules: :mod:`.values` (the carriers), :mod:`.recorder` (graph building and torch calls),
+:mod:`.objects` (attribute reads and writes), :mod:`.patches` (factories, grad-mode switches,
+density and leaf calls); where a value was read is a :mod:`fxpasses.ir.sources` Source.
+:func:`fxpasses.trace.trace` is the entry point.
 """

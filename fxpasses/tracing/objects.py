@@ -56,9 +56,9 @@ from torch import nn
 
 from ..guards import Assumption, callable_object, exact_snapshot, is_container, snapshot
 from ..locations import is_user_class, is_user_file
-from ..runtime.trace_ops import ReadSource, WriteAttribute
-from .recorder import Recorder, _location
-from .sources import Source
+from ..ir.trace_ops import ReadSource, WriteAttribute
+from .recorder import Recorder, user_location
+from ..ir.sources import Source
 from .values import TracedScalar, TracedTensor, active_recorder
 
 _CONSTANTS = (bool, int, str, bytes, type(None), enum.Enum, torch.dtype, torch.device)
@@ -196,7 +196,7 @@ class ObjectTracker:
         key = (kind, str(source))
         found = self.assumptions.get(key) or self._inside.get(key)
         if found is None:
-            found = Assumption(kind, source, expected, _location(), shown[:120])
+            found = Assumption(kind, source, expected, user_location(), shown[:120])
         if inside:
             self._inside.setdefault(key, found)
         else:
@@ -278,7 +278,7 @@ class ObjectTracker:
         running that code another number of times would change what it leaves behind."""
         entry = self._sources.get(id(obj))
         if entry is not None and entry[1] is obj:
-            self.recorder.kept_whole.writes.append(f"{entry[0].attr(name)} at {_location()}")
+            self.recorder.kept_whole.writes.append(f"{entry[0].attr(name)} at {user_location()}")
 
     def frame_state_inside(self, frame: types.FrameType) -> None:
         """The globals a user function run by a call kept whole refers to."""
@@ -390,7 +390,7 @@ class ObjectTracker:
             entry = tracker._sources.get(id(result))
             if not _immutable(result) and (entry is None or entry[1] is not result):
                 tracker._cached_results.setdefault(
-                    id(result), (result, f"the result of {name}() ({_location()})"))
+                    id(result), (result, f"the result of {name}() ({user_location()})"))
             return result
 
         call._fxpasses_patch = True

@@ -48,7 +48,7 @@ def _traced_in(values: Any) -> bool:
 _ABSENT = object()
 
 
-class _Patches:
+class Patches:
     def __init__(self) -> None:
         self.undo: list[tuple[Any, str, Any]] = []
 
@@ -123,7 +123,7 @@ def _opaque_function(rec: Recorder, fn: Callable) -> Callable:
 class ModulePatcher:
     """Patches density methods and leaf modules of every module the trace meets."""
 
-    def __init__(self, rec: Recorder, patches: _Patches, methods: tuple[str, ...],
+    def __init__(self, rec: Recorder, patches: Patches, methods: tuple[str, ...],
                  is_leaf: Callable[[nn.Module], bool]):
         self.rec, self.patches, self.methods, self.is_leaf = rec, patches, methods, is_leaf
         self.seen: set[int] = set()

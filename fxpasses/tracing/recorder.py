@@ -3,9 +3,9 @@
 :meth:`Recorder.torch_function` receives every torch call made on a :class:`~.values.TracedTensor`
 (through ``__torch_function__``): it runs the call on the real tensors, writes the node, and wraps
 the results. Sizes and scalars become :class:`~.values.TracedScalar`; where Python takes their
-value, :meth:`Recorder.concretize` writes a guard node (:mod:`fxpasses.runtime.trace_ops`).
+value, :meth:`Recorder.concretize` writes a guard node (:mod:`fxpasses.ir.trace_ops`).
 Tensors from outside the trace become nodes too: parameters and buffers of the root module as
-``get_attr``, values read from the loss's state as :class:`~fxpasses.runtime.trace_ops.ReadSource`
+``get_attr``, values read from the loss's state as :class:`~fxpasses.ir.trace_ops.ReadSource`
 (read on every call), anything else as a constant held by reference.
 
 What a trace cannot record raises :class:`Unsupported` (the trace fails with a certificate that
@@ -17,16 +17,16 @@ from __future__ import annotations
 import operator
 import threading
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.fx as fx
 from torch import nn
 
 from ..analysis.ops import method_writes_self
-from ..facts import KEPT_WHOLE, KeptWhole
+from ..ir.proofs import KEPT_WHOLE, KeptWhole
 from ..locations import is_user_file
-from ..runtime.trace_ops import ExpectLength, ExpectTruth, ExpectValue, ReadSource, ReadState, set_item
+from ..ir.trace_ops import ExpectLength, ExpectTruth, ExpectValue, ReadSource, ReadState, set_item
 from .values import TracedScalar, TracedSize, TracedTensor
 
 _CONSTANT_TYPES = (type(None), bool, int, float, complex, str, torch.dtype, torch.device,
@@ -63,6 +63,16 @@ def _is_tensor_method(func: Any) -> bool:
     return getattr(func, "__qualname__", "").startswith(("TensorBase.", "Tensor."))
 
 
+class KeptTensor(NamedTuple):
+    """A tensor of the loss's state as the trace first reached it (see :meth:`Recorder.keep`)."""
+
+    tensor: torch.Tensor
+    version: int  # its version counter then
+    value: torch.Tensor  # a copy of its value then
+    where: str  # the user line that reached it (the last unfollowed one, once there is one)
+    followed: bool  # every path that reached it read it as a traced value
+
+
 class Recorder:
     """Builds the graph of one concrete trace (see the module docstring)."""
 
@@ -83,7 +93,7 @@ class Recorder:
         self._state: dict[int, tuple[nn.Module, str, str]] = {}  # id(tensor) -> (owner, name, path)
         self._modules: dict[int, str] = {}  # id(module) -> qualified name
         self._outside: set[int] = set()  # storages of inputs, parameters and buffers
-        self._kept: dict[tuple, tuple] = {}  # view -> (tensor, version, value, where, followed): see keep()
+        self._kept: dict[tuple, KeptTensor] = {}  # by view (storage, offset, shape, strides): see keep()
         self.index_root_modules()
 
     # -- nodes -------------------------------------------------------------------------------
@@ -170,20 +180,19 @@ class Recorder:
         with torch._C.DisableTorchFunctionSubclass():
             view = (_storage(tensor), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
             if view not in self._kept:
-                self._kept[view] = (tensor, tensor._version, tensor.detach().clone(), where, followed)
-            elif not followed and self._kept[view][4]:  # also reached where writes are not seen
-                self._kept[view] = (*self._kept[view][:3], where, False)
+                self._kept[view] = KeptTensor(tensor, tensor._version, tensor.detach().clone(), where, followed)
+            elif not followed and self._kept[view].followed:  # also reached where writes are not seen
+                self._kept[view] = self._kept[view]._replace(where=where, followed=False)
 
     def unrecorded_writes(self) -> list[str]:
         """Where a tensor the trace does not follow was written in place during the trace."""
-        return [where for tensor, version, _, where, followed in self._kept.values()
-                if not followed and tensor._version != version]
+        return [k.where for k in self._kept.values() if not k.followed and k.tensor._version != k.version]
 
     def put_back(self) -> tuple[tuple[torch.Tensor, int, torch.Tensor], ...]:
         """The kept tensors' values as before the trace (see :meth:`keep`). Returns those that
         were written, as ``(tensor, version now, value)``: what ran the graph before its first
         call (the passes' propagation) must put them back again (:func:`put_back`)."""
-        written = tuple((t, saved) for t, version, saved, _, _ in self._kept.values() if t._version != version)
+        written = tuple((k.tensor, k.value) for k in self._kept.values() if k.tensor._version != k.version)
         return put_back(tuple((t, -1, saved) for t, saved in written))
 
     # -- values into nodes, nodes into values -------------------------------------------------
@@ -235,7 +244,7 @@ class Recorder:
             traced._fx_node = node
             return traced
         if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
-            self.guard(ExpectLength(f"length_{node.name}", len(value), _location()), node, "length")
+            self.guard(ExpectLength(f"length_{node.name}", len(value), user_location()), node, "length")
             items = [self.wrap(v, self.node("call_function", operator.getitem, (node, i)))
                      for i, v in enumerate(value)]
             return items if isinstance(value, list) else type(value)(items)
@@ -268,7 +277,7 @@ class Recorder:
         another thread: the value, unrecorded)."""
         if threading.get_ident() != self.thread:
             return scalar.value if isinstance(scalar, TracedScalar) else scalar
-        self.guard(ExpectValue(f"expect_{scalar.node.name}", scalar.value, _location()), scalar.node, "value")
+        self.guard(ExpectValue(f"expect_{scalar.node.name}", scalar.value, user_location()), scalar.node, "value")
         return scalar.value
 
     # -- torch calls -----------------------------------------------------------------------------
@@ -327,13 +336,13 @@ class Recorder:
         """Before an in-place write to an input, a parameter, a buffer or a tensor read from
         the loss's state: keep its value (the trace's own write is undone, see :meth:`keep`)."""
         if isinstance(tensor, torch.Tensor) and _storage(tensor) in self._outside:
-            self.keep(tensor, _location(), followed=True)
+            self.keep(tensor, user_location(), followed=True)
 
     def _written(self, tensor: Any, node: fx.Node) -> None:
         if not isinstance(tensor, TracedTensor):
             raise Unsupported("an in-place write to a tensor the trace did not make or read")
         if _storage(tensor) in self._outside:
-            self._events.append(("write", _location()))
+            self._events.append(("write", user_location()))
         tensor._fx_node = node
 
     def set_item(self, args: tuple, kwargs: dict) -> None:
@@ -354,7 +363,7 @@ class Recorder:
         if name in ("requires_grad", "is_leaf"):
             out = self.run(func, args, {})
             node = self.node("call_function", getattr, (tensor._fx_node, name))
-            self.guard(ExpectValue(f"expect_{node.name}", out, _location()), node, "value")
+            self.guard(ExpectValue(f"expect_{node.name}", out, user_location()), node, "value")
             return out
         if name in _UNSUPPORTED:
             raise Unsupported(f"tensor.{name} during a trace")
@@ -419,14 +428,14 @@ def _to_python(convert: Callable) -> Callable:
 
 def _bool(rec: Recorder, args: tuple, kwargs: dict) -> bool:
     value = rec.run(torch.Tensor.__bool__, args, kwargs)
-    rec.guard(ExpectTruth(f"truth_{args[0]._fx_node.name}", value, _location()), args[0]._fx_node, "truth")
+    rec.guard(ExpectTruth(f"truth_{args[0]._fx_node.name}", value, user_location()), args[0]._fx_node, "truth")
     return value
 
 
 def _tolist(rec: Recorder, args: tuple, kwargs: dict) -> Any:
     value = rec.run(torch.Tensor.tolist, args, kwargs)
     node = rec.node("call_method", "tolist", (args[0]._fx_node,))
-    rec.guard(ExpectValue(f"expect_{node.name}", value, _location()), node, "value")
+    rec.guard(ExpectValue(f"expect_{node.name}", value, user_location()), node, "value")
     return value
 
 
@@ -454,7 +463,7 @@ def _storage(tensor: torch.Tensor) -> int:
         return tensor.untyped_storage()._cdata
 
 
-def _location() -> str:
+def user_location() -> str:
     """``file:line`` of the innermost user frame now."""
     for frame in reversed(traceback.extract_stack(limit=40)):
         if is_user_file(frame.filename):

@@ -13,18 +13,31 @@
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
+
+from ..ir.carriers import ScalarCarrier
 
 _active: list[Any] = []  # the recorder of the trace in progress (it records its own thread only)
 
 
 def active_recorder() -> Any:
     return _active[-1] if _active else None
+
+
+@contextlib.contextmanager
+def recording(recorder: Any) -> Iterator[None]:
+    """``recorder`` is the active recorder inside (the innermost, for nested traces)."""
+    _active.append(recorder)
+    try:
+        yield
+    finally:
+        _active.pop()
 
 
 class TracedTensor(torch.Tensor):
@@ -79,7 +92,7 @@ def _binary(op):
     return forward, reflected
 
 
-class TracedScalar:
+class TracedScalar(ScalarCarrier):
     """A number known at trace time that the graph computes at run time (see module docstring)."""
 
     __slots__ = ("value", "node", "recorder")

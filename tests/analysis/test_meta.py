@@ -13,7 +13,7 @@ from torch import nn
 
 from fxpasses import trace
 from fxpasses.analysis.meta import annotate, fake_mode, is_dynamic, value
-from fxpasses.runtime import propagating_call
+from fxpasses.ir.runtime_op import propagating_call
 
 
 class PackedByCounts(nn.Module):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fxpasses.certificates import Certificate, Check, Site
 from fxpasses.certificates.codes import REGISTRY, note, observe
-from fxpasses.runtime import RuntimeOp
+from fxpasses.ir.runtime_op import RuntimeOp
 
 
 def test_codes_that_occur_are_observed(codes_not_counted):

@@ -11,7 +11,7 @@ from torch import nn
 from fxpasses import PassResult, optimize
 from fxpasses.certificates import Certificate, Site
 from fxpasses.passes import PairRLE
-from fxpasses.runtime import RuntimeOp
+from fxpasses.ir.runtime_op import RuntimeOp
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from fxpasses.guard_code import FAILED_READ, compile_check
 from fxpasses.guards import Assumption, LossRoots, first_failure, snapshot, whole_loss_assumptions
 from fxpasses.specialize import Specialization
-from fxpasses.tracing.sources import Source
+from fxpasses.ir.sources import Source
 
 LOSS = Source(("loss",))
 GLOBALS: dict = {}

@@ -12,8 +12,8 @@ from torch import nn
 
 from fxpasses import PassResult, optimize
 from fxpasses.certificates import Certificate, Site
-from fxpasses.runtime import RuntimeOp
-from fxpasses.runtime.abandon import Abandon
+from fxpasses.ir.runtime_op import RuntimeOp
+from fxpasses.ir.abandon import Abandon
 
 
 def _inputs(rows_a, rows_b, seed=0, dtype=torch.float32):

@@ -9,7 +9,7 @@ import torch.fx as fx
 
 from fxpasses import PassResult, optimize, run_pipeline, trace
 from fxpasses.certificates import Certificate, Check, Site
-from fxpasses.pipeline import fingerprint
+from fxpasses.certificates.digest import fingerprint
 
 
 class RefuseEveryDensityCall:

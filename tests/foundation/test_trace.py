@@ -23,7 +23,7 @@ def _call_nodes(gm: fx.GraphModule, op: str, target) -> list[fx.Node]:
 
 def _state_read(gm: fx.GraphModule, tensor: torch.Tensor) -> bool:
     """Whether the graph reads ``tensor`` live from its module (a ReadState node)."""
-    from fxpasses.runtime.trace_ops import ReadState
+    from fxpasses.ir.trace_ops import ReadState
     return any(isinstance(n.target, ReadState) and n.target() is tensor for n in gm.graph.nodes)
 
 
@@ -140,7 +140,7 @@ def test_control_flow_on_values_is_followed_and_guarded():
     ((kind, location),) = info.guards
     assert kind == "truth" and location.endswith(f"test_trace.py:{branching.__code__.co_firstlineno + 1}")
     assert torch.equal(_run(gm, x), loss(x))
-    from fxpasses.runtime.abandon import Abandon
+    from fxpasses.ir.abandon import Abandon
     with pytest.raises(Abandon):  # the other branch: the optimized call would be abandoned
         _run(gm, -x)
 

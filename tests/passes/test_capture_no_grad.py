@@ -18,7 +18,7 @@ from fxpasses.passes import CaptureLoss
 from fxpasses.runtime.capture import CapturedRegion
 from fxpasses.runtime.emulated import EmulatedRecorder
 from fxpasses.runtime.grad_mode import GradOff, GradRestore
-from fxpasses.runtime import runtime_ops
+from fxpasses.ir.runtime_op import runtime_ops
 from fxpasses.testing import assert_equivalent
 
 

@@ -40,7 +40,7 @@ from torch import nn
 
 from fxpasses import optimize
 from fxpasses.passes import CaptureLoss, PairRLE
-from fxpasses.runtime import runtime_ops
+from fxpasses.ir.runtime_op import runtime_ops
 from fxpasses.runtime.emulated import EmulatedRecorder
 from fxpasses.testing import assert_equivalent
 from fxpasses.testing.loss_check import check_case

@@ -14,7 +14,7 @@ from torch import nn
 
 from fxpasses import OptimizedLoss, PassResult, optimize
 from fxpasses.certificates import Certificate, Check, Site
-from fxpasses.runtime import RuntimeOp
+from fxpasses.ir.runtime_op import RuntimeOp
 
 
 class SmallLoss(nn.Module):

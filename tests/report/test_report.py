@@ -13,7 +13,7 @@ import fxpasses
 from fxpasses import optimize
 from fxpasses.certificates.io import certificates_of, load, save
 from fxpasses.cli import import_file
-from fxpasses.pipeline import fingerprint
+from fxpasses.certificates.digest import fingerprint
 from fxpasses.report import build_report, render_report
 
 samples = import_file(Path(__file__).with_name("samples.py"))

@@ -15,7 +15,7 @@ from fxpasses.certificates import schema
 from fxpasses.certificates.io import REPORT_SCHEMA, dumps, load
 from fxpasses.cli import EXIT_LOAD, import_file, main
 from fxpasses.report import build_report
-from fxpasses.runtime import RuntimeOp
+from fxpasses.ir.runtime_op import RuntimeOp
 
 samples = import_file(Path(__file__).with_name("samples.py"))
 

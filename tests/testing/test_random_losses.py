@@ -36,7 +36,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from fxpasses import LeafPolicy, trace
 from fxpasses.pipeline import PassResult
-from fxpasses.runtime.trace_ops import ReadState
+from fxpasses.ir.trace_ops import ReadState
 from fxpasses.testing.loss_check import check_case, run_protocol
 from fxpasses.testing.loss_programs import (ALIASING_OPS, KINDS, OP_TABLE, OPS, CallInputs,
                                             InputSpec, ProgramLoss, concrete_sizes, passthrough)

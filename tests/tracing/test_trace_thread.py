@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from fxpasses import trace
-from fxpasses.runtime.trace_ops import ReadState, WriteAttribute
+from fxpasses.ir.trace_ops import ReadState, WriteAttribute
 
 
 class Settings:

@@ -62,7 +62,7 @@ def make_batch(batch_size: int = 4, *, seed: int = 0, image_size: int = 640,
     """
     g = torch.Generator().manual_seed(seed)
     anchors, strides = make_anchors(image_size, dtype=torch.float64)
-    targets = _targets(g, batch_size, image_size, num_keypoints, max_objects, num_classes,
+    targets = make_targets(g, batch_size, image_size, num_keypoints, max_objects, num_classes,
                        unlabelled, poison, counts)
     o2m, o2o = (_predictions(g, targets, anchors, strides, num_classes) for _ in range(2))
 
@@ -88,7 +88,7 @@ def _counts(g: torch.Generator, batch_size: int, max_objects: int,
     return counts
 
 
-def _targets(g: torch.Generator, batch_size: int, size: int, num_keypoints: int,
+def make_targets(g: torch.Generator, batch_size: int, size: int, num_keypoints: int,
              max_objects: int, num_classes: int, unlabelled: float, poison: bool,
              counts: Tensor | Sequence[int] | None = None) -> PoseTargets:
     counts = _counts(g, batch_size, max_objects, counts)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from .batches import _targets
+from .batches import make_targets
 from .inputs import PoseTargets
 
 CELL = 8  # pixels per drawn cell
@@ -42,7 +42,7 @@ def make_image_batch(batch_size: int = 4, *, seed: int = 0, image_size: int = 64
     if image_size < 32 or image_size % 32:
         raise ValueError(f"image_size must be a positive multiple of 32, got {image_size}")
     g = torch.Generator().manual_seed(seed)
-    targets = _targets(g, batch_size, image_size, num_keypoints, max_objects, num_classes,
+    targets = make_targets(g, batch_size, image_size, num_keypoints, max_objects, num_classes,
                        unlabelled, poison)
     cells = image_size // CELL
     images = 0.1 * torch.randn(batch_size, 3, cells, cells, generator=g, dtype=torch.float64)

@@ -2,7 +2,7 @@
 
 * :class:`ExpectValue`, :class:`ExpectTruth`, :class:`ExpectLength`: a value Python took during
   tracing (a size turned into an int, ``if mask.any():``, the length of a split) is the same in
-  this call, else the call is abandoned (:class:`~fxpasses.runtime.abandon.Abandon`, code
+  this call, else the call is abandoned (:class:`~fxpasses.ir.abandon.Abandon`, code
   ``guard-failed``) and runs natively. Counted per guard.
 * :class:`ReadSource`: a value read on every call from the loss's state (a float weight decayed
   each epoch, a tensor attribute): an input of the graph, never a baked constant.
@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 from torch import nn
 
-from . import RuntimeOp
+from .runtime_op import RuntimeOp
 from .abandon import Abandon
 
 _MISSING = object()
@@ -34,7 +34,7 @@ def set_item(tensor: Any, index: Any, value: Any) -> Any:
     return tensor
 
 
-class Guard(RuntimeOp):
+class GuardOp(RuntimeOp):
     """A check of a value Python took while tracing; a failure abandons the call.
     ``reads_values``: it reads a tensor's data on the host (a length does not)."""
 
@@ -55,7 +55,7 @@ class Guard(RuntimeOp):
         raise Abandon("guard-failed", self.location, f"{self.op_id}: traced {self.expected!r}, now {seen!r}")
 
 
-class ExpectValue(Guard):
+class ExpectValue(GuardOp):
     """The value (a size, an ``.item()``, a comparison) equals the one seen while tracing."""
 
     def __call__(self, value: Any) -> None:
@@ -63,7 +63,7 @@ class ExpectValue(Guard):
             self._fail(value)
 
 
-class ExpectTruth(Guard):
+class ExpectTruth(GuardOp):
     """``bool(tensor)`` (a host read, as the loss's own ``if`` does) is the one seen."""
 
     def __call__(self, value: Any) -> None:
@@ -72,7 +72,7 @@ class ExpectTruth(Guard):
             self._fail(seen)
 
 
-class ExpectLength(Guard):
+class ExpectLength(GuardOp):
     """A sequence an op returned (``unbind``, ``split``) has the length seen while tracing."""
 
     reads_values = False

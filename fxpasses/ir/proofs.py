@@ -1,9 +1,11 @@
-"""Facts one pass proves about a node and another pass relies on, kept in ``node.meta``.
+"""Proofs: what one pass proves about a node and another pass relies on, kept in ``node.meta``,
+and what those proofs rest on (the reads of calls kept whole, the assumptions rewrites rely on).
 
-A fact names the certificate that proved it (``Certificate.id``), like an analysis result in
+A proof names the certificate that made it (``Certificate.id``), like an analysis result in
 LLVM's analysis manager: the pass that uses it does not re-derive it, does not read the other
-pass's run-time objects, and cites the proof in its own certificate. Facts travel with the node
-through the pipeline's graph copies.
+pass's run-time objects, and cites the proof in its own certificate. Proofs travel with the node
+through the pipeline's graph copies. (What an op does — its *facts*, read from torch's schemas —
+is :mod:`fxpasses.analysis.ops`.)
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any, Sequence, Union
 
 import torch.fx as fx
 
-PROVEN = "fxpasses.proven"  # node.meta key: {fact kind: fact}
+PROVEN = "fxpasses.proven"  # node.meta key: {proof kind: proof}
 
 
 @dataclass(frozen=True)
@@ -43,11 +45,11 @@ class BucketedSizes:
     kind = "bucketed-sizes"
 
 
-Fact = Union[RowIndependentCall, BucketedSizes]
+Proof = Union[RowIndependentCall, BucketedSizes]
 
 
-def prove(node: fx.Node, fact: Fact) -> None:
-    node.meta.setdefault(PROVEN, {})[fact.kind] = fact
+def prove(node: fx.Node, proof: Proof) -> None:
+    node.meta.setdefault(PROVEN, {})[proof.kind] = proof
 
 
 def proven(node: fx.Node, kind: str) -> Any:

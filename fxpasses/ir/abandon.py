@@ -5,7 +5,7 @@ A run-time op (a guard on a data-dependent decision, a selection that came out e
 code and the op's location, and keeps the specialization: the next call may hold again. An op may
 abandon only before anything visible happened (no input, parameter or buffer written, no value
 returned), which the pass that put it in the graph certifies; attribute writes made before it
-are put back (:func:`~fxpasses.runtime.trace_ops.undone_on_failure`).
+are put back (:func:`~fxpasses.ir.trace_ops.undone_on_failure`).
 
 ``retrace``: whether a new trace of that call could decide differently (a guard: yes, the call
 took another path; an empty selection: no, every trace would abandon it again). ``retry``: the op
