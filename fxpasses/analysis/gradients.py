@@ -4,21 +4,25 @@
 
 A walk over the node's users, op by op, each step looked up in :func:`_step`:
 
-* ``stop``: ``detach``, an op run with gradients off that writes to no input, a result holding
-  no floating tensor (a comparison, ``argmax``, an integer cast, ``.item()``), a guard;
+* ``stop``: ``detach``, an op run with gradients off (unless it writes into memory made below
+  the node: the written tensor keeps the value's history), a result holding no floating tensor
+  (a comparison, ``argmax``, an integer cast, ``.item()``), a guard;
 * ``carry``: torch's own code with complete shape-propagation facts, an in-place write into
   memory made below the node included (the value moves along the walk);
+* ``escape``: torch's own code, with gradients on, writing into memory not made below the node
+  (``buffer[mask] = value``): the written tensor carries the value on, and is followed, but
+  other views of that memory may read it too, so only a path found to an output decides;
 * ``through``: code the trace kept whole (a leaf function or module, a pure run-time op of
   fxpasses) that wrote no Python state, no memory outside the walk and is not impure: its
   arguments' gradients are taken to come only through its results, which the walk follows
   (none when they hold no floating tensor); whether they carry a gradient is not known, so an
   output reached through it leaves the answer undecided;
-* ``unknown``: anything else (a node without complete facts, a write to memory not made below
-  the node, code that wrote Python state, a run-time op with effects): the value may go where
+* ``unknown``: anything else (a node without complete facts, kept-whole code that wrote Python
+  state or memory not made below the node, a run-time op with effects): the value may go where
   the walk cannot follow.
 
-The answer is True when an output is reached by ``carry`` steps alone, False when every path
-stops, None (undecided) otherwise.
+The answer is True when an output is reached by ``carry`` and ``escape`` steps alone, False
+when every path stops, None (undecided) otherwise.
 """
 
 from __future__ import annotations
@@ -69,9 +73,10 @@ def gradient_reach(node: fx.Node) -> GradientReach:
             undecided[via] = None
             continue
         step = _step(n, modes, contained)
-        if step == "unknown":
+        if step in ("unknown", "escape"):
             undecided[n.name] = None
-            continue
+            if step == "unknown":
+                continue
         if step == "through":
             through[n.name] = None
             via = via or n.name
@@ -94,9 +99,11 @@ def _step(n: fx.Node, modes: dict[fx.Node, bool], contained: set[int]) -> str:
         return "unknown"
     # an in-place op into memory that the walked value or a computation below it made (whose
     # views and readers are all below it, walked too) moves the value along this walk; a write
-    # anywhere else may carry it away
+    # anywhere else carries it into memory other nodes may read too
     if facts.writes_input and not facts.writes <= contained:
-        return "unknown"
+        if not facts.torch_code:
+            return "unknown"
+        return "escape" if modes[n] else "stop"
     if facts.torch_code:
         if not (modes[n] or facts.writes_input) or _stops_gradient(n, value(n)):
             return "stop"

@@ -82,6 +82,30 @@ def test_a_write_into_other_memory_is_undecided():
     assert reach.reaches is None and len(reach.undecided) == 1
 
 
+def test_a_written_tensor_that_reaches_an_output_decides():
+    """``buffer[mask] = value``, then the buffer summed: a gradient reaches ``value``."""
+    def loss(x):
+        y = torch.tanh(x)
+        z = x.detach().clone()
+        z[:1] = y[:1]
+        return z.sum()
+
+    _, reach = _reach(loss)
+    assert reach.reaches is True
+
+
+def test_a_write_into_other_memory_without_gradients_stops():
+    def loss(x):
+        y = torch.tanh(x)
+        z = x.detach().clone()
+        with torch.no_grad():
+            z[:1] = y[:1]
+        return x.sum() + z.sum()
+
+    _, reach = _reach(loss)
+    assert reach.reaches is False
+
+
 def test_an_in_place_write_into_memory_made_below_is_followed():
     def loss(x):
         y = torch.tanh(x) * 1
