@@ -152,6 +152,14 @@ _CODES = (
          "The paired method writes the loss's Python state (an attribute: a call counter, a "
          "cache); one paired call would write it once where the separate calls write it once each.",
          "Keep native calls, or move the write out of the scored method."),
+    Code("pair-gradient-undecided", "refusal",
+         "Whether a gradient reaches one branch's results cannot be told from the graph (they "
+         "pass code the analysis cannot see through: a leaf function or module whose result may "
+         "or may not carry a gradient, a write into other memory or into the loss's state): "
+         "natively that branch's rows may get no gradient (None), the paired call would give "
+         "them a zero one.",
+         "Let the branch's results reach the loss through torch ops, or detach them where no "
+         "gradient is meant to flow; the calls keep their native form."),
     Code("select-state-written", "refusal",
          "A call kept whole in the region that reads the selected rows (a leaf module, a density "
          "method) writes the loss's Python state; gathered into a capacity, it would see padding "
