@@ -1,8 +1,8 @@
 """Generated Python functions that check assumptions: one per specialization, one for the loss.
 
 :func:`compile_check` turns a sequence of :class:`~fxpasses.guards.Assumption` into a function
-``check(loss, leaves) -> int``: the index of the first assumption that does not hold, ``-1``
-when all hold, ``-2`` when a read raised (the caller then runs the exact, slow path,
+``check(loss, leaves)``: the index of the first assumption that does not hold, ``None`` when
+all hold, :data:`READ_FAILED` when a read raised (the caller then runs the exact, slow path,
 :func:`~fxpasses.guards.first_failure`, which turns a failed read into ``MISSING``). It computes
 what ``first_failure`` computes, in the same order, with the interpreter's overhead taken out: no
 Assumption, Source or kind objects are touched, and a source prefix shared by several
@@ -29,6 +29,7 @@ full, and its versions move on when it holds.
 
 from __future__ import annotations
 
+import enum
 import gc
 import keyword
 from typing import Any, Callable, Optional, Sequence
@@ -40,7 +41,14 @@ from .guards import (AUTOCAST_OFF, GUARD_HELPERS, GUARD_KINDS, Assumption, LossR
                      method_names, module_overrides, flat_form, whole_loss_assumptions)
 from .ir.sources import Source
 
-FAILED_READ = -2  # a read raised: run the exact path
+
+class _Unanswered(enum.Enum):
+    """What a generated check answers when it cannot decide."""
+
+    READ_FAILED = "a read raised: run the exact path"
+
+
+READ_FAILED = _Unanswered.READ_FAILED
 
 
 def _dict_version_reader() -> Optional[Callable[[dict], int]]:
@@ -132,7 +140,8 @@ class _Writer:
         return local
 
 
-def compile_check(assumptions: Sequence[Assumption]) -> Callable[[Any, Sequence[Any]], int]:
+def compile_check(assumptions: Sequence[Assumption],
+                  ) -> Callable[[Any, Sequence[Any]], int | None | _Unanswered]:
     """``check(loss, leaves)``: see the module docstring."""
     w = _Writer()
     body = "        "
@@ -175,9 +184,9 @@ def compile_check(assumptions: Sequence[Assumption]) -> Callable[[Any, Sequence[
                 test = f"same_flat({value}, *{w.constant(form, 'flat_')}) or {test}"
             w.lines.append(f"{body}if not ({test}): return {i}")
     source = "\n".join(["def check(loss, leaves):", "    try:", *(w.lines or [f"{body}pass"]),
-                        f"    except {_READ_ERRORS}:", f"        return {FAILED_READ}",
-                        "    return -1"])
-    namespace = {**w.names, "LossRoots": LossRoots, **GUARD_HELPERS}
+                        f"    except {_READ_ERRORS}:", "        return READ_FAILED",
+                        "    return None"])
+    namespace = {**w.names, "LossRoots": LossRoots, "READ_FAILED": READ_FAILED, **GUARD_HELPERS}
     exec(compile(source, f"<fxpasses guards of {len(assumptions)} assumptions>", "exec"), namespace)
     check = namespace["check"]
     check.source = source

@@ -19,7 +19,7 @@ import torch.fx as fx
 from torch import nn
 
 from .certificates import Certificate, Check, Guard, Site
-from .guard_code import compile_check
+from .guard_code import READ_FAILED, compile_check
 from .ir.proofs import relied_on
 from .isolation import module_state_kept
 from .guards import Assumption, LossRoots, first_failure, whole_loss_assumptions
@@ -44,10 +44,9 @@ class Specialization:
     graph_module: fx.GraphModule | None = None
     run: PipelineRun | None = None
     certificates: list[Certificate] = field(default_factory=list)
-    disabled: str | None = None  # a reason code once this specialization must not run
+    refusal: str | None = None  # the code of the certificate that refused it: it never runs
     seconds: dict[str, float] = field(default_factory=dict)
-    abandoned: Counter = field(default_factory=Counter)  # guard location -> calls abandoned there
-    check: Callable[[Any, Sequence[Any]], int] | None = None  # generated from the assumptions
+    check: Callable[[Any, Sequence[Any]], Any] | None = None  # generated from the assumptions
     # specializations with the same key match the same calls with the same leaves and check
     # the same assumptions against the same values (traces that differ only in a decision)
     check_key: int = -1
@@ -66,9 +65,9 @@ class Specialization:
         counted in ``exact``."""
         if self.check is not None:
             index = self.check(loss, leaves)
-            if index == -1:
+            if index is None:
                 return None
-            if index >= 0:
+            if index is not READ_FAILED:
                 return self.assumptions[index]
         if exact is not None:
             exact["assumptions"] += 1
@@ -107,7 +106,7 @@ def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pas
         gm = trace(loss, args, kwargs, policy=policy)
     except TraceFailure as failure:
         special.certificates.append(failure.certificate)
-        special.disabled = failure.certificate.codes[0]
+        special.refusal = failure.certificate.codes[0]
         logger.warning("%s", failure.certificate.message)
         return special
     special.seconds["trace"] = time.perf_counter() - start
@@ -123,7 +122,7 @@ def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pas
                                       graph_fingerprint=fingerprint(gm))
     special.certificates.append(certificate)
     if not certificate.applied:
-        special.disabled = certificate.codes[0]
+        special.refusal = certificate.codes[0]
         return special
     start = time.perf_counter()
     try:  # the passes' analyses run the graph's modules: each is left as the trace left it

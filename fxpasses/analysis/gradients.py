@@ -33,9 +33,9 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from ..facts import KEPT_WHOLE
-from ..runtime import RuntimeOp
-from ..runtime.trace_ops import Guard
+from ..ir.proofs import KEPT_WHOLE
+from ..ir.runtime_op import RuntimeOp
+from ..ir.trace_ops import GuardOp
 from .graph import grad_modes
 from .meta import value
 from .ops import node_facts, storage_id
@@ -92,7 +92,7 @@ def gradient_reach(node: fx.Node) -> GradientReach:
 def _step(n: fx.Node, modes: dict[fx.Node, bool], contained: set[int]) -> str:
     """How a gradient moves from ``n``'s result back to its arguments (module docstring)."""
     target = n.target
-    if isinstance(target, Guard):
+    if isinstance(target, GuardOp):
         return "stop"
     facts = node_facts(n)
     if facts is None or not facts.complete:

@@ -85,7 +85,7 @@ def test_an_error_native_raises_too_propagates_as_natives_and_later_calls_run_op
         _assert_native(loss, fast, _inputs(seed))
     stats = fast.stats
     assert stats.native == {"native-raised": 1} and not stats.exceptions, stats.render()
-    assert stats.optimized == 3 and all(s.disabled is None for s in fast.specializations)
+    assert stats.optimized == 3 and all(fast.disabled(s) is None for s in fast.specializations)
 
 
 class _RaiseOnce(RuntimeOp):
@@ -133,7 +133,7 @@ def test_a_transient_failure_returns_natives_result_counted_and_later_calls_run_
     assert stats.native == {"optimized-path-raised": 1} and stats.optimized == 3, stats.render()
     (exc,) = stats.exceptions
     assert exc.type == "OutOfMemoryError" and exc.node == "raise_at"
-    assert fast.specializations[0].disabled is None
+    assert fast.disabled(fast.specializations[0]) is None
 
 
 def test_failures_that_native_survives_disable_the_specialization_only_three_in_a_row():
@@ -144,4 +144,4 @@ def test_failures_that_native_survives_disable_the_specialization_only_three_in_
     stats = fast.stats
     assert stats.optimized == 2 and len(stats.exceptions) == 5
     assert stats.native == {"optimized-path-raised": 5, "optimized-path-disabled": 1}, stats.render()
-    assert fast.specializations[0].disabled == "optimized-path-disabled"
+    assert fast.disabled(fast.specializations[0]) == "optimized-path-disabled"
