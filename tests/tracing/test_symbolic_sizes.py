@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 
 from fxpasses import optimize, trace
 from fxpasses.cli import import_file
-from fxpasses.runtime.trace_ops import ExpectValue, Guard, WriteAttribute
+from fxpasses.ir.trace_ops import ExpectValue, GuardOp, WriteAttribute
 from fxpasses.tracing.shadows import SHADOWED, why_not_shadowed
 
 programs = import_file(Path(__file__).with_name("size_programs.py"))
@@ -58,7 +58,7 @@ def _assert_same(got, want):
 
 
 def _guards(gm):
-    return [n.target for n in gm.graph.nodes if isinstance(n.target, Guard)]
+    return [n.target for n in gm.graph.nodes if isinstance(n.target, GuardOp)]
 
 
 COUNTS = [[1, 3, 0], [2, 2, 2], [0, 0, 5], [1, 0, 0], [4, 7, 1], [0, 0, 0], [3, 1, 2], [9, 0, 1]]
