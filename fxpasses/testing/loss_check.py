@@ -204,7 +204,7 @@ def _wrap_registry_restored() -> Iterator[None]:
     The code torch.fx generates for a graph that calls a leaf function registers its globals
     there (``torch.fx.wrap`` at its top), for good: they hold the graph's run-time sites, so no
     optimized loss that used a leaf function is ever freed (a leak of captured regions and their
-    recordings; see tests/passes/test_capture_regressions.py). Thousands of cases would slow
+    recordings; see tests/passes/test_capture_and_pair_match_native.py). Thousands of cases would slow
     down with it; the checker removes the entries its arms added.
     """
     registry = getattr(torch.fx._symbolic_trace, "_wrapped_fns_to_patch", None)
