@@ -20,7 +20,7 @@ submodules, modes of the loss and of the modules the traces depend on): ``check(
 which one failed (or that none did). It reads each module's ``__dict__`` once, for all four kinds
 (the exact path walks the modules once per kind, and in training, with cold caches, each module
 touched costs more than the comparisons), in one loop over a record per module (unrolled, the
-checks' own bytecode is cold too: 140 against 103 µs for 42 modules after the cache is flushed).
+checks' own bytecode would be cold too: slower than the loop once the cache is flushed).
 Where the interpreter keeps dict version tags (:data:`DICT_VERSION`), a module whose ``__dict__``
 and ``_modules``, a class whose dict, and a plain loss object whose ``__dict__`` has not been
 written since its state last held is passed on two integer reads; a written one is checked in

@@ -92,8 +92,19 @@ _MAX_EXCEPTIONS = 64  # failures kept in stats.exceptions (all are counted in st
 class OptimizedLoss(nn.Module):
     """A loss whose traced graph was rewritten by passes. Same call signature as the original.
 
-    Its parameters, buffers and submodules *are* the original's (``state_dict()`` keys are the
-    same). ``certificates``, ``graph_module``, ``stats`` and ``explain()`` tell what was done.
+    Made by :func:`optimize`. Its parameters, buffers and submodules *are* the original's
+    (``state_dict()`` keys are the same); ``train()``/``eval()`` switch the original's mode. Each
+    call runs the rewritten graph of a specialization whose guards hold, else the original loss
+    (the module docstring says when). ``certificates``, ``graph_module``, ``stats`` and
+    ``explain()`` tell what was done. Pickling keeps the loss and the options; a loaded copy
+    traces again on its first call.
+
+    Args:
+        loss_fn (Callable): the original loss, an ``nn.Module`` or any callable.
+        passes (Sequence[Pass]): the pass pipeline, run in order on each trace.
+        policy (LeafPolicy): what the tracer keeps as single nodes.
+        max_specializations (int): traces kept at most; a call none of them covers runs
+            natively (``specialization-budget``).
     """
 
     def __init__(self, loss_fn: Any, passes: Sequence[Pass], policy: LeafPolicy,
@@ -145,6 +156,20 @@ class OptimizedLoss(nn.Module):
 
     # -- the call ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The loss on the call: the rewritten graph's result where it runs, else the original's.
+
+        Args:
+            *args, **kwargs: the original loss's arguments.
+
+        Returns:
+            What the original loss returns for them: the same values and gradients, up to
+            rounding where a rewrite reorders arithmetic.
+
+        Raises:
+            Exception: what the original loss raises on these arguments, as it raises it (no
+                optimized traceback chained to it). A failure of the optimized path alone is
+                not raised: the call runs natively and the failure is in ``stats.exceptions``.
+        """
         if not torch.is_grad_enabled():
             return self._native(args, kwargs, "grad-mode-changed", expected=True)
         if not self._lock.acquire(blocking=False):  # another thread's call or trace owns it
@@ -318,7 +343,8 @@ class OptimizedLoss(nn.Module):
     # -- what happened ----------------------------------------------------------------------
     @property
     def certificates(self) -> list[Certificate]:
-        """Every certificate of every specialization, in the order they were made."""
+        """Every certificate of every specialization (the trace's, then each pass's), in the
+        order they were made."""
         return [c for s in self.specializations for c in s.certificates]
 
     @property
@@ -332,8 +358,16 @@ class OptimizedLoss(nn.Module):
         return self._cache.in_made_order()
 
     def disabled(self, special: Specialization) -> str | None:
-        """The code why ``special`` no longer runs (its trace was refused, or its optimized path
-        raised on consecutive calls), or None while it runs."""
+        """Why a specialization no longer runs.
+
+        Args:
+            special (Specialization): one of :attr:`specializations`.
+
+        Returns:
+            Optional[str]: the reason code (its trace's refusal, or ``optimized-path-disabled``
+            when its optimized path raised on consecutive calls that native ran), or None while
+            it runs.
+        """
         return self._cache.disabled(special)
 
     @property
@@ -353,10 +387,17 @@ class OptimizedLoss(nn.Module):
 
     @property
     def passes(self) -> tuple[Pass, ...]:
+        """The pass pipeline, in the order it runs."""
         return self._passes
 
     def guards(self) -> tuple:
-        """The whole-loss guards (each specialization's own are in its trace certificate)."""
+        """The whole-loss guards checked before every call.
+
+        Returns:
+            tuple[Guard, ...]: hooks, methods, submodules and modes of the loss and of the
+            modules its traces depend on (each specialization's own guards are in its trace
+            certificate).
+        """
         return tuple(a.as_guard() for a in self._whole)
 
     def reoptimize(self) -> None:
@@ -368,17 +409,33 @@ class OptimizedLoss(nn.Module):
             self._current = None
 
     def train(self, mode: bool = True) -> "OptimizedLoss":
+        """Set training mode on this module and on the original loss (as ``nn.Module.train``)."""
         if isinstance(self._loss, nn.Module):
             self._loss.train(mode)
         return super().train(mode)
 
     def explain(self, verbose: bool = True) -> str:
-        """Pipeline, certificates, per-pass counters, run-time counters and the graph diff."""
+        """What was done, as text: pipeline, certificates, per-pass counters, run-time counters
+        and the graph diff.
+
+        Args:
+            verbose (bool): every certificate in full and the diff; False: the summary.
+
+        Returns:
+            str: the report's rendering (as ``fxpasses explain`` prints a saved one).
+        """
         return render_report(build_report(self), verbose=verbose)
 
     def save_certificates(self, path: str | os.PathLike) -> Path:
-        """Write the report (pipeline, certificates, snapshots, counters) to ``path`` as JSON;
-        ``fxpasses.certificates.io.load(path)`` reads it back, ``fxpasses explain`` shows it."""
+        """Write the report (pipeline, certificates, snapshots, counters) as JSON.
+
+        Args:
+            path (str | os.PathLike): the file to write.
+
+        Returns:
+            Path: the file written; ``fxpasses.certificates.io.load(path)`` reads it back,
+            ``fxpasses explain`` shows it.
+        """
         return save(build_report(self), path)
 
 
@@ -411,10 +468,29 @@ def optimize(loss_fn: Callable, passes: Sequence[Pass] = (), *,
              ) -> OptimizedLoss:
     """Optimize ``loss_fn`` with ``passes``; tracing happens at the first call.
 
-    ``leaf_functions`` (functions) / ``leaf_modules`` (nn.Module classes or instances) stay
-    single nodes (for data-dependent control flow); ``density_methods`` (method names) are module
-    methods kept as one node for passes to pair. Each is a list or tuple; a bad option is a
-    TypeError or ValueError naming it.
+    Nothing is traced here: each call traces the loss on its own inputs when no specialization
+    covers it (within ``max_specializations``), runs the passes on the trace, and runs the
+    rewritten graph while its guards hold; any other call runs ``loss_fn`` itself.
+
+    Args:
+        loss_fn (Callable): the loss, an ``nn.Module`` instance or any callable object.
+        passes (Sequence[Pass]): pass instances (:mod:`fxpasses.passes`), each at most once, run
+            in this order on every trace.
+        leaf_functions (Sequence[Callable]): functions kept as single nodes (their insides are
+            not traced: data-dependent control flow, say).
+        leaf_modules (Sequence[Any]): ``nn.Module`` classes or instances kept as single nodes.
+        density_methods (Sequence[str]): method names of modules kept as one node each, for
+            passes to pair (``log_prob``).
+        max_specializations (int): traces kept at most (at least 1).
+
+    Returns:
+        OptimizedLoss: a module with ``loss_fn``'s call signature, parameters and buffers.
+
+    Raises:
+        TypeError: ``loss_fn`` is a class or not callable; a pass is a class or not a pass; an
+            option is not a list or tuple of the right items. The message names it.
+        ValueError: a pass appears twice; ``max_specializations`` is below 1; a density
+            method is not an identifier.
     """
     passes = _validate(loss_fn, passes)
     options.count("max_specializations", max_specializations, 1)

@@ -35,7 +35,11 @@ _PER_TRACE_KINDS = ("autocast",)
 
 @dataclass
 class Specialization:
-    """One trace of the loss for one input structure and one set of assumptions."""
+    """One trace of the loss for one input structure and one set of assumptions.
+
+    What :func:`build` made; calls do not change it (what they learn about it, its order and
+    whether it is disabled, is the :class:`~fxpasses.specialization_cache.SpecializationCache`'s).
+    """
 
     index: int
     signature: CallSignature
@@ -48,7 +52,8 @@ class Specialization:
     seconds: dict[str, float] = field(default_factory=dict)
     check: Callable[[Any, Sequence[Any]], Any] | None = None  # generated from the assumptions
     # specializations with the same key match the same calls with the same leaves and check
-    # the same assumptions against the same values (traces that differ only in a decision)
+    # the same assumptions against the same values (traces that differ only in a decision);
+    # given by the cache as it adds the specialization
     check_key: int = -1
 
     def leaves_of(self, args: tuple, kwargs: dict,

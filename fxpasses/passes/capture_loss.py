@@ -77,18 +77,26 @@ def _blocks_restoring_modes(gm: fx.GraphModule, nodes: list[fx.Node],
 class CaptureLoss:
     """Capture the loss's static regions in CUDA graphs (see the module docstring).
 
-    ``max_recordings``: recordings a region keeps (a new signature then replaces the least
-    recently replayed); it records at most four times as many in all, then runs new ones eagerly.
-    ``record_after``: the call on which a signature is recorded (the earlier ones run eagerly):
-    the second by default, so that a shape seen once (a data-dependent one) costs no recording.
-    ``min_region_ops``: regions launching fewer ops are not worth a replay.
-    ``count_copies``: a region must also launch more kernels than a replay adds launches (its
-    copies in and out, its two graph launches); False captures every region of
-    ``min_region_ops`` kernels (tests of the replay machinery on tiny regions).
-    ``min_bucket``: the smallest padded row count of a captured paired call.
-    ``recorder``: how regions are recorded (default: CUDA graphs; tests pass a fake one).
-    ``devices``: device types whose tensors may be captured.
-    A bad option (type or range) is a TypeError or ValueError naming it.
+    Args:
+        max_recordings (int): recordings a region keeps (a new signature then replaces the least
+            recently replayed); it records at most four times as many in all, then runs new ones
+            eagerly.
+        record_after (int): the call on which a signature is recorded (the earlier ones run
+            eagerly): the second by default, so that a shape seen once (a data-dependent one)
+            costs no recording.
+        min_region_ops (int): regions launching fewer ops are not worth a replay.
+        count_copies (bool): a region must also launch more kernels than a replay adds launches
+            (its copies in and out, its two graph launches); False captures every region of
+            ``min_region_ops`` kernels (tests of the replay machinery on tiny regions).
+        min_bucket (int): the smallest padded row count of a captured paired call.
+        recorder (Recorder, optional): how regions are recorded (default: CUDA graphs; tests
+            pass :class:`~fxpasses.runtime.emulated.EmulatedRecorder`).
+        devices (Sequence[str]): device types whose tensors may be captured.
+
+    Raises:
+        TypeError: an option of the wrong type (a recorder without ``record()`` and
+            ``new_pool()``); the message names it.
+        ValueError: a count below 1.
     """
 
     name = "CaptureLoss"
@@ -114,6 +122,16 @@ class CaptureLoss:
                 f"min_region_ops={self.min_region_ops})")
 
     def run(self, gm: fx.GraphModule) -> PassResult:
+        """Replace each capturable region of ``gm`` by a recorded and replayed call.
+
+        Args:
+            gm (fx.GraphModule): a traced loss (:func:`fxpasses.trace`), rewritten in place.
+
+        Returns:
+            PassResult: ``gm``, whether it changed, and one certificate per region (too small
+            ones refused), per source line that stays eager and per row-independent call (one
+            refusal when no tensor is on a capture device, or CUDA is unavailable).
+        """
         devices = {t.device.type for n in gm.graph.nodes for t in tensors_in(value(n))}
         on_device = bool(devices & set(self.devices))
         cuda_ok = "cuda" not in self.devices or torch.cuda.is_available() or "cuda" not in devices

@@ -59,11 +59,18 @@ class CallGroup:
 class PairCalls:
     """Pair every group of calls of ``methods`` on one module (see the module docstring).
 
-    ``methods``: method names to pair (default ``log_prob``; ``"forward"`` pairs module calls).
-    ``modules``: restrict to these module paths (str) or nn.Module classes (default: any module).
-    ``allow_overrides``: classes whose overriding of inherited scoring code is intended.
-    A method name that is not an identifier is a ValueError here; one that no module of the
-    loss has can only be told from the traced graph: that pass then refuses with ``no-site``.
+    Args:
+        *methods (str): method names to pair (default ``log_prob``; ``"forward"`` pairs module
+            calls).
+        modules (Sequence[str | type]): restrict to these module paths or ``nn.Module`` classes
+            (default: any module).
+        allow_overrides (Sequence[type]): classes whose overriding of inherited scoring code is
+            intended.
+
+    Raises:
+        TypeError: ``modules`` or ``allow_overrides`` is not a list or tuple of such items.
+        ValueError: a method name is not an identifier. A name that no module of the loss has
+            can only be told from the traced graph: the pass then refuses with ``no-site``.
     """
 
     name = "PairCalls"
@@ -103,6 +110,15 @@ class PairCalls:
 
     # -- the pass -------------------------------------------------------------------------
     def run(self, gm: fx.GraphModule) -> PassResult:
+        """Pair the groups of calls that every check clears and a float64 witness confirms.
+
+        Args:
+            gm (fx.GraphModule): a traced loss (:func:`fxpasses.trace`), rewritten in place.
+
+        Returns:
+            PassResult: ``gm``, whether it changed, and one certificate per group of calls,
+            refusals included (``no-site`` when there is none).
+        """
         sites = self._call_sites(gm)
         if not sites:
             return PassResult(gm, False, [self._no_site(gm)])

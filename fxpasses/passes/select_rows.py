@@ -67,7 +67,12 @@ REORDERED = "reduction order changes: not bitwise, float64 difference measured"
 class SelectRows:
     """Rewrite boolean-mask selections to a static capacity (see the module docstring).
 
-    ``min_bucket``: the smallest capacity.
+    Args:
+        min_bucket (int): the smallest capacity.
+
+    Raises:
+        TypeError: ``min_bucket`` is not an int.
+        ValueError: ``min_bucket`` is below 1.
     """
 
     name = "SelectRows"
@@ -79,6 +84,15 @@ class SelectRows:
         return f"SelectRows(min_bucket={self.min_bucket})"
 
     def run(self, gm: fx.GraphModule) -> PassResult:
+        """Rewrite every selection space whose checks all hold, level by level.
+
+        Args:
+            gm (fx.GraphModule): a traced loss (:func:`fxpasses.trace`), rewritten in place.
+
+        Returns:
+            PassResult: ``gm``, whether it changed, and one certificate per space (a mask and
+            its selections), refusals included.
+        """
         spaces = find_spaces(gm)
         named = {n.name: n for n in gm.graph.nodes}
         analyses = {s.mask: analyze_space(gm, s) for s in spaces}

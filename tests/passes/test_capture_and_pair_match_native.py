@@ -1,6 +1,6 @@
-"""Regressions found by the random-loss generator (fxpasses.testing.random_losses), each minimised
-to a small explicit loss. CaptureLoss on CPU with the emulated recorder, float64, against the
-native loss. Each test fails while its defect is present (issue 9) and passes once it is fixed:
+"""Small explicit losses on which CaptureLoss and PairRLE match the native loss, each minimised from
+a case the random-loss generator (fxpasses.testing.random_losses) found. CaptureLoss on CPU with
+the emulated recorder, float64, against the native loss. Each test fails while its defect is present:
 
 * parameters read inside a captured region get no gradient (an ``nn.Linear``; the shared flow
   once PairRLE's paired call is fused into a region, with and without zero tracing rows; and
@@ -104,7 +104,7 @@ def test_linear_inside_a_region_gets_its_gradients():
 
 
 class TwoBranch(nn.Module):
-    """issue 9, case 1: the flow on two branches' rows; the paired call has static row counts."""
+    """The flow on two branches' rows; the paired call has static row counts."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -152,7 +152,7 @@ class DetachedBranch(nn.Module):
 
 
 def test_pairing_gives_no_gradient_to_rows_whose_log_probs_are_detached():
-    """PairRLE alone (not one of issue 9's five): natively ``a.grad`` is None; the paired call's
+    """PairRLE alone: natively ``a.grad`` is None; the paired call's
     cat gives ``a`` a zero gradient instead (None and zero differ for optimizers and DDP)."""
     loss = _float64(DetachedBranch)
     fast = optimize(loss, passes=[PairRLE()])
