@@ -69,8 +69,9 @@ def _render_summary(report: dict[str, Any]) -> list[str]:
     stats, lines = report["stats"], []
     native = sum(stats["native"].values())
     specials = report["specializations"]
+    rate = f" ({100 * len(specials) / stats['calls']:.1f} per 100 calls)" if stats["calls"] else ""
     lines.append(f"summary: {stats['calls']} calls, {stats['optimized']} optimized, {native} native, "
-                 f"{len(specials)} specialization{'s' * (len(specials) != 1)}")
+                 f"{len(specials)} specialization{'s' * (len(specials) != 1)}{rate}")
     totals: dict[str, dict[str, Any]] = {}
     for special in specials:
         for name, c in special["counters"].items():

@@ -149,6 +149,17 @@ def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pas
     return special
 
 
+def _symbolic_sizes(info: TraceInfo) -> dict[str, Any]:
+    """How the trace read sizes: the modules whose ``len``/``int`` of traced values are nodes
+    computed on every call, those that kept the builtins (their sizes are exact guards) and
+    why, and where the guards sit (tracing.guard_order)."""
+    return {"len_int_symbolic_in": list(info.builtins_shadowed),
+            "builtins_kept_in": dict(info.builtins_refused),
+            "guards_at_front": info.guard_places.count("front"),
+            "guards_moved_up": sum(p.startswith("after ") for p in info.guard_places),
+            "guards_where_read": info.guard_places.count("where read")}
+
+
 def _trace_certificate(loss: Any, info: TraceInfo, assumptions: Sequence[Assumption]) -> Certificate:
     """The trace's own certificate: what it recorded, and every assumption as a guard."""
     writes = info.writes_before_guards
@@ -157,7 +168,8 @@ def _trace_certificate(loss: Any, info: TraceInfo, assumptions: Sequence[Assumpt
                                        "assumptions": len(assumptions), "guard_nodes": len(info.guards),
                                        "modules_depended_on": len(info.modules),
                                        "their_guards": "whole-loss (hooks, methods, "
-                                                       "submodules, modes)"}),
+                                                       "submodules, modes)",
+                                       "symbolic_sizes": _symbolic_sizes(info)}),
         Check("abandon-without-effect", not writes, {
             "writes_before_guards": writes,
             "attribute_writes": "put back when a call is abandoned or raises",
@@ -165,9 +177,13 @@ def _trace_certificate(loss: Any, info: TraceInfo, assumptions: Sequence[Assumpt
                    "have happened before"}, None if not writes else "trace-write-before-guard"),
     ]
     guards = [a.as_guard() for a in assumptions]
+    places: dict[tuple[str, str], list[str]] = {}
+    for guard, place in zip(info.guards, info.guard_places):
+        places.setdefault(guard, []).append(place)
     guards += [Guard(f"{kind}:{location}", f"the {kind} Python took at {location} is the one "
                      "seen while tracing (a guard node; else this call runs natively)",
-                     "guard-failed", {"kind": kind, "location": location})
+                     "guard-failed", {"kind": kind, "location": location,
+                                      "placed": sorted(set(places.get((kind, location), ())))})
                for kind, location in dict.fromkeys(info.guards)]
     site = Site((), tuple(dict.fromkeys(a.location for a in assumptions if a.location))[:20],
                 f"loss {type(loss).__name__}")

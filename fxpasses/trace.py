@@ -40,6 +40,7 @@ from .guards import Assumption
 from .locations import exception_location
 from .signature import CallSignature, flatten_call
 from .tracing.objects import ObjectTracker
+from .tracing.guard_order import hoist_guards
 from .tracing.patches import ModulePatcher, Patches, patched
 from .tracing.recorder import Recorder, Unsupported
 from .ir.sources import Source
@@ -86,6 +87,8 @@ class TraceInfo:
     # (tensor, version, value) of the loss's state the trace wrote in place and put back: the
     # passes' runs of the graph write them again, and are undone the same way before the first call
     written_state: tuple = ()
+    # where each guard node sits, in the order of ``guards`` (tracing.guard_order)
+    guard_places: tuple[str, ...] = ()
     # the user modules whose len() and int() of traced values were symbolic (tracing.shadows),
     # and (module, why) of those that kept the builtins (their sizes are exact guards)
     builtins_shadowed: tuple[str, ...] = ()
@@ -284,12 +287,14 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
     finally:
         tracker.restore()
         patcher.state.restore()  # what the trace's run changed in the modules it met, kept whole calls' included
+    places = hoist_guards(rec.graph)
     gm = fx.GraphModule(root, rec.graph, class_name=f"Traced{type(loss_fn).__name__}")
     modules = dict.fromkeys([*tracker.used_modules(),
                              *(m for opaque in rec.opaque_modules.values() for m in opaque.modules())])
     gm.meta[META_KEY] = TraceInfo(signature, spec, tuple(tracker.assumptions.values()),
                                   tuple(rec.guards), rec.writes_before_guards(), tuple(modules),
                                   len(rec.graph.nodes), tracker.written_state,
+                                  tuple(places[node] for node in rec.guard_nodes),
                                   tuple(shadows.covered), tuple(shadows.refused.items()))
     return gm
 

@@ -86,6 +86,7 @@ class Recorder:
         self.opaque_modules: dict[int, nn.Module] = {}  # modules called as one node
         self.busy = False  # inside a torch call being recorded: the recorder's own calls are plain
         self.guards: list[tuple[str, str]] = []  # (kind, location) of guard nodes, in order
+        self.guard_nodes: list[fx.Node] = []  # the guard nodes, in the same order
         self._events: list[tuple[str, str]] = []  # ("guard" | "write", location), in order
         self._attrs: dict[Any, fx.Node] = {}
         self._constants: dict[int, str] = {}
@@ -110,7 +111,7 @@ class Recorder:
     def guard(self, op: Any, value: fx.Node, kind: str) -> None:
         self.guards.append((kind, op.location))
         self._events.append(("guard", op.location))
-        self.node("call_function", op, (value,))
+        self.guard_nodes.append(self.node("call_function", op, (value,)))
 
     def writes_before_guards(self) -> tuple[str, ...]:
         """Locations of writes to inputs, parameters or buffers that precede a guard node."""

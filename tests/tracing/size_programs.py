@@ -114,3 +114,22 @@ class Raises(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = len(x)
         raise RuntimeError(f"fails after reading {n} rows")
+
+
+class LateDecisions(nn.Module):
+    """Decisions on sizes taken long after the sizes are known, as a real loss takes them: the
+    inputs' last size (front), a selection's row count (just after the selection), and one on
+    tensor data (where the loss reads it)."""
+
+    def forward(self, pred: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        targets = targets.float()
+        rows = targets[targets[:, 0] >= 0]
+        nl, ne = rows.shape
+        work = (pred @ pred.t()).sigmoid().sum()  # work a failed decision need not wait for
+        if targets.shape[-1] == 2:
+            targets = torch.cat((targets, torch.ones_like(targets[:, :1])), -1)
+        if nl == 0:
+            return work * 0.0
+        if (rows[:, 1] > 0.5).any():
+            work = work * 2.0
+        return work + rows.sum() / nl
