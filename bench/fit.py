@@ -1,14 +1,17 @@
 """Complete-fit time of a real Ultralytics ``model.train()``: native vs the fxpasses integration.
 
     python bench/fit.py --device 0 --batch 4 16 --epochs 5 --pairs 5 --out out/fit.json
+    python bench/fit.py --device 0 --batch 4 16 --pairs 2 --first-pair 3 --out out/fit_b.json
+    python bench/fit.py --merge out/fit.json out/fit_b.json --out out/fit_all.json
     python bench/fit.py --epochs 1 --train-images 8 --val-images 4 --imgsz 160 --pairs 1 \\
         --device cpu --batch 4 --workers 0 --out out/fit_smoke.json    # a CPU smoke run
 
 A COCO-pose-format dataset is generated once (``--train-images`` and ``--val-images`` noise
 images of ``--imgsz`` px with a drawn rectangle per person; 1 to 20 persons per image, most 1-4,
 from :func:`~fxpasses.workloads.counts.object_counts`). Then ``--pairs`` rounds: in each, per
-batch size, one fresh process per arm, the arms alternating (native first in odd rounds,
-fxpasses first in even ones). Each process trains the nano pose model from scratch
+batch size, one fresh process per arm, the arms alternating (native first in odd-numbered pairs,
+fxpasses first in even ones; ``--first-pair`` numbers them on from an earlier process, whose
+results ``--merge`` then joins). Each process trains the nano pose model from scratch
 (``yolo26n-pose.yaml``: no weights are downloaded) with the trainer's defaults, ``plots=False``,
 seed 0, and the label caches removed first (every run scans its labels alike); ``fxpasses`` adds
 ``fxpasses.integrations.ultralytics.enable(model)`` before ``train``. ``--amp`` is the trainer's
@@ -23,9 +26,9 @@ reserved CUDA memory, the AMP check's answer and duration, the final training lo
 validation metrics, and for the fxpasses arm the criterion's counters (its ``explain()`` is
 copied beside ``--out``). Per arm and batch: median and range of both times and of memory, and
 every run's losses and metrics side by side (per arm, not pooled). ``--out`` (JSON) is rewritten
-after every run, so a run cut short keeps what finished; with ``--deadline-s`` no batch size's
-next pair starts unless its two slowest runs so far fit before the deadline. Progress (per run
-and per epoch) on stderr; each process's own output in ``--work``/logs.
+after every run, so a run cut short keeps what finished; with ``--deadline-s`` no pair starts
+unless the slowest run of each arm so far (of its batch size, once it has one) fits before the
+deadline. Progress (per run and per epoch) on stderr; each process's output in ``--work``/logs.
 """
 
 from __future__ import annotations
@@ -173,8 +176,9 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def next_pair_fits(runs: list[dict], elapsed_s: float, deadline_s: float | None) -> bool:
-    """Whether one more pair of ``runs``' batch size fits before the deadline: each arm's slowest
-    whole process so far, both arms together (always, without a deadline or a run so far)."""
+    """Whether one more pair fits before the deadline: each arm's slowest whole process among
+    ``runs`` (this batch size's, or every batch size's before it has one), both arms together;
+    always without a deadline or a run so far."""
     if deadline_s is None or not runs:
         return True
     slowest = [max((r["process_s"] for r in runs if r["arm"] == arm), default=0.0) for arm in ARMS]
@@ -240,11 +244,14 @@ def _header(args: argparse.Namespace, counts: list[int]) -> dict:
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[4, 16])
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--pairs", type=int, default=3, help="alternating pairs per batch size")
+    parser.add_argument("--first-pair", type=int, default=1,
+                        help="number of the first pair (its parity sets which arm runs first), "
+                             "to continue a run of an earlier process")
     parser.add_argument("--train-images", type=int, default=384)
     parser.add_argument("--val-images", type=int, default=32)
     parser.add_argument("--imgsz", type=int, default=640)
@@ -256,58 +263,91 @@ def main(argv: list[str] | None = None) -> int:
                         help="start no pair that would end after this many seconds from the start")
     parser.add_argument("--work", default=None, help="folder for the dataset and runs (temporary)")
     parser.add_argument("--out", default="fit.json")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="only merge the runs of these results files into --out")
     for hidden in ("--child", "--record", "--data", "--project", "--name"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--progress-fd", type=int, help=argparse.SUPPRESS)
+    return parser
+
+
+def _finish(results: dict, out: Path) -> int:
+    """Summaries, --out written, the arms side by side; 1 when a run failed."""
+    for entry in results["batches"].values():
+        entry["summary"] = summarize(entry["runs"]) if entry["runs"] else None
+    out.write_text(json.dumps(results, indent=1))
+    report(results)
+    failed = any("failed" in r for entry in results["batches"].values() for r in entry["runs"])
+    return 1 if failed else 0
+
+
+def merge(paths: list[str], out: Path) -> int:
+    """The runs of several results files (the pairs of separate processes) in one, per batch."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    results = {**parts[0], "merged": paths, "batches": {}}
+    for part in parts:
+        for batch, entry in part["batches"].items():
+            results["batches"].setdefault(batch, {"runs": []})["runs"].extend(entry["runs"])
+    return _finish(results, out)
+
+
+def _pair(args, results, batch: int, pair: int, work: Path, out: Path, begin: float) -> None:
+    """Both arms of one pair of ``batch``, in the pair's order; --out rewritten after each."""
+    entry = results["batches"][str(batch)]
+    for arm in ARMS if pair % 2 == 1 else ARMS[::-1]:
+        say(f"batch {batch} pair {pair}: {arm}...")
+        run = {**run_one(args, arm, batch, pair, work), "pair": pair}
+        entry["runs"].append(run)
+        entry["summary"] = summarize(entry["runs"])
+        results["elapsed_s"] = time.perf_counter() - begin
+        out.write_text(json.dumps(results, indent=1))
+        if "failed" in run:
+            say(f"batch {batch} pair {pair}: {arm} FAILED (exit {run['failed']}), "
+                f"logs in {work / 'logs'}:\n{run['log_tail'][-1500:]}")
+            continue
+        say(f"batch {batch} pair {pair}: {arm} fit {run['fit_s']:.1f} s, process "
+            f"{run['process_s']:.1f} s" + (f"; {run['fxpasses']['summary']}" if "fxpasses" in run
+                                           else ""))
+        report_txt = Path(run["save_dir"]) / "fxpasses.txt"
+        if report_txt.exists():
+            shutil.copy(report_txt, out.with_name(f"{out.stem}_fxpasses_b{batch}.txt"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.child:
         args.batch = args.batch[0]
         child(args)
         return 0
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        return merge(args.merge, out)
     if args.pairs < 1:
         parser.error("--pairs must be at least 1")
     begin = time.perf_counter()
     sys.path.insert(0, str(ROOT))
     work = Path(args.work or tempfile.mkdtemp(prefix="fxpasses_fit_"))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     args.data, counts = _dataset(args, work)
     results = _header(args, counts)
-    stopped = set()
-    for pair in range(args.pairs):
+    results["stopped_by_deadline"] = []
+    for pair in range(args.first_pair, args.first_pair + args.pairs):
         for batch in args.batch:
-            entry = results["batches"][str(batch)]
-            if batch in stopped or not next_pair_fits(entry["runs"], time.perf_counter() - begin,
-                                                      args.deadline_s):
-                if batch not in stopped:
-                    say(f"batch {batch}: pair {pair + 1} would end after --deadline-s "
-                        f"{args.deadline_s:.0f}: not started")
-                stopped.add(batch)
+            if batch in results["stopped_by_deadline"]:
                 continue
-            for arm in ARMS if pair % 2 == 0 else ARMS[::-1]:
-                say(f"batch {batch} pair {pair + 1}/{args.pairs}: {arm}...")
-                run = run_one(args, arm, batch, pair, work)
-                entry["runs"].append(run)
-                entry["summary"] = summarize(entry["runs"])
-                results["elapsed_s"] = time.perf_counter() - begin
-                results["stopped_by_deadline"] = sorted(stopped)
-                out.write_text(json.dumps(results, indent=1))
-                if "failed" in run:
-                    say(f"batch {batch} pair {pair + 1}: {arm} FAILED (exit {run['failed']}), "
-                        f"log {work / 'logs'}:\n{run['log_tail'][-1500:]}")
-                    continue
-                say(f"batch {batch} pair {pair + 1}/{args.pairs}: {arm} fit {run['fit_s']:.1f} s, "
-                    f"process {run['process_s']:.1f} s"
-                    + (f"; {run['fxpasses']['summary']}" if "fxpasses" in run else ""))
-                report_txt = Path(run["save_dir"]) / "fxpasses.txt"
-                if report_txt.exists():
-                    shutil.copy(report_txt, out.with_name(f"{out.stem}_fxpasses_b{batch}.txt"))
-    results["stopped_by_deadline"] = sorted(stopped)
-    out.write_text(json.dumps(results, indent=1))
-    report(results)
-    say(f"wrote {out} ({time.perf_counter() - begin:.0f} s in all)")
-    failed = any("failed" in r for entry in results["batches"].values() for r in entry["runs"])
-    return 1 if failed else 0
+            runs = results["batches"][str(batch)]["runs"] or [
+                r for e in results["batches"].values() for r in e["runs"]]
+            if not next_pair_fits(runs, time.perf_counter() - begin, args.deadline_s):
+                say(f"batch {batch}: pair {pair} would end after --deadline-s "
+                    f"{args.deadline_s:.0f}: not started")
+                results["stopped_by_deadline"].append(batch)
+                continue
+            _pair(args, results, batch, pair, work, out, begin)
+    results["elapsed_s"] = time.perf_counter() - begin
+    code = _finish(results, out)
+    say(f"wrote {out} ({results['elapsed_s']:.0f} s in all)")
+    return code
 
 
 if __name__ == "__main__":

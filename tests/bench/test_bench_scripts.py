@@ -84,7 +84,7 @@ def test_a_tiny_cpu_fit_pair_writes_both_arms(tmp_path):
     for arm in ("native", "fxpasses"):
         assert len(summary[arm]["fit_s"]["values"]) == 1 and summary[arm]["train_losses"][0]
         assert summary[arm]["metrics"][0] and summary[arm]["process_s"]["median"] > 0
-        assert f"{arm}_b4_0: epoch 1/1 at" in done.stderr  # progress of each epoch
+        assert f"{arm}_b4_1: epoch 1/1 at" in done.stderr  # progress of each epoch
     runs = results["batches"]["4"]["runs"]
     assert [r["arm"] for r in runs] == ["native", "fxpasses"]
     (fast,) = [r for r in runs if r["arm"] == "fxpasses"]

@@ -53,3 +53,23 @@ def test_an_arm_without_a_finished_run_has_no_change():
     summary = fit.summarize([_run("native", 30.0),
                              {"arm": "fxpasses", "batch": 4, "failed": 1, "process_s": 3.0}])
     assert summary["fxpasses"]["fit_s"] is None and summary["fit_s_change"] is None
+
+
+def test_merge_joins_the_pairs_of_separate_processes_per_batch(tmp_path):
+    import json
+
+    first = {"config": {"pairs": 1}, "batches": {
+        "4": {"runs": [_run("native", 30.0, 20.0), _run("fxpasses", 25.0, 10.0)]},
+        "16": {"runs": [_run("native", 10.0, 8.0), _run("fxpasses", 12.0, 9.0)]}}}
+    second = {"config": {"pairs": 1, "first_pair": 2}, "batches": {
+        "4": {"runs": [_run("fxpasses", 35.0, 30.0), _run("native", 50.0, 40.0)]}}}
+    paths = []
+    for i, part in enumerate((first, second)):
+        paths.append(str(tmp_path / f"part{i}.json"))
+        Path(paths[-1]).write_text(json.dumps(part))
+    assert fit.main(["--merge", *paths, "--out", str(tmp_path / "all.json")]) == 0
+    merged = json.loads((tmp_path / "all.json").read_text())
+    assert merged["merged"] == paths
+    assert merged["batches"]["4"]["summary"]["native"]["fit_s"]["values"] == [20.0, 40.0]
+    assert merged["batches"]["4"]["summary"]["fxpasses"]["fit_s"]["values"] == [10.0, 30.0]
+    assert merged["batches"]["16"]["summary"]["native"]["runs"] == 1
