@@ -162,6 +162,8 @@ class CapturePlan:
     regions: list[list[fx.Node]] = field(default_factory=list)
     too_small: list[list[fx.Node]] = field(default_factory=list)
     blocks: list[NoGradBlock] = field(default_factory=list)  # each held whole by one region
+    # writes of the loss's own memory that no region holds with all that touches it: barriers
+    barrier_writes: dict[fx.Node, frozenset[int]] = field(default_factory=dict)
 
     def blocks_in(self, region: list[fx.Node]) -> list[NoGradBlock]:
         inside = set(region)
@@ -191,12 +193,13 @@ def plan_regions(gm: fx.GraphModule, devices: Sequence[str] = ("cuda",),
                  min_region_ops: int = 4, count_copies: bool = True) -> CapturePlan:
     """Classify every node and group the capturable ones into regions (see module docstring)."""
     static = bucketed_symbols(gm)
-    candidates = local_write_candidates(gm.graph)
+    local = candidates = local_write_candidates(gm.graph)
     while True:  # local writes whose regions do not hold what touches their memory: barriers
         plan = _plan(gm, devices, min_region_ops, count_copies, static, frozenset(candidates))
         region_of = {n: i for i, region in enumerate(plan.regions) for n in region}
         broken = _broken_local_writes(gm.graph, candidates, region_of)
         if not broken:
+            plan.barrier_writes = {w: s for w, s in local.items() if w not in candidates}
             return plan
         candidates = {w: s for w, s in candidates.items() if w not in broken}
 
