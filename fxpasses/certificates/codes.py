@@ -252,6 +252,11 @@ _CODES = (
          "value is read after the write (through a view or a name taken before it), so the "
          "write stays a barrier.",
          "Take views after the write, or write out of place (x = x * 2) where the old value is kept."),
+    Code("view-of-written-memory", "refusal",
+         "The node shares memory with a value outside its region (a view of the region's input, "
+         "or of another of its outputs) that an in-place write changes later: a region hands out "
+         "its own copy of each output, which would miss the write, so the node runs eagerly.",
+         "Take the view after the write, or write out of place."),
     Code("op-grad-mode", "refusal",
          "A grad-mode switch (no_grad / enable_grad) that no region holds with its whole block "
          "(the block calls user code, nests another switch, or its nodes cannot share a "
