@@ -191,6 +191,7 @@ class CapturePlan:
     blocks: list[NoGradBlock] = field(default_factory=list)  # each held whole by one region
     # writes of the loss's own memory that no region holds with all that touches it: barriers
     barrier_writes: dict[fx.Node, frozenset[int]] = field(default_factory=dict)
+    static: frozenset = frozenset()  # data-dependent sizes static per recording (bucketed)
 
     def blocks_in(self, region: list[fx.Node]) -> list[NoGradBlock]:
         inside = set(region)
@@ -231,6 +232,7 @@ def plan_regions(gm: fx.GraphModule, devices: Sequence[str] = ("cuda",),
         apart = _handed_apart(gm.graph, plan.regions + plan.too_small) - eager_views
         if not broken and not apart:
             plan.barrier_writes = {w: s for w, s in local.items() if w not in candidates}
+            plan.static = static
             return plan
         candidates = {w: s for w, s in candidates.items() if w not in broken}
         eager_views |= apart

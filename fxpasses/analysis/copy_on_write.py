@@ -70,7 +70,7 @@ def copy_on_write(graph: fx.Graph, write: fx.Node, written: frozenset[int],
             stale = node
             break
     evidence = {"written_by": _named(write), "memory_made_by": _named(_maker(nodes, written, storages_of)),
-                "elements_copied": sum(t.numel() for t in tensors_in(value(target)))}
+                "elements_copied": _count(sum(t.numel() for t in tensors_in(value(target))))}
     if stale is None:
         return True, evidence | {"old_memory_read_after": "never"}
     covered = _covering(target, stale)
@@ -80,6 +80,11 @@ def copy_on_write(graph: fx.Graph, write: fx.Node, written: frozenset[int],
     return False, evidence | {"old_memory_read_after_by": _named(stale),
                               "overwritten_there": covered,
                               "write_used_after_overwrite": tuple(u.name for u in late)}
+
+
+def _count(n: object) -> int | str:
+    """An element count, as its expression when it depends on data."""
+    return n if type(n) is int else str(n)
 
 
 def _covering(target: fx.Node, node: fx.Node) -> bool:

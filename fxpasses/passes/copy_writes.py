@@ -4,9 +4,10 @@
 each write the plan had to keep as a barrier (a write of memory the loss made, whose memory is
 touched outside the region the write could join) runs on a copy of what it writes when
 :func:`~fxpasses.analysis.copy_on_write.copy_on_write` says the copy computes the same values,
-and the regions are planned again, until no barrier write is left that may be copied. A copy
-costs one kernel and the written tensor's size in memory; it is made only when the plan would
-otherwise keep the write as a barrier. Writes to inputs, parameters, buffers, views of them, and
+and could then join a region (static shapes, no host read), and the regions are planned again,
+until no barrier write is left that may be copied. A copy costs one kernel and the written
+tensor's size in memory: it is made only where the plan would otherwise keep the write as a
+barrier and the copy is captured (an eager copy would only add a kernel). Writes to inputs, parameters, buffers, views of them, and
 writes whose old memory is read later stay barriers.
 """
 
@@ -17,7 +18,8 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 
-from ..analysis.capture import CapturePlan, plan_regions
+from ..analysis.capture import CapturePlan, classify, plan_regions
+from ..analysis.capture_rules import Verdict
 from ..analysis.copy_on_write import copy_on_write
 from ..analysis.meta import ANNOTATED, annotate_new
 from ..analysis.ops import NODE_FACTS
@@ -36,16 +38,18 @@ def plan_with_copies(gm: fx.GraphModule, pass_name: str, devices: Sequence[str],
     copied: list[Certificate] = []
     while True:
         storages: dict = {}
-        decided = [(w, *copy_on_write(gm.graph, w, s, storages)) for w, s in plan.barrier_writes.items()]
-        safe = [(w, evidence) for w, ok, evidence in decided if ok]
+        decided = [(w, *copy_on_write(gm.graph, w, s, storages), classify(
+            w, devices, plan.static, local_writes=frozenset({w}))) for w, s in plan.barrier_writes.items()]
+        safe = [(w, evidence) for w, ok, evidence, alone in decided if ok and alone.capturable]
         if not safe:
             break
         for write, evidence in safe:
-            copied.append(_certificate(pass_name, write, True, evidence))
+            copied.append(_certificate(pass_name, write, evidence))
             _run_on_a_copy(gm, write)
         annotate_new(gm)
         plan = plan_regions(gm, devices, min_region_ops, count_copies)
-    kept = [_certificate(pass_name, w, False, evidence) for w, ok, evidence in decided]
+    kept = [_certificate(pass_name, w, evidence, None if ok else "write-old-value-read", alone)
+            for w, ok, evidence, alone in decided]
     return plan, copied + kept
 
 
@@ -63,9 +67,16 @@ def _run_on_a_copy(gm: fx.GraphModule, write: fx.Node) -> fx.Node:
     return copy
 
 
-def _certificate(pass_name: str, write: fx.Node, ok: bool, evidence: dict) -> Certificate:
+def _certificate(pass_name: str, write: fx.Node, evidence: dict, unsafe: str | None = None,
+                 alone: Verdict | None = None) -> Certificate:
+    """Copied (``alone`` None), or kept a barrier: ``unsafe``, or ``alone``'s code (on a copy it
+    could not join a region either: a copy would be a kernel more, eagerly)."""
     location = node_location(write)
-    check = Check("write-runs-on-a-copy", ok, evidence, None if ok else "write-old-value-read")
+    ok = alone is None
+    code = unsafe or (None if ok else alone.code)
+    if not ok and not unsafe:
+        evidence = evidence | {"not_copied": f"on a copy it still runs eagerly: {alone.detail or alone.code}"}
+    check = Check("write-runs-on-a-copy", ok, evidence, code)
     effect = {"runs": "on a copy of the memory it writes: no barrier, capturable",
               "copy_elements": evidence.get("elements_copied", 0)} if ok else {}
     site = Site((write.name,), (location,) if location else (),
