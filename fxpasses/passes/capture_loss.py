@@ -10,7 +10,8 @@ a capture device and zero padding rows are inert (a float64 witness), its one fl
 per power-of-two row bucket (:mod:`fxpasses.runtime.paired_capture`).
 
 Before planning, host reads of the loss's constant tensor state are folded into the graph
-(:mod:`.fold_state`, a certificate and an ``unchanged`` assumption each), and in-place writes of
+(:mod:`.fold_state`, a certificate and an ``unchanged`` assumption each), list indices of device
+tensors become constant index tensors on the device (no copy from the host each call), and in-place writes of
 the loss's own memory that no region could hold run on a copy where that computes the same
 values (:mod:`.copy_writes`, a certificate per such write, copied or kept as a barrier); copies
 are undone when no region is captured.
@@ -41,7 +42,7 @@ from ..runtime.ownership import OwnedOutputs
 from ..runtime.paired_capture import CapturedPairedCall
 from ..locations import node_location
 from .copy_writes import plan_with_copies
-from .fold_state import fold_constant_reads
+from .fold_state import device_indices, fold_constant_reads
 
 _PREFIX = "capture_region_"
 def _histogram(nodes: Sequence[fx.Node], verdicts: dict[fx.Node, Verdict]) -> dict[str, int]:
@@ -134,7 +135,7 @@ class CaptureLoss:
                             None if cuda_ok else "cuda-unavailable")]
             return PassResult(gm, False, [Certificate.from_checks(self.name, Site((), (), "whole loss"),
                                                                   checks)])
-        folded = fold_constant_reads(gm, self.name)
+        folded = fold_constant_reads(gm, self.name) + device_indices(gm, self.name, self.devices)
         unfolded_copies = copy_graph_module(gm)
         plan, writes = plan_with_copies(gm, self.name, self.devices, self.min_region_ops, self.count_copies)
         if not plan.regions and any(c.applied for c in writes):  # copies that gain nothing: undone

@@ -10,6 +10,12 @@ goes; the value is an assumption of the rewrite (:func:`~fxpasses.facts.rely_on`
 
     # op(..., t[i], ...) == op(..., v, ...)   v = t[i].item() read now, while t is unchanged
 
+A list of ints in an index (``anchor_points[:, [0]]``, ``imgsz[[1, 0, 1, 0]]``) is host data
+too: indexing a device tensor copies it to the device on every call, which no CUDA graph can
+hold. :func:`device_indices` makes each such list a constant index tensor on that device, once
+(a buffer of the graph module, read in place): ``x[:, [0]] == x[:, tensor([0])]``, the same
+advanced indexing.
+
 Only reads of the state itself are folded: ``t`` read through a :class:`ReadSource` (an
 attribute, a global, a closure cell; not a parameter or buffer, which training writes, nor an
 argument's field), then constant indices; at most :data:`MAX_ELEMENTS` elements; the op takes
@@ -19,6 +25,7 @@ that argument as a number (:data:`SCALAR_ARGUMENTS`). One certificate per fold.
 from __future__ import annotations
 
 import operator
+from typing import Sequence
 
 import torch
 import torch.fx as fx
@@ -29,7 +36,9 @@ from ..certificates import Certificate, Check, Site
 from ..facts import rely_on
 from ..guards import Assumption, TensorSeen
 from ..locations import node_location
-from ..runtime.trace_ops import ExpectTruth, ExpectValue, ReadSource
+from ..runtime.trace_ops import ExpectTruth, ExpectValue, ReadSource, set_item
+
+_INDEXING = (operator.getitem, set_item)
 
 MAX_ELEMENTS = 64
 
@@ -172,3 +181,47 @@ def _fold(gm: fx.GraphModule, node: fx.Node, element: fx.Node, replace: tuple | 
         read = inputs[0] if inputs else None
 
 
+
+
+def device_indices(gm: fx.GraphModule, pass_name: str, devices: Sequence[str]) -> list[Certificate]:
+    """Make each list of ints indexing a tensor on one of ``devices`` a constant index tensor on
+    its device (see the module docstring); a certificate per indexing node."""
+    certificates = []
+    for node in list(gm.graph.nodes):
+        indexed = value(node.args[0]) if node.op == "call_function" and node.target in _INDEXING \
+            and len(node.args) > 1 and isinstance(node.args[0], fx.Node) else None
+        if not isinstance(indexed, torch.Tensor) or indexed.device.type not in devices:
+            continue
+        index = node.args[1]
+        items = index if isinstance(index, tuple) else (index,)
+        lists = [i for i in items if isinstance(i, list)]
+        if not lists or not all(lists_of_ints(i) for i in lists):
+            continue
+        with gm.graph.inserting_before(node):
+            constants = [_constant(gm, torch.tensor(i, dtype=torch.long, device=indexed.device)) for i in lists]
+        given = iter(constants)
+        moved = tuple(next(given) if isinstance(i, list) else i for i in items)
+        node.args = (node.args[0], moved if isinstance(index, tuple) else moved[0], *node.args[2:])
+        location = node_location(node)
+        certificates.append(Certificate.from_checks(
+            pass_name, Site((node.name,), (location,) if location else (), f"constant index {node.name}"),
+            [Check("index-is-constant", True, {"index": repr(lists), "device": str(indexed.device),
+                                               "constants": tuple(c.target for c in constants)})],
+            effect={"folded": "the index lies on the device: no copy from the host on each call"}))
+    if certificates:
+        annotate_new(gm)
+    return certificates
+
+
+def lists_of_ints(index: object) -> bool:
+    """A (nested) list of Python ints (not bools: a list of bools is a mask)."""
+    return isinstance(index, list) and bool(index) and all(
+        type(i) is int or lists_of_ints(i) for i in index)
+
+
+def _constant(gm: fx.GraphModule, tensor: torch.Tensor) -> fx.Node:
+    name = f"_fxpasses_index_{len([n for n in gm.graph.nodes if n.op == 'get_attr'])}"
+    while hasattr(gm, name):
+        name += "_"
+    gm.register_buffer(name, tensor)
+    return gm.graph.get_attr(name)

@@ -112,3 +112,27 @@ def test_buffers_parameters_arguments_and_written_state_are_not_folded():
     assert not _folds(fast)
     host = [k for c in fast.certificates for k in c.checks if k.code == "host-sync"]
     assert len(host) == 4  # every new_full still reads its fill on the host
+
+
+class ListIndices(nn.Module):
+    """``anchor_points[:, [0]]`` and ``imgsz[[1, 0, 1, 0]]`` as in Ultralytics, a nested list, a
+    written item through a list, and a list of bools (a mask: not an index to fold)."""
+
+    def forward(self, pred):
+        x = (pred * 2).tanh()
+        y = x[:, [0]] + x[[1, 0, 1, 0]].sum(0) + x[[[0], [1]], [2]].sum()
+        y[[0, 2]] = (y[[0, 2]] * 3).sin()
+        return (y * x[:, [True, False, True]].sum(1, keepdim=True)).exp().sum()
+
+
+def test_list_indices_become_constant_index_tensors_and_match_native():
+    loss = ListIndices()
+    fast = _captured(loss)
+    for seed in range(3):
+        _same_as_native(fast, loss, seed=seed)
+    folds = [c for c in _folds(fast) if c.checks[0].id == "index-is-constant"]
+    assert [c.checks[0].evidence["index"] for c in folds] == [
+        "[[0]]", "[[1, 0, 1, 0]]", "[[[0], [1]], [2]]", "[[0, 2]]", "[[0, 2]]"]
+    gm = fast.graph_module
+    constants = [n for n in gm.graph.nodes if n.op == "get_attr"]
+    assert len(constants) == 6 and all(getattr(gm, n.target).dtype == torch.long for n in constants)
