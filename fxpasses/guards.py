@@ -349,6 +349,36 @@ def _same_tensor(now: Any, expected: Any) -> bool:
     return isinstance(now, torch.Tensor) and (now.dtype, now.device.type, now.dim()) == expected
 
 
+@dataclass(frozen=True, eq=False)
+class TensorSeen:
+    """A tensor of the loss's state as a rewrite read its values: the object, its version
+    counter (every in-place write moves it, through any view), and on the CPU a copy of the
+    values (compared without waiting for a device; a write through ``.data`` or a numpy view
+    moves no counter). On a device, a write that bypasses autograd's counter (``.data``, raw
+    memory) is not seen."""
+
+    tensor: torch.Tensor
+    version: int
+    values: torch.Tensor | None
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "TensorSeen":
+        values = tensor.detach().clone() if tensor.device.type == "cpu" else None
+        return cls(tensor, tensor._version, values)
+
+    def __repr__(self) -> str:
+        t = self.tensor
+        return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)} on {t.device} at version {self.version}"
+
+
+def _unchanged(now: Any, seen: TensorSeen) -> bool:
+    if now is not seen.tensor or now._version != seen.version:
+        return False
+    values = seen.values
+    return values is None or torch.equal(now, values) or (  # NaN equals NaN here
+        now.is_floating_point() and torch.allclose(now, values, rtol=0.0, atol=0.0, equal_nan=True))
+
+
 GUARD_KINDS: dict[str, GuardKind] = {k.name: k for k in (
     GuardKind("constant", "assumption-changed", "{source} is {value}", _same_constant,
               inline="type({v}) is type({e}) and bool({v} == {e})"),
@@ -362,6 +392,9 @@ GUARD_KINDS: dict[str, GuardKind] = {k.name: k for k in (
     GuardKind("tensor", "assumption-changed",
               "{source} is a tensor of {value}, read on every call", _same_tensor,
               inline="same_tensor({v}, {e})"),
+    GuardKind("unchanged", "assumption-changed",
+              "{source} is the same tensor, not written since a rewrite folded its values ({value})",
+              _unchanged, inline="unchanged({v}, {e})"),
     GuardKind("float", "assumption-changed",
               "{source} is a float, read on every call (an input, not a constant)",
               lambda now, expected: type(now) is float, inline="type({v}) is float"),
@@ -388,7 +421,8 @@ GUARD_KINDS: dict[str, GuardKind] = {k.name: k for k in (
 )}
 
 
-GUARD_HELPERS = {"snapshot": snapshot, "exact_snapshot": exact_snapshot, "same_tensor": _same_tensor, "autocast_state": autocast_state,
+GUARD_HELPERS = {"snapshot": snapshot, "exact_snapshot": exact_snapshot, "same_tensor": _same_tensor,
+                 "unchanged": _unchanged, "autocast_state": autocast_state,
                  "same_flat": same_flat, "autocast_off": autocast_off, "certainly_absent": certainly_absent,
                  "Tensor": torch.Tensor}
 

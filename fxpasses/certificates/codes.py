@@ -254,6 +254,17 @@ _CODES = (
          "The node writes to one of its inputs or to module state (an in-place op, batch-norm "
          "statistics); it runs eagerly, and no region is moved across it.",
          "Use the out-of-place op (x = x + y) where the value is not shared."),
+    Code("write-old-value-read", "refusal",
+         "An in-place write of memory the loss made itself, which no captured region can hold "
+         "with every node touching that memory, cannot run on a copy instead: that memory's old "
+         "value is read after the write (through a view or a name taken before it), so the "
+         "write stays a barrier.",
+         "Take views after the write, or write out of place (x = x * 2) where the old value is kept."),
+    Code("view-of-written-memory", "refusal",
+         "The node shares memory with a value outside its region (a view of the region's input, "
+         "or of another of its outputs) that an in-place write changes later: a region hands out "
+         "its own copy of each output, which would miss the write, so the node runs eagerly.",
+         "Take the view after the write, or write out of place."),
     Code("op-grad-mode", "refusal",
          "A grad-mode switch (no_grad / enable_grad) that no region holds with its whole block "
          "(the block calls user code, nests another switch, or its nodes cannot share a "
