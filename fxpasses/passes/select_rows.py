@@ -52,7 +52,7 @@ import torch.fx as fx
 
 from .. import options
 from ..analysis.meta import value
-from ..analysis.selection import Space, SpaceAnalysis, analyze_space, find_spaces
+from ..analysis.selection import Space, SpaceAnalysis, analyze_space, find_spaces, site_source
 from ..certificates import Certificate, Check, Guard, Site
 from ..ir.proofs import kept_whole, rely_on
 from ..locations import node_location
@@ -189,7 +189,10 @@ class SelectRows:
                      checks: list[Check], witness: Any) -> Certificate:
         sites = [named[s] for s in space.sites]
         contracting = analysis.evidence.get("contracting_ops", 0)
-        exact = not analysis.reductions and not analysis.calls and not contracting
+        # a count as a divisor is a division by a tensor where native divides by a Python
+        # int (CUDA multiplies by its reciprocal): not bitwise either
+        exact = not analysis.reductions and not analysis.calls and not contracting and \
+            not analysis.counts
         effect = {
             "level": space.level, "sites": len(sites), "region_nodes": len(analysis.region),
             "capacity": f"chosen before the count is known: the next power of two of the largest "
@@ -201,6 +204,8 @@ class SelectRows:
             "numeric_class": EXACT if exact else REORDERED,
             "masked_reductions": tuple(f"{r.kind} at {r.node}" for r in analysis.reductions),
             "divisors": "true counts, on the device",
+            "counts_as_values": tuple(f"{u.factor} x the count for {u.size} in {u.user}"
+                                      for u in analysis.counts),
             "empty_selection": "abandoned at the read: the call runs natively (selection-empty)"}
         guards = (Guard("selection-not-empty", "every selection of the level has a row",
                         "selection-empty"),
@@ -218,10 +223,14 @@ class SelectRows:
 
 def _mask_shape(named: dict[str, fx.Node], space: Space) -> Check:
     mask = value(named[space.mask])
-    wrong = [s for s in space.sites if not _leading(mask, value(named[s].args[0]))]
-    ok = not wrong and space.level > 0
+    sources = {s: site_source(named[s]) for s in space.sites}
+    wrong = [s for s, x in sources.items() if x is not None and not _leading(mask, value(x))]
+    # the positions m.nonzero() come from the flat index by the sizes after the first
+    unknown = [s for s, x in sources.items() if x is None and None in space.trailing]
+    ok = not wrong and not unknown and space.level > 0
     evidence = {"mask_shape": _shape_text(mask), "level": space.level,
-                "sites_not_indexing_leading_dims": tuple(wrong)}
+                "sites_not_indexing_leading_dims": tuple(wrong),
+                "positions_of_a_mask_with_dynamic_trailing_sizes": tuple(unknown)}
     if space.level == 0:
         evidence["reason"] = "the mask's shape depends on data other than a selection's rows"
     return Check("mask-indexes-leading-dims", ok, evidence, None if ok else "select-mask-shape")
