@@ -1,24 +1,34 @@
 """Complete-fit time of a real Ultralytics ``model.train()``: native vs the fxpasses integration.
 
     python bench/fit.py --device 0 --batch 4 16 --epochs 5 --pairs 5 --out out/fit.json
+    python bench/fit.py --device 0 --batch 4 16 --pairs 2 --first-pair 3 --out out/fit_b.json
+    python bench/fit.py --merge out/fit.json out/fit_b.json --out out/fit_all.json
     python bench/fit.py --epochs 1 --train-images 8 --val-images 4 --imgsz 160 --pairs 1 \\
-        --device cpu --batch 4 --out out/fit_smoke.json              # a CPU smoke run
+        --device cpu --batch 4 --workers 0 --out out/fit_smoke.json    # a CPU smoke run
 
 A COCO-pose-format dataset is generated once (``--train-images`` and ``--val-images`` noise
 images of ``--imgsz`` px with a drawn rectangle per person; 1 to 20 persons per image, most 1-4,
-from :func:`~fxpasses.workloads.counts.object_counts`). Per batch size, ``--pairs`` pairs of
-fresh processes alternate the arms (native first, then fxpasses first...): each trains the nano
-pose model from scratch (``yolo26n-pose.yaml``: no weights are downloaded) with the trainer's
-defaults (AMP as the trainer sets it: its check is offline-safe, it keeps AMP on when it cannot
-download its checkpoint), ``plots=False``, seed 0; ``fxpasses`` adds
-``fxpasses.integrations.ultralytics.enable(model)`` before ``train``.
+from :func:`~fxpasses.workloads.counts.object_counts`). Then ``--pairs`` rounds: in each, per
+batch size, one fresh process per arm, the arms alternating (native first in odd-numbered pairs,
+fxpasses first in even ones; ``--first-pair`` numbers them on from an earlier process, whose
+results ``--merge`` then joins). Each process trains the nano pose model from scratch
+(``yolo26n-pose.yaml``: no weights are downloaded) with the trainer's defaults, ``plots=False``,
+seed 0, and the label caches removed first (every run scans its labels alike); ``fxpasses`` adds
+``fxpasses.integrations.ultralytics.enable(model)`` before ``train``. ``--amp`` is the trainer's
+``amp``: ``true`` (its default: the trainer's AMP check runs; offline it cannot download its
+checkpoint, catches the ConnectionError and keeps AMP on; the children run with
+``YOLO_OFFLINE=1`` so that the check tries once, without retries), ``bf16`` (no check) or
+``false``.
 
-Recorded per run: the complete-fit time (``model.train()`` in the process: setup, the
+Recorded per run: the complete-fit time (``model.train()``: setup, the AMP check, the
 criterion's recordings, training, EMA, validation, checkpoints), the whole-process time, peak
-reserved CUDA memory, the final training losses and validation metrics, and for the fxpasses
-arm the criterion's counters. Per arm and batch: median and range of both times and of memory,
-and every run's losses and metrics side by side (per arm, not pooled). JSON to ``--out``;
-progress on stderr.
+reserved CUDA memory, the AMP check's answer and duration, the final training losses and
+validation metrics, and for the fxpasses arm the criterion's counters (its ``explain()`` is
+copied beside ``--out``). Per arm and batch: median and range of both times and of memory, and
+every run's losses and metrics side by side (per arm, not pooled). ``--out`` (JSON) is rewritten
+after every run, so a run cut short keeps what finished; with ``--deadline-s`` no pair starts
+unless the slowest run of each arm so far (of its batch size, once it has one) fits before the
+deadline. Progress (per run and per epoch) on stderr; each process's output in ``--work``/logs.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -36,10 +47,26 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = ("native", "fxpasses")
+AMP = {"true": True, "bf16": "bf16", "false": False}
 
 
-def say(text: str) -> None:
-    print(f"[fit] {text}", file=sys.stderr, flush=True)
+def say(text: str, stream=None) -> None:
+    print(f"[fit] {text}", file=stream or sys.stderr, flush=True)
+
+
+def _timed_amp_check(record: dict) -> None:
+    """Time the trainer's AMP check (its answer unchanged) into ``record``."""
+    from ultralytics.engine import trainer as trainer_module
+
+    check = trainer_module.check_amp
+
+    def timed(model):
+        start = time.perf_counter()
+        answer = check(model)
+        record.update(ran=True, answer=bool(answer), s=time.perf_counter() - start)
+        return answer
+
+    trainer_module.check_amp = timed
 
 
 def child(args: argparse.Namespace) -> None:
@@ -49,9 +76,12 @@ def child(args: argparse.Namespace) -> None:
 
     from fxpasses.testing.torchvision_stand_in import ensure_torchvision
 
+    progress = os.fdopen(args.progress_fd, "w") if args.progress_fd is not None else sys.stderr
     stand_in = ensure_torchvision()
     from ultralytics import YOLO
 
+    amp_check = {"ran": False}
+    _timed_amp_check(amp_check)
     yolo = YOLO("yolo26n-pose.yaml")
     integration = None
     if args.child == "fxpasses":
@@ -59,18 +89,28 @@ def child(args: argparse.Namespace) -> None:
 
         integration = fxu.enable(yolo)
     start = time.perf_counter()
+
+    def epoch_done(trainer):  # the trainer calls it after each epoch, and after validating best.pt
+        done = (f"epoch {trainer.epoch + 1}/{trainer.epochs}" if trainer.epoch < trainer.epochs
+                else "final validation")
+        say(f"  {args.name}: {done} at {time.perf_counter() - start:.1f} s", progress)
+
+    yolo.add_callback("on_fit_epoch_end", epoch_done)
     yolo.train(data=args.data, epochs=args.epochs, imgsz=args.imgsz, batch=args.batch,
-               workers=args.workers, device=args.device, plots=False, seed=0, exist_ok=True,
-               project=args.project, name=args.name, verbose=False)
+               workers=args.workers, device=args.device, amp=AMP[args.amp], plots=False, seed=0,
+               exist_ok=True, project=args.project, name=args.name, verbose=False)
     fit_s = time.perf_counter() - start
     trainer = yolo.trainer
     cuda = torch.cuda.is_available() and trainer.device.type == "cuda"
     record = {"arm": args.child, "batch": args.batch, "fit_s": fit_s,
               "peak_reserved_mib": torch.cuda.max_memory_reserved() / 2**20 if cuda else None,
-              "amp": bool(trainer.amp), "device": str(trainer.device),
+              "gpu": torch.cuda.get_device_name(trainer.device) if cuda else None,
+              "amp_setting": args.amp, "amp": bool(trainer.amp), "amp_check": amp_check,
+              "device": str(trainer.device), "batch_trained": trainer.batch_size,
+              "epochs_trained": trainer.epoch + 1,
               "train_losses": {k: float(v) for k, v in (trainer.tloss or {}).items()},
               "metrics": {k: float(v) for k, v in (trainer.metrics or {}).items()},
-              "torchvision_stand_in": stand_in}
+              "save_dir": str(trainer.save_dir), "torchvision_stand_in": stand_in}
     if integration is not None and integration.criterion is not None:
         from fxpasses.integrations.ultralytics import summary
 
@@ -80,21 +120,33 @@ def child(args: argparse.Namespace) -> None:
 
 
 def run_one(args: argparse.Namespace, arm: str, batch: int, index: int, work: Path) -> dict:
-    record = work / f"{arm}_b{batch}_{index}.json"
+    """One fresh process of ``arm``: its record plus ``process_s``, or ``failed`` with its log."""
+    name = f"{arm}_b{batch}_{index}"
+    record, log = work / "records" / f"{name}.json", work / "logs" / f"{name}.log"
+    record.parent.mkdir(parents=True, exist_ok=True)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    for cache in Path(args.data).parent.glob("labels/*.cache"):
+        cache.unlink()
+    progress = os.dup(sys.stderr.fileno())
     cmd = [sys.executable, __file__, "--child", arm, "--record", str(record), "--data", args.data,
            "--batch", str(batch), "--epochs", str(args.epochs), "--imgsz", str(args.imgsz),
-           "--workers", str(args.workers), "--device", args.device,
-           "--project", str(work / "runs"), "--name", f"{arm}_b{batch}_{index}"]
+           "--workers", str(args.workers), "--device", args.device, "--amp", args.amp,
+           "--project", str(work / "runs"), "--name", name, "--progress-fd", str(progress)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env.setdefault("YOLO_OFFLINE", "1")
     start = time.perf_counter()
-    done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        with open(log, "w") as out:
+            done = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                  pass_fds=(progress,))
+    finally:
+        os.close(progress)
     process_s = time.perf_counter() - start
-    if done.returncode != 0:
-        raise SystemExit(f"{arm} batch {batch} run {index} failed:\n{done.stderr[-4000:]}")
-    result = json.loads(record.read_text())
-    result["process_s"] = process_s
-    return result
+    if done.returncode != 0 or not record.exists():
+        return {"arm": arm, "batch": batch, "failed": done.returncode, "process_s": process_s,
+                "log_tail": log.read_text()[-4000:]}
+    return {**json.loads(record.read_text()), "process_s": process_s}
 
 
 def spread(values: list[float | None]) -> dict | None:
@@ -106,84 +158,197 @@ def spread(values: list[float | None]) -> dict | None:
 
 
 def summarize(runs: list[dict]) -> dict:
+    """Per arm: spreads of the finished runs' times and memory, their losses and metrics."""
     arms = {}
     for arm in ARMS:
-        mine = [r for r in runs if r["arm"] == arm]
-        arms[arm] = {"fit_s": spread([r["fit_s"] for r in mine]),
+        mine = [r for r in runs if r["arm"] == arm and "failed" not in r]
+        arms[arm] = {"runs": len(mine),
+                     "failed": sum(r["arm"] == arm and "failed" in r for r in runs),
+                     "fit_s": spread([r["fit_s"] for r in mine]),
                      "process_s": spread([r["process_s"] for r in mine]),
                      "peak_reserved_mib": spread([r["peak_reserved_mib"] for r in mine]),
                      "train_losses": [r["train_losses"] for r in mine],
                      "metrics": [r["metrics"] for r in mine]}
-    native, fast = arms["native"]["fit_s"], arms["fxpasses"]["fit_s"]
-    arms["fit_time_change"] = fast["median"] / native["median"] - 1 if native and fast else None
+    for key in ("fit_s", "process_s", "peak_reserved_mib"):
+        native, fast = arms["native"][key], arms["fxpasses"][key]
+        arms[f"{key}_change"] = fast["median"] / native["median"] - 1 if native and fast else None
     return arms
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", type=int, nargs="+", default=[4, 16])
-    parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--pairs", type=int, default=3, help="alternating pairs per batch size")
-    parser.add_argument("--train-images", type=int, default=384)
-    parser.add_argument("--val-images", type=int, default=32)
-    parser.add_argument("--imgsz", type=int, default=640)
-    parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--device", default="0", help="the trainer's device: 0, cpu...")
-    parser.add_argument("--work", default=None, help="folder for the dataset and runs (temporary)")
-    parser.add_argument("--out", default="fit.json")
-    parser.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
-    parser.add_argument("--record", help=argparse.SUPPRESS)
-    parser.add_argument("--data", help=argparse.SUPPRESS)
-    parser.add_argument("--project", help=argparse.SUPPRESS)
-    parser.add_argument("--name", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.child:
-        args.batch = args.batch[0]
-        return child(args)
-    if args.pairs < 1:
-        parser.error("--pairs must be at least 1")
-    sys.path.insert(0, str(ROOT))
-    from fxpasses.workloads.pose_dataset import write_dataset
+def next_pair_fits(runs: list[dict], elapsed_s: float, deadline_s: float | None) -> bool:
+    """Whether one more pair fits before the deadline: each arm's slowest whole process among
+    ``runs`` (this batch size's, or every batch size's before it has one), both arms together;
+    always without a deadline or a run so far."""
+    if deadline_s is None or not runs:
+        return True
+    slowest = [max((r["process_s"] for r in runs if r["arm"] == arm), default=0.0) for arm in ARMS]
+    return elapsed_s + sum(slowest) <= deadline_s
 
-    work = Path(args.work or tempfile.mkdtemp(prefix="fxpasses_fit_"))
-    say(f"writing {args.train_images} + {args.val_images} images of {args.imgsz} px to {work}")
+
+def _row(values: dict | None, unit: str) -> str:
+    if values is None:
+        return "-"
+    return f"{values['median']:.1f} {unit} [{values['min']:.1f}-{values['max']:.1f}]"
+
+
+def report(results: dict) -> None:
+    """The arms side by side, per batch size, on stderr."""
+    for batch, entry in results["batches"].items():
+        s = entry["summary"]
+        if s is None:
+            say(f"batch {batch}: no run")
+            continue
+        change = s["fit_s_change"]
+        say(f"batch {batch}: {s['native']['runs']} native, {s['fxpasses']['runs']} fxpasses runs; "
+            f"fit time {'-' if change is None else f'{100 * change:+.1f} %'} vs native (medians)")
+        for arm in ARMS:
+            a = s[arm]
+            say(f"  {arm:8} fit {_row(a['fit_s'], 's')}  process {_row(a['process_s'], 's')}  "
+                f"peak reserved {_row(a['peak_reserved_mib'], 'MiB')}")
+            for losses, metrics in zip(a["train_losses"], a["metrics"]):
+                say(f"  {arm:8} losses " + " ".join(f"{k.removesuffix('_loss')} {v:.4f}"
+                                                   for k, v in losses.items())
+                    + " | " + " ".join(f"{k.removeprefix('metrics/')} {v:.4f}"
+                                       for k, v in metrics.items() if "mAP" in k))
+
+
+def _dataset(args: argparse.Namespace, work: Path) -> tuple[str, list[int]]:
     import torch
 
-    g = torch.Generator().manual_seed(0)
     from fxpasses.workloads.counts import object_counts
+    from fxpasses.workloads.pose_dataset import write_dataset
 
+    say(f"writing {args.train_images} + {args.val_images} images of {args.imgsz} px to {work}")
+    g = torch.Generator().manual_seed(0)
     counts = object_counts(g, args.train_images + args.val_images, 20, min_objects=1).tolist()
-    args.data = str(write_dataset(work / "data", train=args.train_images, val=args.val_images,
-                                  image_size=args.imgsz, counts=counts))
-    results = {"config": {k: v for k, v in vars(args).items() if k not in ("child", "record")},
+    data = write_dataset(work / "data", train=args.train_images, val=args.val_images,
+                         image_size=args.imgsz, counts=counts)
+    return str(data), counts
+
+
+def _header(args: argparse.Namespace, counts: list[int]) -> dict:
+    import torch
+
+    results = {"config": {k: v for k, v in vars(args).items()
+                          if k not in ("child", "record", "progress_fd", "project", "name")},
                "python": platform.python_version(), "torch": torch.__version__,
                "persons_per_image": {"min": min(counts), "max": max(counts),
                                      "share_1_to_4": sum(1 <= c <= 4 for c in counts) / len(counts)},
-               "batches": {}}
+               "batches": {str(b): {"runs": [], "summary": None} for b in args.batch}}
     try:
         import ultralytics
 
         results["ultralytics"] = ultralytics.__version__
     except ImportError:
         pass
-    for batch in args.batch:
-        runs = []
-        for pair in range(args.pairs):
-            order = ARMS if pair % 2 == 0 else ARMS[::-1]
-            for arm in order:
-                say(f"batch {batch} pair {pair + 1}/{args.pairs}: {arm}...")
-                run = run_one(args, arm, batch, pair, work)
-                runs.append(run)
-                say(f"batch {batch} pair {pair + 1}/{args.pairs}: {arm} fit {run['fit_s']:.1f} s, "
-                    f"process {run['process_s']:.1f} s"
-                    + (f"; {run['fxpasses']['summary']}" if "fxpasses" in run else ""))
-        results["batches"][str(batch)] = {"runs": runs, "summary": summarize(runs)}
-        change = results["batches"][str(batch)]["summary"]["fit_time_change"]
-        say(f"batch {batch}: fxpasses fit time {100 * change:+.1f} % vs native (medians)")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
-    say(f"wrote {args.out}")
+    return results
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[4, 16])
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--pairs", type=int, default=3, help="alternating pairs per batch size")
+    parser.add_argument("--first-pair", type=int, default=1,
+                        help="number of the first pair (its parity sets which arm runs first), "
+                             "to continue a run of an earlier process")
+    parser.add_argument("--train-images", type=int, default=384)
+    parser.add_argument("--val-images", type=int, default=32)
+    parser.add_argument("--imgsz", type=int, default=640)
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--device", default="0", help="the trainer's device: 0, cpu...")
+    parser.add_argument("--amp", choices=AMP, default="true",
+                        help="the trainer's amp: true (its default, with its AMP check), bf16, false")
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="start no pair that would end after this many seconds from the start")
+    parser.add_argument("--work", default=None, help="folder for the dataset and runs (temporary)")
+    parser.add_argument("--out", default="fit.json")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="only merge the runs of these results files into --out")
+    for hidden in ("--child", "--record", "--data", "--project", "--name"):
+        parser.add_argument(hidden, help=argparse.SUPPRESS)
+    parser.add_argument("--progress-fd", type=int, help=argparse.SUPPRESS)
+    return parser
+
+
+def _finish(results: dict, out: Path) -> int:
+    """Summaries, --out written, the arms side by side; 1 when a run failed."""
+    for entry in results["batches"].values():
+        entry["summary"] = summarize(entry["runs"]) if entry["runs"] else None
+    out.write_text(json.dumps(results, indent=1))
+    report(results)
+    failed = any("failed" in r for entry in results["batches"].values() for r in entry["runs"])
+    return 1 if failed else 0
+
+
+def merge(paths: list[str], out: Path) -> int:
+    """The runs of several results files (the pairs of separate processes) in one, per batch."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    results = {**parts[0], "merged": paths, "batches": {}}
+    for part in parts:
+        for batch, entry in part["batches"].items():
+            results["batches"].setdefault(batch, {"runs": []})["runs"].extend(entry["runs"])
+    return _finish(results, out)
+
+
+def _pair(args, results, batch: int, pair: int, work: Path, out: Path, begin: float) -> None:
+    """Both arms of one pair of ``batch``, in the pair's order; --out rewritten after each."""
+    entry = results["batches"][str(batch)]
+    for arm in ARMS if pair % 2 == 1 else ARMS[::-1]:
+        say(f"batch {batch} pair {pair}: {arm}...")
+        run = {**run_one(args, arm, batch, pair, work), "pair": pair}
+        entry["runs"].append(run)
+        entry["summary"] = summarize(entry["runs"])
+        results["elapsed_s"] = time.perf_counter() - begin
+        out.write_text(json.dumps(results, indent=1))
+        if "failed" in run:
+            say(f"batch {batch} pair {pair}: {arm} FAILED (exit {run['failed']}), "
+                f"logs in {work / 'logs'}:\n{run['log_tail'][-1500:]}")
+            continue
+        say(f"batch {batch} pair {pair}: {arm} fit {run['fit_s']:.1f} s, process "
+            f"{run['process_s']:.1f} s" + (f"; {run['fxpasses']['summary']}" if "fxpasses" in run
+                                           else ""))
+        report_txt = Path(run["save_dir"]) / "fxpasses.txt"
+        if report_txt.exists():
+            shutil.copy(report_txt, out.with_name(f"{out.stem}_fxpasses_b{batch}.txt"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.child:
+        args.batch = args.batch[0]
+        child(args)
+        return 0
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        return merge(args.merge, out)
+    if args.pairs < 1:
+        parser.error("--pairs must be at least 1")
+    begin = time.perf_counter()
+    sys.path.insert(0, str(ROOT))
+    work = Path(args.work or tempfile.mkdtemp(prefix="fxpasses_fit_"))
+    args.data, counts = _dataset(args, work)
+    results = _header(args, counts)
+    results["stopped_by_deadline"] = []
+    for pair in range(args.first_pair, args.first_pair + args.pairs):
+        for batch in args.batch:
+            if batch in results["stopped_by_deadline"]:
+                continue
+            runs = results["batches"][str(batch)]["runs"] or [
+                r for e in results["batches"].values() for r in e["runs"]]
+            if not next_pair_fits(runs, time.perf_counter() - begin, args.deadline_s):
+                say(f"batch {batch}: pair {pair} would end after --deadline-s "
+                    f"{args.deadline_s:.0f}: not started")
+                results["stopped_by_deadline"].append(batch)
+                continue
+            _pair(args, results, batch, pair, work, out, begin)
+    results["elapsed_s"] = time.perf_counter() - begin
+    code = _finish(results, out)
+    say(f"wrote {out} ({results['elapsed_s']:.0f} s in all)")
+    return code
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

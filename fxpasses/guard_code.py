@@ -1,8 +1,8 @@
 """Generated Python functions that check assumptions: one per specialization, one for the loss.
 
 :func:`compile_check` turns a sequence of :class:`~fxpasses.guards.Assumption` into a function
-``check(loss, leaves) -> int``: the index of the first assumption that does not hold, ``-1``
-when all hold, ``-2`` when a read raised (the caller then runs the exact, slow path,
+``check(loss, leaves)``: the index of the first assumption that does not hold, ``None`` when
+all hold, :data:`READ_FAILED` when a read raised (the caller then runs the exact, slow path,
 :func:`~fxpasses.guards.first_failure`, which turns a failed read into ``MISSING``). It computes
 what ``first_failure`` computes, in the same order, with the interpreter's overhead taken out: no
 Assumption, Source or kind objects are touched, and a source prefix shared by several
@@ -20,7 +20,7 @@ submodules, modes of the loss and of the modules the traces depend on): ``check(
 which one failed (or that none did). It reads each module's ``__dict__`` once, for all four kinds
 (the exact path walks the modules once per kind, and in training, with cold caches, each module
 touched costs more than the comparisons), in one loop over a record per module (unrolled, the
-checks' own bytecode is cold too: 140 against 103 µs for 42 modules after the cache is flushed).
+checks' own bytecode would be cold too: slower than the loop once the cache is flushed).
 Where the interpreter keeps dict version tags (:data:`DICT_VERSION`), a module whose ``__dict__``
 and ``_modules``, a class whose dict, and a plain loss object whose ``__dict__`` has not been
 written since its state last held is passed on two integer reads; a written one is checked in
@@ -29,6 +29,7 @@ full, and its versions move on when it holds.
 
 from __future__ import annotations
 
+import enum
 import gc
 import keyword
 from typing import Any, Callable, Optional, Sequence
@@ -41,7 +42,14 @@ from .guards import (CHECKED_PER_CALL, GUARD_HELPERS, HOOKS, METHODS, MODES, MOD
                      whole_loss_assumptions)
 from .ir.sources import Source
 
-FAILED_READ = -2  # a read raised: run the exact path
+
+class _Unanswered(enum.Enum):
+    """What a generated check answers when it cannot decide."""
+
+    READ_FAILED = "a read raised: run the exact path"
+
+
+READ_FAILED = _Unanswered.READ_FAILED
 
 
 def _dict_version_reader() -> Optional[Callable[[dict], int]]:
@@ -134,16 +142,17 @@ class CheckWriter:
         return local
 
 
-def compile_check(assumptions: Sequence[Assumption]) -> Callable[[Any, Sequence[Any]], int]:
+def compile_check(assumptions: Sequence[Assumption],
+                  ) -> Callable[[Any, Sequence[Any]], int | None | _Unanswered]:
     """``check(loss, leaves)``: see the module docstring."""
     w = CheckWriter()
     body = "        "
     for i, a in enumerate(assumptions):
         a.kind.emit(w, a, f"return {i}", body)
     source = "\n".join(["def check(loss, leaves):", "    try:", *(w.lines or [f"{body}pass"]),
-                        f"    except {READ_ERRORS_TEXT}:", f"        return {FAILED_READ}",
-                        "    return -1"])
-    namespace = {**w.names, "LossRoots": LossRoots, **GUARD_HELPERS}
+                        f"    except {READ_ERRORS_TEXT}:", "        return READ_FAILED",
+                        "    return None"])
+    namespace = {**w.names, "LossRoots": LossRoots, "READ_FAILED": READ_FAILED, **GUARD_HELPERS}
     exec(compile(source, f"<fxpasses guards of {len(assumptions)} assumptions>", "exec"), namespace)
     check = namespace["check"]
     check.source = source

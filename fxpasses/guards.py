@@ -193,6 +193,36 @@ def ambient_state() -> tuple:
     return (torch.is_grad_enabled(), *autocast_state())
 
 
+@dataclass(frozen=True, eq=False)
+class TensorSeen:
+    """A tensor of the loss's state as a rewrite read its values: the object, its version
+    counter (every in-place write moves it, through any view), and on the CPU a copy of the
+    values (compared without waiting for a device; a write through ``.data`` or a numpy view
+    moves no counter). On a device, a write that bypasses autograd's counter (``.data``, raw
+    memory) is not seen."""
+
+    tensor: torch.Tensor
+    version: int
+    values: torch.Tensor | None
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "TensorSeen":
+        values = tensor.detach().clone() if tensor.device.type == "cpu" else None
+        return cls(tensor, tensor._version, values)
+
+    def __repr__(self) -> str:
+        t = self.tensor
+        return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)} on {t.device} at version {self.version}"
+
+
+def _unchanged(now: Any, seen: TensorSeen) -> bool:
+    if now is not seen.tensor or now._version != seen.version:
+        return False
+    values = seen.values
+    return values is None or torch.equal(now, values) or (  # NaN equals NaN here
+        now.is_floating_point() and torch.allclose(now, values, rtol=0.0, atol=0.0, equal_nan=True))
+
+
 # -- the table -------------------------------------------------------------------------------------
 
 READ_ERRORS = (AttributeError, KeyError, IndexError, TypeError, ValueError)  # a read that fails: MISSING
@@ -367,9 +397,9 @@ class AutocastKind(WholeLossKind):
 
 
 READ_ERRORS_TEXT = f"({', '.join(e.__name__ for e in READ_ERRORS)})"
-GUARD_HELPERS = {"snapshot": snapshot, "exact_snapshot": exact_snapshot, "autocast_state": autocast_state,
-                 "same_flat": same_flat, "autocast_off": autocast_off, "certainly_absent": certainly_absent,
-                 "Tensor": torch.Tensor}
+GUARD_HELPERS = {"snapshot": snapshot, "exact_snapshot": exact_snapshot, "unchanged": _unchanged,
+                 "autocast_state": autocast_state, "same_flat": same_flat, "autocast_off": autocast_off,
+                 "certainly_absent": certainly_absent, "Tensor": torch.Tensor}
 
 _CHANGED = "assumption-changed"
 HOOKS = HooksKind("hooks", "hook-added", "no module or global hook registered since optimization",
@@ -393,6 +423,9 @@ GUARD_KINDS: dict[str, GuardKind] = {str(k): k for k in (
     ValueKind("held", _CHANGED, "{source} holds the same contents, floats by value ({value})",
               "exact_snapshot({v}) == {e}"),
     TensorKind("tensor", _CHANGED, "{source} is a tensor of {value}, read on every call"),
+    ValueKind("unchanged", _CHANGED,
+              "{source} is the same tensor, not written since a rewrite folded its values ({value})",
+              "unchanged({v}, {e})"),
     ValueKind("float", _CHANGED, "{source} is a float, read on every call (an input, not a constant)",
               "type({v}) is float"),
     AbsentKind("absent", _CHANGED, "{source} does not exist"),

@@ -24,8 +24,13 @@ Each call of an OptimizedLoss:
    path's: it is recorded in ``stats.exceptions`` (type, message, node; the first
    ``_MAX_EXCEPTIONS``) and the native result returned (``optimized-path-raised``); a transient
    failure (an out-of-memory error a training loop skips) leaves the specialization running, and
-   only ``_DISABLE_AFTER`` consecutive such failures of one specialization (no optimized call of
-   it succeeding in between) disable it for good (``optimized-path-disabled``).
+   only :data:`~fxpasses.specialization_cache.DISABLE_AFTER` consecutive such failures of one
+   specialization (no optimized call of it succeeding in between) disable it for good
+   (``optimized-path-disabled``).
+
+Steps 2 and 3 come to one :mod:`~fxpasses.call_outcome` (ran, abandoned, refused, raised), which
+one method turns into the call's result; the specializations' order and which of them are disabled
+are kept by a :class:`~fxpasses.specialization_cache.SpecializationCache`.
 
 Threads. One lock owns the optimized path (the specializations, the run-time ops' state, the
 static buffers of captured regions, the counters): a call that cannot take it at once, because
@@ -43,12 +48,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import os
 import sys
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -57,6 +63,7 @@ import torch.fx as fx
 from torch import nn
 
 from . import options
+from .call_outcome import Abandoned, CallOutcome, Raised, Ran, Refused
 from .certificates import Certificate
 from .certificates.codes import note
 from .certificates.io import save
@@ -71,24 +78,32 @@ from .ir.abandon import Abandon
 from .runtime.module_state import MODULE_STATE
 from .ir.trace_ops import undone_on_failure
 from .signature import flatten_call
-from .specialize import Specialization, build, same_checks
+from .specialization_cache import DISABLE_AFTER, SpecializationCache
+from .specialize import Specialization, build
 from .stats import RecordedException, RunStats
 from .trace import LeafPolicy
 
 _RETRACE_AFTER = 2  # the 2nd call since the last trace that every trace abandons is traced
-_ABANDONED = object()  # every specialization that could run the call abandoned it
-_NONE_HOLDS = object()  # no specialization covers the call with its assumptions holding
-_RECENT_CALLS = 32  # specializations are tried most often useful in this many calls first
 _RETRIES = 3  # runs again of a call whose run-time op adjusted itself (a selection level each)
-_DISABLE_AFTER = 3  # consecutive failures of a specialization that native survived disable it
 _MAX_EXCEPTIONS = 64  # failures kept in stats.exceptions (all are counted in stats.native)
 
 
 class OptimizedLoss(nn.Module):
     """A loss whose traced graph was rewritten by passes. Same call signature as the original.
 
-    Its parameters, buffers and submodules *are* the original's (``state_dict()`` keys are the
-    same). ``certificates``, ``graph_module``, ``stats`` and ``explain()`` tell what was done.
+    Made by :func:`optimize`. Its parameters, buffers and submodules *are* the original's
+    (``state_dict()`` keys are the same); ``train()``/``eval()`` switch the original's mode. Each
+    call runs the rewritten graph of a specialization whose guards hold, else the original loss
+    (the module docstring says when). ``certificates``, ``graph_module``, ``stats`` and
+    ``explain()`` tell what was done. Pickling keeps the loss and the options; a loaded copy
+    traces again on its first call.
+
+    Args:
+        loss_fn (Callable): the original loss, an ``nn.Module`` or any callable.
+        passes (Sequence[Pass]): the pass pipeline, run in order on each trace.
+        policy (LeafPolicy): what the tracer keeps as single nodes.
+        max_specializations (int): traces kept at most; a call none of them covers runs
+            natively (``specialization-budget``).
     """
 
     def __init__(self, loss_fn: Any, passes: Sequence[Pass], policy: LeafPolicy,
@@ -108,19 +123,13 @@ class OptimizedLoss(nn.Module):
         self._policy = policy
         self._max_specializations = max_specializations
         self._guard_whole_loss([])
-        self._specializations: list[Specialization] = []
+        self._cache = SpecializationCache(max_specializations)
         self._stats = RunStats()
-        self._recent: deque[int] = deque(maxlen=_RECENT_CALLS)  # which specialization ran them
-        self._recent_runs: Counter = Counter()
         self._current: Specialization | None = None
         self._lock = threading.Lock()  # owns the optimized path (module docstring)
         self._owner: int | None = None  # the thread holding it
         self._counting = threading.Lock()  # the native counts, written by every thread
-        self._failures: Counter = Counter()  # specialization index -> consecutive failures
-        self._refusal = "specialization-budget"  # why the last specialization was not made
         self._abandoned_since_trace = 0  # calls that every matching trace abandoned
-        self._abandon_code = "guard-failed"
-        self._retrace_helps = True  # no abandon of this call said a new trace would abandon too
 
     def _guard_whole_loss(self, modules: Sequence[nn.Module]) -> None:
         """Record the whole-loss guards over the loss and ``modules`` now, and generate their
@@ -146,6 +155,20 @@ class OptimizedLoss(nn.Module):
 
     # -- the call ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The loss on the call: the rewritten graph's result where it runs, else the original's.
+
+        Args:
+            *args, **kwargs: the original loss's arguments.
+
+        Returns:
+            What the original loss returns for them: the same values and gradients, up to
+            rounding where a rewrite reorders arithmetic.
+
+        Raises:
+            Exception: what the original loss raises on these arguments, as it raises it (no
+                optimized traceback chained to it). A failure of the optimized path alone is
+                not raised: the call runs natively and the failure is in ``stats.exceptions``.
+        """
         if not torch.is_grad_enabled():
             return self._native(args, kwargs, "grad-mode-changed", expected=True)
         if not self._lock.acquire(blocking=False):  # another thread's call or trace owns it
@@ -168,123 +191,122 @@ class OptimizedLoss(nn.Module):
         if failed is not None:
             return self._native(args, kwargs, failed.code)
         flat = functools.cache(lambda: flatten_call(args, kwargs))  # pytree, only if needed
-        self._retrace_helps = True
-        result = self._first_result(self._specializations, args, kwargs, flat)
-        if result is _NONE_HOLDS:
-            special = self._specialize(args, kwargs)
-            if special is None:
-                return self._native(args, kwargs, self._refusal)
-            result = self._first_result([special], args, kwargs, flat, check=False)
-        if result is not _ABANDONED:
-            return result
-        self._abandoned_since_trace += 1  # every trace's decisions failed on this call
-        if self._retrace_helps and self._abandoned_since_trace >= _RETRACE_AFTER:  # its own trace
-            special = self._specialize(args, kwargs)
-            if special is not None:
-                result = self._first_result([special], args, kwargs, flat, check=False)
-                if result is not _ABANDONED:
-                    return result
-        return self._native(args, kwargs, self._abandon_code)
+        return self._answer(self._outcome(args, kwargs, flat), args, kwargs)
 
-    def _first_result(self, specializations: list[Specialization], args: tuple, kwargs: dict,
-                      flat: Callable[[], tuple[list[Any], Any]], check: bool = True) -> Any:
-        """The result of the first specialization (those that ran most recent calls first) that
-        covers the call, whose assumptions hold, and that does not abandon it; a disabled one answers
-        natively with its reason. Each is checked only when its turn comes (``check=False``:
-        ``specializations`` were just made for this call). ``_NONE_HOLDS`` when none covers
-        the call with its assumptions holding (the first assumption that failed is counted),
-        ``_ABANDONED`` when every one that did abandoned it."""
-        failed, tried, checked = None, False, {}
-        for special in list(specializations):
-            if check:
-                start = time.perf_counter()
-                if special.check_key in checked:  # a specialization with the same checks was tried
-                    leaves, bad = checked[special.check_key]
-                else:
-                    leaves = special.leaves_of(args, kwargs, flat)
-                    bad = special.failing(self._loss, leaves, self._stats.exact_checks) \
-                        if leaves is not None else None
-                    checked[special.check_key] = leaves, bad
-                bad = bad if special.disabled is None else None
-                self._stats.guard_seconds += time.perf_counter() - start
-                if leaves is None:
-                    continue
-                if bad is not None:
-                    failed = failed or bad
-                    continue
+    def _outcome(self, args: tuple, kwargs: dict,
+                 flat: Callable[[], tuple[list[Any], Any]]) -> CallOutcome:
+        """What the specializations make of the call, tracing it where none covers it or
+        (the ``_RETRACE_AFTER``-th call since the last trace) every one abandons it."""
+        outcome = self._first_outcome(args, kwargs, flat)
+        if outcome is None:
+            made = self._specialize(args, kwargs)
+            if isinstance(made, Refused):
+                return made
+            outcome = self._try(made, args, kwargs, flat()[0])
+        if not isinstance(outcome, Abandoned):
+            return outcome
+        self._abandoned_since_trace += 1  # every trace's decisions failed on this call
+        if outcome.retrace and self._abandoned_since_trace >= _RETRACE_AFTER:  # its own trace
+            made = self._specialize(args, kwargs)
+            if not isinstance(made, Refused):
+                return self._try(made, args, kwargs, flat()[0])
+        return outcome
+
+    def _first_outcome(self, args: tuple, kwargs: dict,
+                       flat: Callable[[], tuple[list[Any], Any]]) -> CallOutcome | None:
+        """The outcome of the first specialization (in the cache's order) that covers the call,
+        whose assumptions hold, and that does not abandon it; a disabled one refuses the call.
+        Each is checked only when its turn comes. ``Abandoned`` when every one tried abandoned
+        the call; None when none covers it with its assumptions holding (the first assumption
+        that failed is counted)."""
+        failed, abandoned, checked = None, None, {}
+        for special in self._cache.in_try_order():
+            start = time.perf_counter()
+            if special.check_key in checked:  # a specialization with the same checks was tried
+                leaves, bad = checked[special.check_key]
             else:
-                leaves = flat()[0]
-            tried = True
-            self._current = special
-            if special.disabled is not None:
-                return self._native(args, kwargs, special.disabled)
-            result = self._run(special, args, kwargs, leaves)
-            if result is not _ABANDONED:
-                return result
-        if tried:
-            return _ABANDONED
-        if failed is not None:
+                leaves = special.leaves_of(args, kwargs, flat)
+                bad = special.failing(self._loss, leaves, self._stats.exact_checks) \
+                    if leaves is not None else None
+                checked[special.check_key] = leaves, bad
+            bad = bad if self._cache.disabled(special) is None else None
+            self._stats.guard_seconds += time.perf_counter() - start
+            if leaves is None:
+                continue
+            if bad is not None:
+                failed = failed or bad
+                continue
+            outcome = self._try(special, args, kwargs, leaves)
+            if not isinstance(outcome, Abandoned):
+                return outcome
+            abandoned = Abandoned(outcome.code, outcome.retrace and (abandoned is None
+                                                                     or abandoned.retrace))
+        if abandoned is None and failed is not None:
             self._stats.retraced[f"{failed.source} ({failed.location})"] += 1
             note(failed.code)
-        return _NONE_HOLDS
+        return abandoned
 
-    def _specialize(self, args: tuple, kwargs: dict) -> Specialization | None:
+    def _specialize(self, args: tuple, kwargs: dict) -> Specialization | Refused:
+        """A specialization traced on this call, tried first from now on; or why none is made."""
         if sys.getprofile() is not None:  # the trace's profile hook would displace it
-            self._refusal = "profiler-active"
-            return None
-        if len(self._specializations) >= self._max_specializations:
-            self._refusal = "specialization-budget"
-            return None
+            return Refused("profiler-active")
+        if self._cache.full:
+            return Refused("specialization-budget")
         # no native call of another thread runs during the trace and its analyses
         with MODULE_STATE.exclusive() as alone:
             if not alone:  # this thread is inside a native call of another loss
-                self._refusal = "concurrent-call"
-                return None
+                return Refused("concurrent-call")
             with isolated():
-                special = build(self._loss, args, kwargs, len(self._specializations),
-                                self._passes, self._policy)
+                special = build(self._loss, args, kwargs, len(self._cache), self._passes,
+                                self._policy)
             if special.info is not None:
                 self._guard_whole_loss([*self._guarded_modules, *special.info.modules])
-            special.check_key = next((s.check_key for s in self._specializations
-                                      if same_checks(s, special)), special.index)
-            self._specializations.insert(0, special)
             self._abandoned_since_trace = 0
-            return special
+            return self._cache.add(special)
 
-    def _run(self, special: Specialization, args: tuple, kwargs: dict, leaves: list[Any]) -> Any:
+    def _try(self, special: Specialization, args: tuple, kwargs: dict,
+             leaves: list[Any]) -> CallOutcome:
+        """``special`` on the call, unless it is disabled."""
+        self._current = special
+        refusal = self._cache.disabled(special)
+        return Refused(refusal) if refusal is not None else self._run(special, leaves)
+
+    def _run(self, special: Specialization, leaves: list[Any]) -> CallOutcome:
         gm = special.graph_module
-        failure = None
-        for attempt in range(_RETRIES + 1):
+        for attempt in itertools.count():
             try:
                 # grad mode restored on every exit, KeyboardInterrupt included; attribute writes
                 # undone when the call is abandoned or raises (its native run makes them once)
                 with torch.set_grad_enabled(True), undone_on_failure():
-                    flat = gm.forward(*special.signature.inputs(leaves))  # keeps the traceback
-                break
+                    return Ran(special, gm.forward(*special.signature.inputs(leaves)))
             except Abandon as stop:  # a decision of this trace goes the other way in this call
-                special.abandoned[stop.where] += 1
                 self._stats.abandoned[f"{stop.code} at {stop.where}"] += 1
                 if not stop.retry or attempt == _RETRIES:
-                    self._abandon_code = stop.code
-                    self._retrace_helps &= stop.retrace
-                    return _ABANDONED
+                    return Abandoned(stop.code, stop.retrace)
             except Exception as exc:  # never lose the training step
-                failure = RecordedException.of(exc, gm, special.index)
-                break  # native runs after this block: its exception is not chained to this one
+                # native runs after this block: its exception is not chained to this one
+                return Raised(special, RecordedException.of(exc, gm, special.index))
             # again, the abandoned attempt's values gone with its traceback (and its replays'
             # memory released): a run-time op adjusted itself (a selection's capacity grew)
-        if failure is not None:
-            return self._after_failure(special, failure, args, kwargs)
-        self._failures.pop(special.index, None)
-        self._stats.optimized += 1
-        self._ran(special)
-        return special.info.unflatten_output(flat)
+
+    def _answer(self, outcome: CallOutcome, args: tuple, kwargs: dict) -> Any:
+        """The call's result: the rewritten graph's where it ran, else native's."""
+        match outcome:
+            case Ran(special, outputs):
+                self._cache.ran(special)
+                self._stats.optimized += 1
+                return special.info.unflatten_output(outputs)
+            case Raised(special, failure):
+                return self._after_failure(special, failure, args, kwargs)
+            case Abandoned(code) | Refused(code):
+                return self._native(args, kwargs, code)
+        raise TypeError(f"not a call outcome: {outcome!r}")
 
     def _after_failure(self, special: Specialization, failure: RecordedException, args: tuple,
                        kwargs: dict) -> Any:
         """The native result of a call whose optimized run raised ``failure`` (module
         docstring): native's own exception if it raises too, else the result, the failure
-        counted and, the ``_DISABLE_AFTER``-th time in a row, the specialization disabled."""
+        counted and, the ``DISABLE_AFTER``-th time in a row, the specialization disabled."""
         try:
             with MODULE_STATE.shared():
                 result = self._loss(*args, **kwargs)
@@ -294,28 +316,11 @@ class OptimizedLoss(nn.Module):
         self._count_native("optimized-path-raised")
         if len(self._stats.exceptions) < _MAX_EXCEPTIONS:
             self._stats.exceptions.append(failure)
-        self._failures[special.index] += 1
-        if self._failures[special.index] >= _DISABLE_AFTER:
-            special.disabled = "optimized-path-disabled"
+        if self._cache.failed(special):
             logger.warning("specialization %d disabled: its optimized path raised on %d calls in "
-                           "a row that native ran (%s: %s)", special.index, _DISABLE_AFTER,
+                           "a row that native ran (%s: %s)", special.index, DISABLE_AFTER,
                            failure.type, failure.message)
         return result
-
-    def _ran(self, special: Specialization) -> None:
-        """Count a call ``special`` ran, and move it ahead of those that ran fewer of the recent
-        calls (ties: the one just run first). Tried in this order, the path a decision usually
-        takes is tried first (most recently useful first would try the rare path after each
-        rare call)."""
-        if len(self._recent) == self._recent.maxlen:
-            self._recent_runs[self._recent[0]] -= 1
-        self._recent.append(special.index)
-        self._recent_runs[special.index] += 1
-        order, runs = self._specializations, self._recent_runs
-        i = order.index(special)
-        while i > 0 and runs[order[i - 1].index] <= runs[special.index]:
-            order[i - 1], order[i] = order[i], order[i - 1]
-            i -= 1
 
     def _native(self, args: tuple, kwargs: dict, reason: str, expected: bool = False) -> Any:
         """The native loss on the call (see :meth:`_count_native` for what is logged)."""
@@ -337,7 +342,8 @@ class OptimizedLoss(nn.Module):
     # -- what happened ----------------------------------------------------------------------
     @property
     def certificates(self) -> list[Certificate]:
-        """Every certificate of every specialization, in the order they were made."""
+        """Every certificate of every specialization (the trace's, then each pass's), in the
+        order they were made."""
         return [c for s in self.specializations for c in s.certificates]
 
     @property
@@ -348,7 +354,20 @@ class OptimizedLoss(nn.Module):
     @property
     def specializations(self) -> list[Specialization]:
         """Every specialization, in the order they were made."""
-        return sorted(self._specializations, key=lambda s: s.index)
+        return self._cache.in_made_order()
+
+    def disabled(self, special: Specialization) -> str | None:
+        """Why a specialization no longer runs.
+
+        Args:
+            special (Specialization): one of :attr:`specializations`.
+
+        Returns:
+            Optional[str]: the reason code (its trace's refusal, or ``optimized-path-disabled``
+            when its optimized path raised on consecutive calls that native ran), or None while
+            it runs.
+        """
+        return self._cache.disabled(special)
 
     @property
     def stats(self) -> RunStats:
@@ -367,10 +386,17 @@ class OptimizedLoss(nn.Module):
 
     @property
     def passes(self) -> tuple[Pass, ...]:
+        """The pass pipeline, in the order it runs."""
         return self._passes
 
     def guards(self) -> tuple:
-        """The whole-loss guards (each specialization's own are in its trace certificate)."""
+        """The whole-loss guards checked before every call.
+
+        Returns:
+            tuple[Guard, ...]: hooks, methods, submodules and modes of the loss and of the
+            modules its traces depend on (each specialization's own guards are in its trace
+            certificate).
+        """
         return tuple(a.as_guard() for a in self._whole)
 
     def reoptimize(self) -> None:
@@ -378,24 +404,37 @@ class OptimizedLoss(nn.Module):
         the call in progress in another thread, if any)."""
         with self._lock:
             self._guard_whole_loss([])
-            self._specializations.clear()
-            self._recent.clear()
-            self._recent_runs.clear()
-            self._failures.clear()
+            self._cache.clear()
             self._current = None
 
     def train(self, mode: bool = True) -> "OptimizedLoss":
+        """Set training mode on this module and on the original loss (as ``nn.Module.train``)."""
         if isinstance(self._loss, nn.Module):
             self._loss.train(mode)
         return super().train(mode)
 
     def explain(self, verbose: bool = True) -> str:
-        """Pipeline, certificates, per-pass counters, run-time counters and the graph diff."""
+        """What was done, as text: pipeline, certificates, per-pass counters, run-time counters
+        and the graph diff.
+
+        Args:
+            verbose (bool): every certificate in full and the diff; False: the summary.
+
+        Returns:
+            str: the report's rendering (as ``fxpasses explain`` prints a saved one).
+        """
         return render_report(build_report(self), verbose=verbose)
 
     def save_certificates(self, path: str | os.PathLike) -> Path:
-        """Write the report (pipeline, certificates, snapshots, counters) to ``path`` as JSON;
-        ``fxpasses.certificates.io.load(path)`` reads it back, ``fxpasses explain`` shows it."""
+        """Write the report (pipeline, certificates, snapshots, counters) as JSON.
+
+        Args:
+            path (str | os.PathLike): the file to write.
+
+        Returns:
+            Path: the file written; ``fxpasses.certificates.io.load(path)`` reads it back,
+            ``fxpasses explain`` shows it.
+        """
         return save(build_report(self), path)
 
 
@@ -428,10 +467,29 @@ def optimize(loss_fn: Callable, passes: Sequence[Pass] = (), *,
              ) -> OptimizedLoss:
     """Optimize ``loss_fn`` with ``passes``; tracing happens at the first call.
 
-    ``leaf_functions`` (functions) / ``leaf_modules`` (nn.Module classes or instances) stay
-    single nodes (for data-dependent control flow); ``density_methods`` (method names) are module
-    methods kept as one node for passes to pair. Each is a list or tuple; a bad option is a
-    TypeError or ValueError naming it.
+    Nothing is traced here: each call traces the loss on its own inputs when no specialization
+    covers it (within ``max_specializations``), runs the passes on the trace, and runs the
+    rewritten graph while its guards hold; any other call runs ``loss_fn`` itself.
+
+    Args:
+        loss_fn (Callable): the loss, an ``nn.Module`` instance or any callable object.
+        passes (Sequence[Pass]): pass instances (:mod:`fxpasses.passes`), each at most once, run
+            in this order on every trace.
+        leaf_functions (Sequence[Callable]): functions kept as single nodes (their insides are
+            not traced: data-dependent control flow, say).
+        leaf_modules (Sequence[Any]): ``nn.Module`` classes or instances kept as single nodes.
+        density_methods (Sequence[str]): method names of modules kept as one node each, for
+            passes to pair (``log_prob``).
+        max_specializations (int): traces kept at most (at least 1).
+
+    Returns:
+        OptimizedLoss: a module with ``loss_fn``'s call signature, parameters and buffers.
+
+    Raises:
+        TypeError: ``loss_fn`` is a class or not callable; a pass is a class or not a pass; an
+            option is not a list or tuple of the right items. The message names it.
+        ValueError: a pass appears twice; ``max_specializations`` is below 1; a density
+            method is not an identifier.
     """
     passes = _validate(loss_fn, passes)
     options.count("max_specializations", max_specializations, 1)

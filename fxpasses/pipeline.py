@@ -35,15 +35,30 @@ from .log import logger
 
 @runtime_checkable
 class Pass(Protocol):
-    """A graph rewrite: one certificate per candidate site it considered, refusals included."""
+    """A graph rewrite: one certificate per candidate site it considered, refusals included.
+
+    ``name`` names the pass in certificates and counters (unique within a pipeline).
+    """
 
     name: str
 
-    def run(self, gm: fx.GraphModule) -> "PassResult": ...
+    def run(self, gm: fx.GraphModule) -> "PassResult":
+        """Rewrite ``gm``.
+
+        Args:
+            gm (fx.GraphModule): the pass's own copy of the graph (its submodules shared).
+
+        Returns:
+            PassResult: the graph (``gm``, changed in place, or a new one), whether it was
+            modified, and the certificates.
+        """
 
 
 @dataclass
 class PassResult:
+    """What a pass returns: the graph after it, whether the pass modified it (the pipeline
+    checks this against the graph's fingerprint), one certificate per candidate site."""
+
     graph_module: fx.GraphModule
     modified: bool
     certificates: list[Certificate] = field(default_factory=list)
@@ -141,6 +156,16 @@ def run_pipeline(gm: fx.GraphModule, passes: Sequence[Pass],
     them conservatively) and again after each modifying pass, so the next pass sees shapes for the
     nodes the previous one created; a pass after which propagation fails at new nodes fails with
     ``metadata-failed`` and its graph is discarded.
+
+    Args:
+        gm (fx.GraphModule): a traced loss (:func:`fxpasses.trace`).
+        passes (Sequence[Pass]): run in this order.
+        example_tensors (Sequence[torch.Tensor], optional): the graph's inputs for shape
+            propagation (``signature.inputs(leaves)`` of a call).
+
+    Returns:
+        PipelineRun: the final graph, every certificate (a pass that raised, failed lint or
+        misreported ``modified`` has a "failed" one), the snapshots for the diff.
     """
     snapshots = [_snapshot("traced", gm, False)]
     certificates: list[Certificate] = []

@@ -29,12 +29,12 @@ if TYPE_CHECKING:
     from .optimize import OptimizedLoss, Specialization
 
 
-def _specialization(special: "Specialization") -> dict[str, Any]:
+def _specialization(special: "Specialization", disabled: str | None) -> dict[str, Any]:
     run = special.run
     return {
         "index": special.index,
         "inputs": list(special.signature.placeholder_names) if special.signature else [],
-        "disabled": special.disabled,
+        "disabled": disabled,
         "seconds": {k: round(v, 6) for k, v in special.seconds.items()},
         "snapshots": [{"step": s.step, "fingerprint": s.fingerprint, "modified": s.modified,
                        "seconds": round(s.seconds, 6), "code": s.code}
@@ -56,7 +56,7 @@ def build_report(opt: "OptimizedLoss") -> dict[str, Any]:
         "loss": type(opt._loss).__name__,
         "pipeline": [p.name for p in opt.passes],
         "guards": [to_json_data(as_evidence(g)) for g in opt.guards()],
-        "specializations": [_specialization(s) for s in opt.specializations],
+        "specializations": [_specialization(s, opt.disabled(s)) for s in opt.specializations],
         "stats": opt.stats.as_dict(),
     }
     report["digest"] = content_digest(report)
@@ -69,8 +69,9 @@ def _render_summary(report: dict[str, Any]) -> list[str]:
     stats, lines = report["stats"], []
     native = sum(stats["native"].values())
     specials = report["specializations"]
+    rate = f" ({100 * len(specials) / stats['calls']:.1f} per 100 calls)" if stats["calls"] else ""
     lines.append(f"summary: {stats['calls']} calls, {stats['optimized']} optimized, {native} native, "
-                 f"{len(specials)} specialization{'s' * (len(specials) != 1)}")
+                 f"{len(specials)} specialization{'s' * (len(specials) != 1)}{rate}")
     totals: dict[str, dict[str, Any]] = {}
     for special in specials:
         for name, c in special["counters"].items():

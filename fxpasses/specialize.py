@@ -19,7 +19,7 @@ import torch.fx as fx
 from torch import nn
 
 from .certificates import Certificate, Check, Guard, Site
-from .guard_code import compile_check
+from .guard_code import READ_FAILED, compile_check
 from .ir.proofs import relied_on
 from .isolation import module_state_kept
 from .guards import CHECKED_PER_TRACE, Assumption, LossRoots, first_failure, whole_loss_assumptions
@@ -33,7 +33,11 @@ from .trace import LeafPolicy, TraceFailure, TraceInfo, positional_names, trace
 
 @dataclass
 class Specialization:
-    """One trace of the loss for one input structure and one set of assumptions."""
+    """One trace of the loss for one input structure and one set of assumptions.
+
+    What :func:`build` made; calls do not change it (what they learn about it, its order and
+    whether it is disabled, is the :class:`~fxpasses.specialization_cache.SpecializationCache`'s).
+    """
 
     index: int
     signature: CallSignature
@@ -42,12 +46,12 @@ class Specialization:
     graph_module: fx.GraphModule | None = None
     run: PipelineRun | None = None
     certificates: list[Certificate] = field(default_factory=list)
-    disabled: str | None = None  # a reason code once this specialization must not run
+    refusal: str | None = None  # the code of the certificate that refused it: it never runs
     seconds: dict[str, float] = field(default_factory=dict)
-    abandoned: Counter = field(default_factory=Counter)  # guard location -> calls abandoned there
-    check: Callable[[Any, Sequence[Any]], int] | None = None  # generated from the assumptions
+    check: Callable[[Any, Sequence[Any]], Any] | None = None  # generated from the assumptions
     # specializations with the same key match the same calls with the same leaves and check
-    # the same assumptions against the same values (traces that differ only in a decision)
+    # the same assumptions against the same values (traces that differ only in a decision);
+    # given by the cache as it adds the specialization
     check_key: int = -1
 
     def leaves_of(self, args: tuple, kwargs: dict,
@@ -64,9 +68,9 @@ class Specialization:
         counted in ``exact``."""
         if self.check is not None:
             index = self.check(loss, leaves)
-            if index == -1:
+            if index is None:
                 return None
-            if index >= 0:
+            if index is not READ_FAILED:
                 return self.assumptions[index]
         if exact is not None:
             exact["assumptions"] += 1
@@ -105,7 +109,7 @@ def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pas
         gm = trace(loss, args, kwargs, policy=policy)
     except TraceFailure as failure:
         special.certificates.append(failure.certificate)
-        special.disabled = failure.certificate.codes[0]
+        special.refusal = failure.certificate.codes[0]
         logger.warning("%s", failure.certificate.message)
         return special
     special.seconds["trace"] = time.perf_counter() - start
@@ -121,7 +125,7 @@ def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pas
                                       graph_fingerprint=fingerprint(gm))
     special.certificates.append(certificate)
     if not certificate.applied:
-        special.disabled = certificate.codes[0]
+        special.refusal = certificate.codes[0]
         return special
     start = time.perf_counter()
     try:  # the passes' analyses run the graph's modules: each is left as the trace left it
@@ -143,6 +147,17 @@ def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pas
     return special
 
 
+def _symbolic_sizes(info: TraceInfo) -> dict[str, Any]:
+    """How the trace read sizes: the modules whose ``len``/``int`` of traced values are nodes
+    computed on every call, those that kept the builtins (their sizes are exact guards) and
+    why, and where the guards sit (tracing.guard_order)."""
+    return {"len_int_symbolic_in": list(info.builtins_shadowed),
+            "builtins_kept_in": dict(info.builtins_refused),
+            "guards_at_front": info.guard_places.count("front"),
+            "guards_moved_up": sum(p.startswith("after ") for p in info.guard_places),
+            "guards_where_read": info.guard_places.count("where read")}
+
+
 def _trace_certificate(loss: Any, info: TraceInfo, assumptions: Sequence[Assumption]) -> Certificate:
     """The trace's own certificate: what it recorded, and every assumption as a guard."""
     writes = info.writes_before_guards
@@ -151,7 +166,8 @@ def _trace_certificate(loss: Any, info: TraceInfo, assumptions: Sequence[Assumpt
                                        "assumptions": len(assumptions), "guard_nodes": len(info.guards),
                                        "modules_depended_on": len(info.modules),
                                        "their_guards": "whole-loss (hooks, methods, "
-                                                       "submodules, modes)"}),
+                                                       "submodules, modes)",
+                                       "symbolic_sizes": _symbolic_sizes(info)}),
         Check("abandon-without-effect", not writes, {
             "writes_before_guards": writes,
             "attribute_writes": "put back when a call is abandoned or raises",
@@ -159,9 +175,13 @@ def _trace_certificate(loss: Any, info: TraceInfo, assumptions: Sequence[Assumpt
                    "have happened before"}, None if not writes else "trace-write-before-guard"),
     ]
     guards = [a.as_guard() for a in assumptions]
+    places: dict[tuple[str, str], list[str]] = {}
+    for guard, place in zip(info.guards, info.guard_places):
+        places.setdefault(guard, []).append(place)
     guards += [Guard(f"{kind}:{location}", f"the {kind} Python took at {location} is the one "
                      "seen while tracing (a guard node; else this call runs natively)",
-                     "guard-failed", {"kind": kind, "location": location})
+                     "guard-failed", {"kind": kind, "location": location,
+                                      "placed": sorted(set(places.get((kind, location), ())))})
                for kind, location in dict.fromkeys(info.guards)]
     site = Site((), tuple(dict.fromkeys(a.location for a in assumptions if a.location))[:20],
                 f"loss {type(loss).__name__}")

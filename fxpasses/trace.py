@@ -40,9 +40,11 @@ from .guards import Assumption
 from .locations import exception_location
 from .signature import CallSignature, flatten_call
 from .tracing.objects import ObjectTracker
+from .tracing.guard_order import hoist_guards
 from .tracing.patches import ModulePatcher, Patches, patched
 from .tracing.recorder import Recorder, Unsupported
 from .ir.sources import Source
+from .tracing.shadows import BuiltinShadows
 from .tracing.values import TracedScalar, recording
 
 META_KEY = "fxpasses"
@@ -85,6 +87,12 @@ class TraceInfo:
     # (tensor, version, value) of the loss's state the trace wrote in place and put back: the
     # passes' runs of the graph write them again, and are undone the same way before the first call
     written_state: tuple = ()
+    # where each guard node sits, in the order of ``guards`` (tracing.guard_order)
+    guard_places: tuple[str, ...] = ()
+    # the user modules whose len() and int() of traced values were symbolic (tracing.shadows),
+    # and (module, why) of those that kept the builtins (their sizes are exact guards)
+    builtins_shadowed: tuple[str, ...] = ()
+    builtins_refused: tuple[tuple[str, str], ...] = ()
 
     def unflatten_output(self, flat: Any) -> Any:
         return pytree.tree_unflatten(list(flat), self.out_spec)
@@ -233,6 +241,7 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
     patcher = ModulePatcher(rec, Patches(), tuple(policy.density_methods), policy.is_leaf_instance)
     tracker = ObjectTracker(rec, on_module=patcher)
     rec.tracker = tracker
+    shadows = BuiltinShadows(rec, patcher.patches)
     leaves, _ = flatten_call(tuple(example_args), example_kwargs)
     try:
         values = _inputs(rec, tracker, signature, leaves)
@@ -245,7 +254,7 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
             tracker.track(loss_fn, Source(("loss",)))
         patcher(root)
         _function_state(tracker, function, _bound_state(tracker, loss_fn))
-        with recording(rec), patched(rec, tracker, patcher, tuple(policy.leaf_functions)):
+        with recording(rec), patched(rec, tracker, patcher, tuple(policy.leaf_functions), shadows):
             out = loss_fn(*args, **kwargs)
             spec = _output(rec, out)
             rec.paused = True  # what the contexts do on exit is not the loss's
@@ -278,11 +287,14 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
     finally:
         tracker.restore()
         patcher.state.restore()  # what the trace's run changed in the modules it met, kept whole calls' included
+    places = hoist_guards(rec.graph)
     gm = fx.GraphModule(root, rec.graph, class_name=f"Traced{type(loss_fn).__name__}")
     modules = dict.fromkeys([*tracker.used_modules(),
                              *(m for opaque in rec.opaque_modules.values() for m in opaque.modules())])
     gm.meta[META_KEY] = TraceInfo(signature, spec, tuple(tracker.assumptions.values()),
                                   tuple(rec.guards), rec.writes_before_guards(), tuple(modules),
-                                  len(rec.graph.nodes), tracker.written_state)
+                                  len(rec.graph.nodes), tracker.written_state,
+                                  tuple(places[node] for node in rec.guard_nodes),
+                                  tuple(shadows.covered), tuple(shadows.refused.items()))
     return gm
 

@@ -1,4 +1,5 @@
-"""Shared fixtures: a small two-branch flow loss used by the foundation tests."""
+"""Shared fixtures: a small two-branch flow loss used by the foundation tests, float64 as the
+default dtype."""
 
 from __future__ import annotations
 
@@ -34,6 +35,15 @@ class TwoBranchLoss(nn.Module):
         la = -self.flow.log_prob(a / self.scale).mean()
         lb = -self.flow.log_prob(b / self.scale).mean()
         return self.alpha * la + (1 - self.alpha) * lb
+
+
+@pytest.fixture
+def float64_default():
+    """float64 as torch's default dtype during the test (``pytest.mark.usefixtures``)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
 
 
 @pytest.fixture

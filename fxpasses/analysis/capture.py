@@ -23,6 +23,11 @@ node outside reads the memory only after the region, where its value is the fina
 order put it after the last write). :func:`plan_regions` tries every such write as capturable and
 makes the ones whose condition the resulting regions break barriers again, until none does.
 
+A replay hands out each output in a buffer of its own. An output sharing memory with one of
+the region's inputs or another of its outputs (a view) would so come apart from that memory:
+where a write outside the region changes the memory after it, the output is computed eagerly
+instead (code ``view-of-written-memory``), and the regions are planned again.
+
 A region is worth a replay when it launches at least ``min_region_ops`` kernels *and* more
 kernels than the launches a replay adds: its two graph launches (forward, backward), and a copy
 for each tensor it receives (into the recording's static buffer; parameters and buffers are read
@@ -58,9 +63,10 @@ def is_state(arg: object) -> bool:
 
 
 def classify(node: fx.Node, devices: Sequence[str] = ("cuda",), static: frozenset = frozenset(),
-             absorbed: frozenset = frozenset(), local_writes: frozenset = frozenset()) -> Verdict:
+             absorbed: frozenset = frozenset(), local_writes: frozenset = frozenset(),
+             eager_views: frozenset = frozenset()) -> Verdict:
     """Whether ``node`` can be captured, and if not, the reason code (see module docstring)."""
-    return verdict(node, devices, static, absorbed, local_writes)[0]
+    return verdict(node, devices, static, absorbed, local_writes, eager_views)[0]
 
 
 def local_write_candidates(graph: fx.Graph) -> dict[fx.Node, frozenset[int]]:
@@ -100,6 +106,27 @@ def _broken_local_writes(graph: fx.Graph, candidates: dict[fx.Node, frozenset[in
                 broken.add(write)
                 break
     return broken
+
+
+def _handed_apart(graph: fx.Graph, regions: list[list[fx.Node]]) -> set[fx.Node]:
+    """Region outputs that share memory with one of the region's inputs or other outputs, when
+    a write outside the region changes that memory after them: eagerly they are one memory, the
+    write seen through each; replayed, each output is a buffer of its own."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    writes = [(n, facts.writes) for n in graph.nodes
+              if (facts := node_facts(n)) is not None and facts.writes_input]
+    found = set()
+    for region in regions:
+        inside = set(region)
+        handed = [n for n in region if any(u not in inside for u in n.users)]
+        received = {a for n in region for a in n.all_input_nodes if a not in inside}
+        for node in handed:
+            shared = storages_of(node)
+            if not shared or not any(storages_of(o) & shared for o in (*received, *handed) if o is not node):
+                continue
+            if any(w not in inside and order[w] > order[node] and written & shared for w, written in writes):
+                found.add(node)
+    return found
 
 
 @dataclass(frozen=True)
@@ -162,6 +189,9 @@ class CapturePlan:
     regions: list[list[fx.Node]] = field(default_factory=list)
     too_small: list[list[fx.Node]] = field(default_factory=list)
     blocks: list[NoGradBlock] = field(default_factory=list)  # each held whole by one region
+    # writes of the loss's own memory that no region holds with all that touches it: barriers
+    barrier_writes: dict[fx.Node, frozenset[int]] = field(default_factory=dict)
+    static: frozenset = frozenset()  # data-dependent sizes static per recording (bucketed)
 
     def blocks_in(self, region: list[fx.Node]) -> list[NoGradBlock]:
         inside = set(region)
@@ -191,24 +221,32 @@ def plan_regions(gm: fx.GraphModule, devices: Sequence[str] = ("cuda",),
                  min_region_ops: int = 4, count_copies: bool = True) -> CapturePlan:
     """Classify every node and group the capturable ones into regions (see module docstring)."""
     static = bucketed_symbols(gm)
-    candidates = local_write_candidates(gm.graph)
-    while True:  # local writes whose regions do not hold what touches their memory: barriers
-        plan = _plan(gm, devices, min_region_ops, count_copies, static, frozenset(candidates))
+    local = candidates = local_write_candidates(gm.graph)
+    eager_views: set[fx.Node] = set()
+    while True:  # local writes whose regions do not hold what touches their memory: barriers;
+        # outputs that would leave the memory a later write changes: eager
+        plan = _plan(gm, devices, min_region_ops, count_copies, static, frozenset(candidates),
+                     frozenset(eager_views))
         region_of = {n: i for i, region in enumerate(plan.regions) for n in region}
         broken = _broken_local_writes(gm.graph, candidates, region_of)
-        if not broken:
+        apart = _handed_apart(gm.graph, plan.regions + plan.too_small) - eager_views
+        if not broken and not apart:
+            plan.barrier_writes = {w: s for w, s in local.items() if w not in candidates}
+            plan.static = static
             return plan
         candidates = {w: s for w, s in candidates.items() if w not in broken}
+        eager_views |= apart
 
 
 def _plan(gm: fx.GraphModule, devices: Sequence[str], min_region_ops: int, count_copies: bool,
-          static: frozenset, local_writes: frozenset) -> CapturePlan:
-    verdicts = {n: classify(n, devices, static, local_writes=local_writes) for n in gm.graph.nodes}
+          static: frozenset, local_writes: frozenset, eager_views: frozenset = frozenset()) -> CapturePlan:
+    verdicts = {n: classify(n, devices, static, local_writes=local_writes, eager_views=eager_views)
+                for n in gm.graph.nodes}
     blocks = [b for b in no_grad_blocks(gm.graph) if any(verdicts[n].capturable for n in b.inner)
               and all(verdicts[n].capturable or _outside_block_ok(n) for n in b.inner)]
     while True:  # a block whose capturable nodes fall into two regions keeps its barriers
         absorbed = frozenset(s for b in blocks for s in (b.off, b.on))
-        verdicts.update({s: classify(s, devices, static, absorbed, local_writes)
+        verdicts.update({s: classify(s, devices, static, absorbed, local_writes, eager_views)
                          for b in no_grad_blocks(gm.graph) for s in (b.off, b.on)})
         classes, split = _grow_regions(gm.graph, verdicts, blocks)
         if not split:

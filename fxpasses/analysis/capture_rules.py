@@ -43,6 +43,7 @@ class Probe:
     static: frozenset = frozenset()  # data-dependent sizes that are static per recording (buckets)
     absorbed: frozenset = frozenset()  # grad-mode switches of blocks a region holds whole
     local_writes: frozenset = frozenset()  # in-place writes one region holds with every alias
+    eager_views: frozenset = frozenset()  # views a region would hand out apart from their memory
 
     @property
     def runtime_op(self) -> RuntimeOp | None:
@@ -111,6 +112,10 @@ def _dynamic(p: Probe) -> bool:
     return any(is_dynamic(value(n), p.static) for n in (p.node, *p.node.all_input_nodes))
 
 
+def _eager_view(p: Probe) -> bool:
+    return p.node in p.eager_views
+
+
 def _off_device(p: Probe) -> bool:
     vals = [value(p.node)] + [value(a) for a in p.node.all_input_nodes]
     return any(t.device.type not in p.devices for v in vals for t in tensors_in(v))
@@ -131,19 +136,23 @@ ROWS: tuple[Row, ...] = (
     Row("draws random numbers", _random, False, "op-random"),
     Row("data-dependent shape", _dynamic, False, "dynamic-shape"),
     Row("tensor off the capture devices", _off_device, False, "device-not-captured"),
+    Row("shares memory written in place later with a value outside its region", _eager_view, False,
+        "view-of-written-memory"),
     Row("capturable", lambda p: True, True, None),
 )
 
 
 def verdict(node: fx.Node, devices: Sequence[str] = ("cuda",), static: frozenset = frozenset(),
-            absorbed: frozenset = frozenset(), local_writes: frozenset = frozenset()
-            ) -> tuple[Verdict, Row]:
+            absorbed: frozenset = frozenset(), local_writes: frozenset = frozenset(),
+            eager_views: frozenset = frozenset()) -> tuple[Verdict, Row]:
     """The verdict of the first row of :data:`ROWS` that holds for ``node``, and that row.
     ``static``: data-dependent sizes to treat as static (bucketed capacities); ``absorbed``:
     grad-mode switches whose no_grad block a region may hold whole; ``local_writes``: in-place
-    writes a region may hold, with every node that touches the memory they write
-    (:func:`fxpasses.analysis.capture.plan_regions` decides both)."""
-    probe = Probe(node, node_facts(node), tuple(devices), static, absorbed, local_writes)
+    writes a region may hold, with every node that touches the memory they write;
+    ``eager_views``: nodes a region would hand out as a copy of memory that another value outside
+    it shares and a later write changes (:func:`fxpasses.analysis.capture.plan_regions` decides
+    the last three)."""
+    probe = Probe(node, node_facts(node), tuple(devices), static, absorbed, local_writes, eager_views)
     row = next(r for r in ROWS if r.when(probe))
     detail = "" if row.capturable or row.code is None else row.name
     return Verdict(row.capturable, row.code, op_name(node), row.barrier, detail), row

@@ -221,7 +221,7 @@ def annotate(gm: fx.GraphModule, example_tensors: Sequence[torch.Tensor]) -> lis
     with _quiet_shape_env():
         prop.propagate_dont_convert_inputs(*fakes)
     for node in gm.graph.nodes:
-        node.meta[_ANNOTATED] = _input_names(node)
+        node.meta[ANNOTATED] = _input_names(node)
     gm.meta[_FAKE_MODE] = mode
     gm.meta[_INPUTS] = dict(zip((n.name for n in gm.graph.find_nodes(op="placeholder")), fakes))
     return prop.failures
@@ -242,7 +242,7 @@ def annotate_new(gm: fx.GraphModule) -> list[tuple[fx.Node, Exception]]:
             if node.op == "get_attr":  # a module, a constant: what propagation fetched
                 prop.env[node] = prop.fetch_attr(node.target)
                 continue
-            if node.meta.get(_ANNOTATED) == _input_names(node) and fresh.isdisjoint(node.all_input_nodes):
+            if node.meta.get(ANNOTATED) == _input_names(node) and fresh.isdisjoint(node.all_input_nodes):
                 prop.env[node] = _FAILED if "val" not in node.meta and node.op.startswith("call") \
                     and NODE_FACTS not in node.meta else node.meta.get("val")
                 continue
@@ -251,7 +251,7 @@ def annotate_new(gm: fx.GraphModule) -> list[tuple[fx.Node, Exception]]:
             for key in ("val", "unbacked_bindings", NODE_FACTS):  # stale: computed from other inputs
                 node.meta.pop(key, None)
             prop.env[node] = prop.run_node(node)
-            node.meta[_ANNOTATED] = _input_names(node)
+            node.meta[ANNOTATED] = _input_names(node)
             fresh.add(node)
     return prop.failures
 
@@ -261,7 +261,7 @@ def _input_names(node: fx.Node) -> tuple[str, ...]:
     return tuple(a.name for a in node.all_input_nodes)
 
 
-_ANNOTATED = "fxpasses.annotated"
+ANNOTATED = "fxpasses.annotated"
 _FAKE_MODE = "fxpasses.fake_mode"
 _INPUTS = "fxpasses.fake_inputs"  # what the placeholders were propagated with
 

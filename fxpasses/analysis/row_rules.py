@@ -137,6 +137,12 @@ def pointwise(call: OpCall) -> int | None:
                                   for v in (a if isinstance(a, (list, tuple)) else (a,))])
 
 
+def broadcast(call: OpCall) -> tuple[int | None, ...]:
+    # broadcast_tensors(x, y) gives each operand the broadcast shape: rows land where they
+    # would in an elementwise op of all operands, for every output
+    return (_pointwise_rows(call, call.args["tensors"]),) * len(call.out_shapes)
+
+
 def same_as_self(call: OpCall) -> int | None:
     # casts, copies, aliases and *_like factories keep the layout of ``self``
     return call.args["self"].rows
@@ -499,11 +505,16 @@ _TABLE: tuple[tuple[Rule, str], ...] = (
     # (rule, aten ops by name: a packet "sum" or one overload "max.dim")
     (same_as_self, "to _to_copy type_as detach clone alias contiguous lift_fresh_copy zeros_like "
                    "ones_like full_like empty_like"),
-    # pointwise ops that some torch versions do not tag "pointwise" (leaky_relu in 2.11; the
-    # Python operators |, &, ~ on tensors, as in a NaN/inf filter ~(isnan(e) | isinf(e)))
+    # pointwise ops that some torch versions do not tag "pointwise" (leaky_relu in 2.11,
+    # isfinite in 2.4; the Python operators |, &, ~ on tensors, as in a NaN/inf filter
+    # ~(isnan(e) | isinf(e))): listed, so the table does not rest on tags for them
     (pointwise, "copy fill zero where masked_fill log_sigmoid hardswish floor_divide leaky_relu "
                 "relu gelu silu elu celu selu softplus hardtanh hardsigmoid mish threshold "
-                "sigmoid tanh prelu _prelu_kernel __or__ __and__ __xor__ __invert__"),
+                "sigmoid tanh prelu _prelu_kernel __or__ __and__ __xor__ __invert__ "
+                "isnan isinf isfinite isposinf isneginf nan_to_num logical_and logical_or "
+                "logical_xor logical_not bitwise_and bitwise_or bitwise_xor bitwise_not "
+                "eq ne lt le gt ge clamp clamp_min clamp_max abs neg sign"),
+    (broadcast, "broadcast_tensors"),
     (no_output, "_assert_tensor_metadata"),
     (reshape, "view reshape _unsafe_view flatten unflatten view_as reshape_as"),
     (unsqueeze, "unsqueeze"), (squeeze, "squeeze"), (expand, "expand expand_as"),

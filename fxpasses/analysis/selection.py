@@ -37,15 +37,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..ir.proofs import RowIndependentCall, proven
 from ..locations import node_location
+from ..ir.trace_ops import WriteAttribute
 from .meta import value
 from .ops import aten_facts, node_facts
+from .row_counts import CountUse, count_uses, size_decisions
 from .row_rules import RowValue
 from .rows import FunctionRows, bind_arguments, analyze_function_rows
 
 aten = torch.ops.aten
 _SUMS = (aten.sum.default, aten.sum.dim_IntList)
 _MEANS = (aten.mean.default, aten.mean.dim)
-_REDUCING = {str(op): op for op in (*_SUMS, *_MEANS)}
+_TRUTHS = {kind: tuple(getattr(getattr(aten, kind), o) for o in ("default", "dim", "dims")
+                       if hasattr(getattr(aten, kind), o)) for kind in ("any", "all")}
+_KINDS = {**{op: "sum" for op in _SUMS}, **{op: "mean" for op in _MEANS},
+          **{op: kind for kind, ops in _TRUTHS.items() for op in ops}}
+_REDUCING = {str(op): op for op in _KINDS}
 FOREIGN_ROWS = 3  # the row count given to another space's rows met in a region
 
 
@@ -59,12 +65,13 @@ class Space:
     parent: str | None
     level: int
     rank: int  # of the mask: the leading dims of every source it selects from
+    trailing: tuple[int | None, ...] = ()  # the mask's sizes after the first (None: dynamic)
 
 
 @dataclass(frozen=True)
 class Reduction:
-    """A reduction over the rows the rewrite masks: ``kind`` (sum or mean) of ``rows`` over
-    ``dims`` (None: all) with ``keepdim``; ``rows`` is the node's input, or, for a loss with a
+    """A reduction over the rows the rewrite masks: ``kind`` (sum, mean, any or all) of
+    ``rows`` over ``dims`` (None: all) with ``keepdim``; ``rows`` is the node's input, or, for a loss with a
     ``reduction`` argument (``argument=True``), the node itself called with ``reduction="none"``.
     Such a loss's mean is taken as the mean of its unreduced elements; a loss that weighs them
     otherwise (``nll_loss`` with class weights) has no row rule, and the witness would see it."""
@@ -95,6 +102,7 @@ class SpaceAnalysis:
     outputs: tuple[tuple[str, int], ...] = ()  # graph outputs carrying rows: sliced to the count
     calls: tuple[str, ...] = ()  # row-independent calls the rows go through
     exits: tuple[tuple[str, int], ...] = ()  # every value whose rows leave other than reduced
+    counts: tuple[CountUse, ...] = ()  # sizes of the rows read as values: the true count
 
 
 # -- finding the spaces ----------------------------------------------------------------------
@@ -109,6 +117,31 @@ def is_site(node: fx.Node) -> bool:
     m, x = value(mask), value(source)
     return isinstance(m, torch.Tensor) and isinstance(x, torch.Tensor) and m.dtype == torch.bool \
         and 0 < m.dim() <= x.dim()
+
+
+def is_coordinates(node: fx.Node) -> bool:
+    """``m.nonzero()`` or ``m.nonzero(as_tuple=True)`` of a bool tensor: the selected positions,
+    one row per selected element (``x[m.nonzero(as_tuple=True)] == x[m]``)."""
+    if not ((node.op == "call_method" and node.target == "nonzero") or
+            (node.op == "call_function" and node.target is torch.nonzero)):
+        return False
+    if len(node.args) != 1 or not isinstance(node.args[0], fx.Node) or \
+            set(node.kwargs) - {"as_tuple"}:
+        return False
+    m = value(node.args[0])
+    return isinstance(m, torch.Tensor) and m.dtype == torch.bool and m.dim() > 0
+
+
+def site_mask(node: fx.Node) -> fx.Node | None:
+    """The mask of a selection site (``x[m]`` or ``m.nonzero(...)``), or None."""
+    if is_site(node):
+        return node.args[1]
+    return node.args[0] if is_coordinates(node) else None
+
+
+def site_source(node: fx.Node) -> fx.Node | None:
+    """What a site selects from: ``x`` of ``x[m]``; None for the positions ``m.nonzero()``."""
+    return node.args[0] if is_site(node) else None
 
 
 _SYMBOLIC = (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)
@@ -126,21 +159,24 @@ def find_spaces(gm: fx.GraphModule) -> list[Space]:
     """Every row space of ``gm`` in graph order of its mask, with parents and levels."""
     by_mask: dict[fx.Node, list[fx.Node]] = {}
     for node in gm.graph.nodes:
-        if is_site(node):
-            by_mask.setdefault(node.args[1], []).append(node)
+        mask = site_mask(node)
+        if mask is not None:
+            by_mask.setdefault(mask, []).append(node)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     spaces: dict[str, Space] = {}
     owner: dict[Any, str] = {}  # symbol -> mask name
     for mask in sorted(by_mask, key=order.__getitem__):
         sites = by_mask[mask]
         inherited = symbols_of(value(mask))
-        carried = frozenset().union(*(symbols_of(value(s.args[0])) for s in sites))
+        carried = frozenset().union(*(symbols_of(value(site_source(s))) for s in sites
+                                      if site_source(s) is not None))
         own = frozenset().union(*(symbols_of(value(s)) for s in sites)) - inherited - carried
         parents = {owner[s] for s in inherited if s in owner}
         parent = next(iter(parents)) if len(parents) == 1 else None
         level = spaces[parent].level + 1 if parent else (1 if not inherited else 0)
+        trailing = tuple(d if isinstance(d, int) else None for d in value(mask).shape[1:])
         spaces[mask.name] = Space(mask.name, tuple(s.name for s in sites), own, parent, level,
-                                  value(mask).dim())
+                                  value(mask).dim(), trailing)
         for symbol in own:
             owner[symbol] = mask.name
     return list(spaces.values())
@@ -189,7 +225,7 @@ def _reduction(node: fx.Node, carries: Callable[[fx.Node], bool]) -> Reduction |
         calls = [c for c in _aten_calls(node) if aten_facts(c[0]).computes]
     except Exception:  # a node that no longer runs on its metadata is not a reduction we know
         return None
-    if len(calls) != 1 or calls[0][0] not in (*_SUMS, *_MEANS):
+    if len(calls) != 1 or calls[0][0] not in _KINDS:
         return None
     op, args, kwargs = calls[0]
     bound = bind_arguments(op._schema, args, kwargs)
@@ -197,9 +233,9 @@ def _reduction(node: fx.Node, carries: Callable[[fx.Node], bool]) -> Reduction |
     if len(rows) != 1:
         return None
     dims = bound.get("dim")
-    return Reduction(node.name, rows[0].name, "sum" if op in _SUMS else "mean", False, -1,
-                     tuple(dims) if dims else None, bool(bound.get("keepdim", False)),
-                     bound.get("dtype"))
+    dims = (dims,) if isinstance(dims, int) else tuple(dims) if dims else None
+    return Reduction(node.name, rows[0].name, _KINDS[op], False, -1, dims,
+                     bool(bound.get("keepdim", False)), bound.get("dtype"))
 
 
 @dataclass
@@ -209,6 +245,7 @@ class _Region:
     reductions: dict[fx.Node, Reduction]
     calls: list[fx.Node]
     problems: list[str]
+    writes: list[fx.Node]  # attribute writes of values that carry the rows
 
 
 def region_of(gm: fx.GraphModule, space: Space) -> _Region:
@@ -217,7 +254,7 @@ def region_of(gm: fx.GraphModule, space: Space) -> _Region:
         return bool(symbols_of(value(n)) & space.symbols)
 
     sites = set(space.sites)
-    nodes, producers, reductions, calls, problems = [], [], {}, [], []
+    nodes, producers, reductions, calls, problems, writes = [], [], {}, [], [], []
     for node in gm.graph.nodes:
         if node.name in sites:
             producers.append(node)
@@ -225,11 +262,14 @@ def region_of(gm: fx.GraphModule, space: Space) -> _Region:
         if node.op in ("placeholder", "get_attr", "output") or \
                 not any(carries(a) for a in node.all_input_nodes):
             continue
+        if node.op == "call_function" and isinstance(node.target, WriteAttribute):
+            writes.append(node)  # padding rows, or the capacity, would be kept in the attribute
+            continue
         facts = node_facts(node)
         if facts is None or not facts.complete:
             problems.append(f"{node.name} was not reached by shape propagation")
             continue
-        if is_site(node):  # a child's selection: a boundary
+        if site_mask(node) is not None:  # a child's selection: a boundary
             continue
         if proven(node, RowIndependentCall.kind) is not None:
             calls.append(node)
@@ -245,7 +285,7 @@ def region_of(gm: fx.GraphModule, space: Space) -> _Region:
             if not found.argument:
                 continue
         nodes.append(node)
-    return _Region(nodes, producers, reductions, calls, problems)
+    return _Region(nodes, producers, reductions, calls, problems, writes)
 
 
 # -- tracing the region ----------------------------------------------------------------------
@@ -323,15 +363,33 @@ def subgraph(gm: fx.GraphModule, nodes: list[fx.Node], variants: dict[fx.Node, d
     return fx.GraphModule(gm, graph), inputs, outputs
 
 
-def _trace_region(gm: fx.GraphModule, region: _Region, space: Space) -> tuple[FunctionRows, dict]:
+def _count_inputs(module: fx.GraphModule, uses: list[CountUse]) -> int:
+    """Each size read as a value becomes an input of ``module`` (the count, a row-free 0-dim
+    tensor, as the rewrite passes it); the number of inputs added."""
+    graph = module.graph
+    named = {n.name: n for n in graph.nodes}
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    made: dict[str, fx.Node] = {}
+    for use in uses:
+        if use.size not in made:
+            with graph.inserting_after(last):
+                last = made[use.size] = graph.placeholder(f"count_of_{use.size}")
+        named[use.user].replace_input_with(named[use.size], made[use.size])
+    module.recompile()
+    return len(made)
+
+
+def _trace_region(gm: fx.GraphModule, region: _Region, space: Space,
+                  counts: list[CountUse]) -> tuple[FunctionRows, dict]:
     """Trace the region at two row counts; the row value of every region output, by name."""
     variants = {n: {"reduction": "none"} for n, r in region.reductions.items() if r.argument}
     module, inputs, outputs = subgraph(gm, region.nodes, variants)
     producers = set(region.producers)
     flat = [pytree.tree_flatten(meta_value(a)) for a in inputs]
+    flat += [pytree.tree_flatten(torch.zeros((), dtype=torch.long))] * _count_inputs(module, counts)
     tensors = [(i, k) for i, (leaves, _) in enumerate(flat)
                for k, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    rows = [0 if inputs[i] in producers else None for i, _ in tensors]
+    rows = [0 if i < len(inputs) and inputs[i] in producers else None for i, _ in tensors]
     taken = {int(s) for i, k in tensors for s in flat[i][0][k].shape if isinstance(s, int)}
     taken |= {s for t in [*module.parameters(), *module.buffers()] for s in t.shape}
     constants = [[example_value(leaf, {}, torch.Generator()) for leaf in leaves] for leaves, _ in flat]
@@ -377,15 +435,39 @@ def analyze_space(gm: fx.GraphModule, space: Space) -> SpaceAnalysis:
     if region.problems:
         evidence.update(reason="; ".join(region.problems[:5]))
         return SpaceAnalysis(space, "rows-analysis-failed", evidence)
-    rows_of: dict[str, Any] = {p.name: RowValue(_shape_at(value(p), space), 0)
-                               for p in region.producers}
+    names = tuple(n.name for n in region.nodes)
+    if region.writes:
+        write = region.writes[0]
+        evidence.update(node=write.name, source=node_location(write) or None,
+                        statement=write.format_node()[:200], boundary_problems=len(region.writes),
+                        reason="an attribute write keeps values that carry the rows (padding "
+                               "rows, or the capacity for the count)")
+        return SpaceAnalysis(space, "select-boundary", evidence, names)
+    decisions = size_decisions(region.nodes, space.symbols)
+    if decisions:
+        evidence.update(**decisions[0], size_decisions=len(decisions),
+                        reason="a guard decides on a size of the rows: gathered, the size is "
+                               "the capacity, and the guard could go the other way")
+        return SpaceAnalysis(space, "rows-shape-dependent", evidence, names)
+    counts = count_uses(region.nodes, space.symbols)
+    rows_of: dict[str, Any] = {p.name: _produced(value(p), space) for p in region.producers}
     if region.nodes:
-        flow, by_output = _trace_region(gm, region, space)
+        flow, by_output = _trace_region(gm, region, space, counts)
         evidence.update(flow.evidence)
         if not flow.ok:
-            return SpaceAnalysis(space, flow.code, evidence, tuple(n.name for n in region.nodes))
+            return SpaceAnalysis(space, flow.code, evidence, names)
         rows_of.update(by_output)
-    return _boundaries(gm, space, region, rows_of, evidence)
+    analysis = _boundaries(gm, space, region, rows_of, evidence)
+    analysis.counts = tuple(counts)
+    evidence["counts_as_values"] = tuple(f"{u.size} in {u.user}" for u in counts)
+    return analysis
+
+
+def _produced(val: Any, space: Space) -> Any:
+    """A producer's rows: on dim 0 of each of its tensors (the positions ``nonzero`` gives)."""
+    if isinstance(val, torch.Tensor):
+        return RowValue(_shape_at(val, space), 0)
+    return tuple(_produced(v, space) for v in val)
 
 
 def _shape_at(val: torch.Tensor, space: Space) -> tuple[int, ...]:
@@ -406,7 +488,8 @@ def _boundaries(gm: fx.GraphModule, space: Space, region: _Region, rows_of: dict
     for name, found in rows_of.items():
         node = named[name]
         if isinstance(found, tuple):
-            if any(_row_dim(f) is not None for f in found):
+            if any(_row_dim(f) is not None for f in found) and \
+                    any(u not in inside for u in node.users):
                 bad.append((node, "a structure of values carrying rows leaves the region"))
             continue
         dim = _row_dim(found)
@@ -425,7 +508,7 @@ def _boundaries(gm: fx.GraphModule, space: Space, region: _Region, rows_of: dict
             problem = _boundary(user, node, found, region, reductions, child_masks, outputs)
             if problem:
                 bad.append((user, problem))
-            elif user.op == "output" or is_site(user) or user in region.calls:
+            elif user.op == "output" or site_mask(user) is not None or user in region.calls:
                 exits.append((node.name, dim))
     for node, reduced in region.reductions.items():
         if not reduced.argument and not any(r.node == reduced.node for r in reductions):
@@ -452,10 +535,10 @@ def _boundary(user: fx.Node, node: fx.Node, found: RowValue, region: _Region, re
     if user.op == "output":
         outputs.append((node.name, dim))
         return None
-    if is_site(user):
-        if user.args[1] is node:
-            child_masks.append((node.name, dim))
-        if user.args[0] is node and dim >= value(user.args[1]).dim():
+    if site_mask(user) is node:
+        child_masks.append((node.name, dim))
+    if site_mask(user) is not None:
+        if site_source(user) is node and dim >= value(user.args[1]).dim():
             return "a child selection's mask does not index the dim of the rows"
         return None
     if user in region.calls:

@@ -152,6 +152,14 @@ _CODES = (
          "The paired method writes the loss's Python state (an attribute: a call counter, a "
          "cache); one paired call would write it once where the separate calls write it once each.",
          "Keep native calls, or move the write out of the scored method."),
+    Code("pair-gradient-undecided", "refusal",
+         "Whether a gradient reaches one branch's results cannot be told from the graph (they "
+         "pass code the analysis cannot see through: a leaf function or module whose result may "
+         "or may not carry a gradient, a write into other memory or into the loss's state): "
+         "natively that branch's rows may get no gradient (None), the paired call would give "
+         "them a zero one.",
+         "Let the branch's results reach the loss through torch ops, or detach them where no "
+         "gradient is meant to flow; the calls keep their native form."),
     Code("select-state-written", "refusal",
          "A call kept whole in the region that reads the selected rows (a leaf module, a density "
          "method) writes the loss's Python state; gathered into a capacity, it would see padding "
@@ -246,6 +254,17 @@ _CODES = (
          "The node writes to one of its inputs or to module state (an in-place op, batch-norm "
          "statistics); it runs eagerly, and no region is moved across it.",
          "Use the out-of-place op (x = x + y) where the value is not shared."),
+    Code("write-old-value-read", "refusal",
+         "An in-place write of memory the loss made itself, which no captured region can hold "
+         "with every node touching that memory, cannot run on a copy instead: that memory's old "
+         "value is read after the write (through a view or a name taken before it), so the "
+         "write stays a barrier.",
+         "Take views after the write, or write out of place (x = x * 2) where the old value is kept."),
+    Code("view-of-written-memory", "refusal",
+         "The node shares memory with a value outside its region (a view of the region's input, "
+         "or of another of its outputs) that an in-place write changes later: a region hands out "
+         "its own copy of each output, which would miss the write, so the node runs eagerly.",
+         "Take the view after the write, or write out of place."),
     Code("op-grad-mode", "refusal",
          "A grad-mode switch (no_grad / enable_grad) that no region holds with its whole block "
          "(the block calls user code, nests another switch, or its nodes cannot share a "

@@ -142,8 +142,13 @@ class Integration:
             return
         save_dir = Path(trainer.save_dir)
         fast = criterion.optimized
-        fast.save_certificates(save_dir / f"{REPORT}.json")
-        (save_dir / f"{REPORT}.txt").write_text(fast.explain() + "\n")
+        try:  # the fit is done and saved: a report that cannot be written does not fail it
+            fast.save_certificates(save_dir / f"{REPORT}.json")
+            (save_dir / f"{REPORT}.txt").write_text(fast.explain() + "\n")
+        except Exception as exc:  # noqa: BLE001 - named in the log line
+            _log().warning(f"fxpasses: {summary(criterion)}; report not written "
+                           f"({type(exc).__name__}: {exc})")
+            return
         _log().info(f"fxpasses: {summary(criterion)}; explain() in {save_dir / REPORT}.txt")
 
 
@@ -165,8 +170,9 @@ def enable(model: Any, passes: Sequence[Pass] | None = None) -> Integration:
     """Train ``model`` with its criterion optimized by ``passes`` (None: :func:`default_passes`).
 
     ``model``: a ``YOLO`` object (call before ``model.train(...)``: registers the callbacks of
-    :class:`Integration` for every later fit), or an Ultralytics ``BaseModel`` (its criterion is
-    wrapped now). Returns the :class:`Integration`, whose ``criterion`` tells what happened.
+    :class:`Integration` for every later fit, replacing those of an earlier ``enable``), or an
+    Ultralytics ``BaseModel`` (its criterion is wrapped now, unless it already is). Returns the
+    :class:`Integration`, whose ``criterion`` tells what happened.
     """
     integration = Integration(passes)
     if callable(getattr(model, "add_callback", None)) and hasattr(model, "callbacks"):
@@ -174,6 +180,8 @@ def enable(model: Any, passes: Sequence[Pass] | None = None) -> Integration:
             "on_pretrain_routine_end": integration.on_pretrain_routine_end,
             "on_train_end": integration.on_train_end}
         for event, callback in events.items():
+            model.callbacks[event] = [c for c in model.callbacks.get(event, [])
+                                      if not isinstance(getattr(c, "__self__", None), Integration)]
             model.add_callback(event, callback)
     elif hasattr(model, "init_criterion"):
         integration.wrap(model)

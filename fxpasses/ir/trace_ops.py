@@ -84,16 +84,20 @@ class ExpectLength(GuardOp):
 
 class ReadSource(RuntimeOp):
     """``op()`` or ``op(root)``: the value at ``path`` under ``root`` (an argument of the call,
-    or the object the op holds: the loss, a module's globals, a closure cell), read on this call."""
+    or the object the op holds: the loss, a module's globals, a closure cell), read on this call.
+    ``source``: where guards read it again (:class:`~fxpasses.tracing.sources.Source`; None for
+    an argument's field, which is no state of the loss)."""
 
     pure = True
     grad_free = True
 
-    def __init__(self, op_id: str, path: tuple[tuple[str, Any], ...], shown: str, root: Any = None):
+    def __init__(self, op_id: str, path: tuple[tuple[str, Any], ...], shown: str, root: Any = None,
+                 source: Any = None):
         super().__init__(op_id)
         self.path = path
         self.shown = shown
         self.root = root
+        self.source = source
 
     def __call__(self, *given: Any) -> Any:
         value = given[0] if given else self.root

@@ -8,6 +8,13 @@ per region (applied), one per source line whose nodes stay eager (a check per no
 code), and one per call proven row-independent by an earlier pass (``fxpasses.ir.proofs``): inside a region when its shapes are static; otherwise, when the rows are on
 a capture device and zero padding rows are inert (a float64 witness), its one flow call is recorded
 per power-of-two row bucket (:mod:`fxpasses.runtime.paired_capture`).
+
+Before planning, host reads of the loss's constant tensor state are folded into the graph
+(:mod:`.fold_state`, a certificate and an ``unchanged`` assumption each), list indices of device
+tensors become constant index tensors on the device (no copy from the host each call), and in-place writes of
+the loss's own memory that no region could hold run on a copy where that computes the same
+values (:mod:`.copy_writes`, a certificate per such write, copied or kept as a barrier); copies
+are undone when no region is captured.
 """
 
 from __future__ import annotations
@@ -27,13 +34,16 @@ from .. import options
 from ..certificates import Certificate, Check, Guard, Site
 from ..guards import HOOKS, SiteGuard
 from ..ir.proofs import RowIndependentCall, proven
-from ..pipeline import PassResult
+from ..pipeline import PassResult, copy_graph_module
 from ..ir.runtime_op import RuntimeOp
 from ..runtime.capture import REGION_GUARDS, SIGNATURE, CaptureRecorder, CapturedRegion
+from ..runtime.copy_on_write import OnACopy
 from ..runtime.grad_mode import GradOff, GradRestore
 from ..runtime.ownership import OwnedOutputs
 from ..runtime.paired_capture import PADDED_GUARDS, CapturedPairedCall
 from ..locations import node_location
+from .copy_writes import plan_with_copies
+from .fold_state import device_indices, fold_constant_reads
 
 _PREFIX = "capture_region_"
 def _histogram(nodes: Sequence[fx.Node], verdicts: dict[fx.Node, Verdict]) -> dict[str, int]:
@@ -78,18 +88,26 @@ def _blocks_restoring_modes(gm: fx.GraphModule, nodes: list[fx.Node],
 class CaptureLoss:
     """Capture the loss's static regions in CUDA graphs (see the module docstring).
 
-    ``max_recordings``: recordings a region keeps (a new signature then replaces the least
-    recently replayed); it records at most four times as many in all, then runs new ones eagerly.
-    ``record_after``: the call on which a signature is recorded (the earlier ones run eagerly):
-    the second by default, so that a shape seen once (a data-dependent one) costs no recording.
-    ``min_region_ops``: regions launching fewer ops are not worth a replay.
-    ``count_copies``: a region must also launch more kernels than a replay adds launches (its
-    copies in and out, its two graph launches); False captures every region of
-    ``min_region_ops`` kernels (tests of the replay machinery on tiny regions).
-    ``min_bucket``: the smallest padded row count of a captured paired call.
-    ``recorder``: how regions are recorded (default: CUDA graphs; tests pass a fake one).
-    ``devices``: device types whose tensors may be captured.
-    A bad option (type or range) is a TypeError or ValueError naming it.
+    Args:
+        max_recordings (int): recordings a region keeps (a new signature then replaces the least
+            recently replayed); it records at most four times as many in all, then runs new ones
+            eagerly.
+        record_after (int): the call on which a signature is recorded (the earlier ones run
+            eagerly): the second by default, so that a shape seen once (a data-dependent one)
+            costs no recording.
+        min_region_ops (int): regions launching fewer ops are not worth a replay.
+        count_copies (bool): a region must also launch more kernels than a replay adds launches
+            (its copies in and out, its two graph launches); False captures every region of
+            ``min_region_ops`` kernels (tests of the replay machinery on tiny regions).
+        min_bucket (int): the smallest padded row count of a captured paired call.
+        recorder (CaptureRecorder, optional): how regions are recorded (default: CUDA graphs; tests
+            pass :class:`~fxpasses.runtime.emulated.EmulatedRecorder`).
+        devices (Sequence[str]): device types whose tensors may be captured.
+
+    Raises:
+        TypeError: an option of the wrong type (a recorder without ``record()`` and
+            ``new_pool()``); the message names it.
+        ValueError: a count below 1.
     """
 
     name = "CaptureLoss"
@@ -115,6 +133,16 @@ class CaptureLoss:
                 f"min_region_ops={self.min_region_ops})")
 
     def run(self, gm: fx.GraphModule) -> PassResult:
+        """Replace each capturable region of ``gm`` by a recorded and replayed call.
+
+        Args:
+            gm (fx.GraphModule): a traced loss (:func:`fxpasses.trace`), rewritten in place.
+
+        Returns:
+            PassResult: ``gm``, whether it changed, and one certificate per region (too small
+            ones refused), per source line that stays eager and per row-independent call (one
+            refusal when no tensor is on a capture device, or CUDA is unavailable).
+        """
         devices = {t.device.type for n in gm.graph.nodes for t in tensors_in(value(n))}
         on_device = bool(devices & set(self.devices))
         cuda_ok = "cuda" not in self.devices or torch.cuda.is_available() or "cuda" not in devices
@@ -126,8 +154,14 @@ class CaptureLoss:
                             None if cuda_ok else "cuda-unavailable")]
             return PassResult(gm, False, [Certificate.from_checks(self.name, Site((), (), "whole loss"),
                                                                   checks)])
-        plan = plan_regions(gm, self.devices, self.min_region_ops, self.count_copies)
-        certificates = self._refusals(plan) + self._too_small(plan)
+        folded = fold_constant_reads(gm, self.name) + device_indices(gm, self.name, self.devices)
+        unfolded_copies = copy_graph_module(gm)
+        plan, writes = plan_with_copies(gm, self.name, self.devices, self.min_region_ops, self.count_copies)
+        if not plan.regions and any(c.applied for c in writes):  # copies that gain nothing: undone
+            gm = unfolded_copies
+            plan = plan_regions(gm, self.devices, self.min_region_ops, self.count_copies)
+            writes = [c for c in writes if not c.applied]
+        certificates = folded + writes + self._refusals(plan) + self._too_small(plan)
         region_certs = [self._region_certificate(gm, i, nodes, plan) for i, nodes in enumerate(plan.regions)]
         names = [f"{_PREFIX}{i}" for i, cert in enumerate(region_certs) if cert.applied]
         plan.regions = [nodes for nodes, cert in zip(plan.regions, region_certs) if cert.applied]
@@ -140,7 +174,7 @@ class CaptureLoss:
             regions += self._fuse(gm, plan, names)
         if regions:
             self._own_outputs(gm, regions)
-        return PassResult(gm, bool(regions), region_certs + paired + certificates)
+        return PassResult(gm, bool(regions or folded), region_certs + paired + certificates)
 
     def _capture_padded(self, gm: fx.GraphModule, node: fx.Node, fact: RowIndependentCall) -> CapturedRegion:
         """Replace a row-independent call by one that replays it per row bucket (the node keeps
@@ -246,7 +280,7 @@ class CaptureLoss:
         """One certificate per source line whose nodes stay eager, a check per node."""
         by_line: dict[str, list[fx.Node]] = {}
         for node, verdict in plan.verdicts.items():
-            if verdict.code and not isinstance(node.target, RuntimeOp):
+            if verdict.code and (not isinstance(node.target, RuntimeOp) or isinstance(node.target, OnACopy)):
                 by_line.setdefault(node_location(node), []).append(node)
         certs = []
         for location, nodes in by_line.items():

@@ -23,8 +23,8 @@ import torch.fx as fx
 from torch import nn
 
 from ..analysis.order import conflict
-from ..analysis.graph import (dependent_pairs, downstream, grad_modes, gradient_may_reach_output,
-                              to_digraph)
+from ..analysis.graph import dependent_pairs, downstream, grad_modes, to_digraph
+from ..analysis.gradients import gradient_reach
 from ..analysis.meta import is_dynamic, value
 from ..analysis.rows import analyze_rows
 from ..analysis.witness import pairing_witness, witness_holds
@@ -60,11 +60,18 @@ class CallGroup:
 class PairCalls:
     """Pair every group of calls of ``methods`` on one module (see the module docstring).
 
-    ``methods``: method names to pair (default ``log_prob``; ``"forward"`` pairs module calls).
-    ``modules``: restrict to these module paths (str) or nn.Module classes (default: any module).
-    ``allow_overrides``: classes whose overriding of inherited scoring code is intended.
-    A method name that is not an identifier is a ValueError here; one that no module of the
-    loss has can only be told from the traced graph: that pass then refuses with ``no-site``.
+    Args:
+        *methods (str): method names to pair (default ``log_prob``; ``"forward"`` pairs module
+            calls).
+        modules (Sequence[str | type]): restrict to these module paths or ``nn.Module`` classes
+            (default: any module).
+        allow_overrides (Sequence[type]): classes whose overriding of inherited scoring code is
+            intended.
+
+    Raises:
+        TypeError: ``modules`` or ``allow_overrides`` is not a list or tuple of such items.
+        ValueError: a method name is not an identifier. A name that no module of the loss has
+            can only be told from the traced graph: the pass then refuses with ``no-site``.
     """
 
     name = "PairCalls"
@@ -104,6 +111,15 @@ class PairCalls:
 
     # -- the pass -------------------------------------------------------------------------
     def run(self, gm: fx.GraphModule) -> PassResult:
+        """Pair the groups of calls that every check clears and a float64 witness confirms.
+
+        Args:
+            gm (fx.GraphModule): a traced loss (:func:`fxpasses.trace`), rewritten in place.
+
+        Returns:
+            PassResult: ``gm``, whether it changed, and one certificate per group of calls,
+            refusals included (``no-site`` when there is none).
+        """
         sites = self._call_sites(gm)
         if not sites:
             return PassResult(gm, False, [self._no_site(gm)])
@@ -123,7 +139,8 @@ class PairCalls:
                     cert = self._decide(gm, s)
                     if cert.applied:
                         rely_on(gm, kept_whole(s.calls).reads)
-                        new_nodes, detached = self._rewrite(gm, s, cert.id)
+                        detached = _detached_calls(cert)
+                        new_nodes = self._rewrite(gm, s, cert.id, detached)
                         cert = dataclasses.replace(cert, effect={**cert.effect, "new_nodes": new_nodes,
                                                                  "rows_detached": detached})
                         modified = True
@@ -176,6 +193,7 @@ class PairCalls:
             checks.in_training(module),
             *self._graph_checks(gm, s),
             self._state_writes(s),
+            self._branch_gradients(s),
             *rows_check,
         ]
         per_call = analysis.linear_calls if analysis is not None else None
@@ -225,6 +243,21 @@ class PairCalls:
         return Check("no-state-written", not writes, {"attribute_writes": writes[:10],
                                                       "seen_by": "the trace's run of each call"},
                      None if not writes else "pair-state-written")
+
+    @staticmethod
+    def _branch_gradients(s: CallGroup) -> Check:
+        """For each call, whether a gradient of the outputs reaches its results: the rows of a
+        call that none reaches get none natively (``x.grad`` stays None), so they enter the
+        stacked call detached (the same values; the cat gives them nothing, not zeros). Where
+        that cannot be told the site keeps its native calls."""
+        reach = {c.name: gradient_reach(c) for c in s.calls}
+        undecided = {name: r.undecided for name, r in reach.items() if r.reaches is None}
+        return Check("branch-gradients-decided", not undecided, {
+            "detached": tuple(name for name, r in reach.items() if r.reaches is False),
+            "undecided": undecided,
+            "looked_through": {name: r.through for name, r in reach.items() if r.through},
+            "analysis": "fxpasses.analysis.gradients.gradient_reach"},
+            None if not undecided else "pair-gradient-undecided")
 
     @staticmethod
     def _read_guards(s: CallGroup) -> tuple[Guard, ...]:
@@ -306,20 +339,15 @@ class PairCalls:
         return [meta, shape, Check("row-independent", analysis.ok, analysis.evidence, analysis.code)], analysis
 
     # -- the rewrite ----------------------------------------------------------------------
-    def _rewrite(self, gm: fx.GraphModule, s: CallGroup, proof: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """Replace the calls by one PairedCall and getitems; returns the new nodes' names and the
-        calls whose rows enter detached.
-
-        A call whose result no gradient reaches gives its rows none natively (``x.grad`` stays
-        None); stacked with the other branches' rows they would get a zero gradient, so they
-        enter the stacked call detached (the same values; nothing flows back through them).
-        """
+    def _rewrite(self, gm: fx.GraphModule, s: CallGroup, proof: str,
+                 detached: tuple[str, ...]) -> tuple[str, ...]:
+        """Replace the calls by one PairedCall and getitems, the rows of the ``detached`` calls
+        entering it detached (see :meth:`_branch_gradients`); returns the new nodes' names."""
         graph = gm.graph
         g = to_digraph(graph)
         moved, _ = self._reordering(gm, s, g)
         order = {n: i for i, n in enumerate(graph.nodes)}
         last = max(s.calls, key=order.__getitem__)
-        detached = tuple(c.name for c in s.calls if not gradient_may_reach_output(c))
         site = PairedCall(f"pair_{s.path.replace('.', '_')}_{s.method}", s.method)
         with graph.inserting_after(last):
             module_node = graph.get_attr(s.path)
@@ -352,7 +380,13 @@ class PairCalls:
             graph.erase_node(call)
             if owner is not None and not owner.users:
                 graph.erase_node(owner)
-        return tuple(new_nodes), detached
+        return tuple(new_nodes)
+
+
+def _detached_calls(cert: Certificate) -> tuple[str, ...]:
+    """The calls whose rows enter the paired call detached, as the certificate decided."""
+    (check,) = [c for c in cert.checks if c.id == "branch-gradients-decided"]
+    return tuple(check.evidence["detached"])
 
 
 def _autocast_off() -> contextlib.ExitStack:

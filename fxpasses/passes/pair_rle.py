@@ -1,4 +1,4 @@
-"""PairRLE: one flow call for both branches' RLE keypoint residuals (seed WP-199b).
+"""PairRLE: one flow call for both branches' RLE keypoint residuals.
 
 A dual-branch pose loss scores each branch's visible keypoint residuals with the same RLE flow
 (``flow.log_prob``). Pairing stacks both branches' selected rows, runs the flow once and splits:
@@ -13,7 +13,17 @@ from .pair_calls import PairCalls
 
 
 class PairRLE(PairCalls):
-    """``PairRLE()`` pairs the ``log_prob`` calls on each module; ``PairRLE("forward", ...)``
-    names other methods, ``modules=`` restricts to module paths or classes (as PairCalls)."""
+    """:class:`PairCalls` named for the RLE flow: ``PairRLE()`` pairs the ``log_prob`` calls on
+    each module.
+
+    Args:
+        *methods (str): other method names to pair instead (``PairRLE("forward")``).
+        modules (Sequence[str | type]): restrict to these module paths or ``nn.Module`` classes.
+        allow_overrides (Sequence[type]): classes whose overriding of inherited scoring code is
+            intended.
+
+    Raises:
+        TypeError, ValueError: as :class:`PairCalls`.
+    """
 
     name = "PairRLE"

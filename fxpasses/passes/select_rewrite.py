@@ -30,6 +30,7 @@ computed (:func:`place_reads`).
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,11 +43,11 @@ from ..analysis.capture import is_state
 from ..analysis.meta import storages_of, tensors_in, value
 from ..analysis.ops import node_facts
 from ..analysis.order import effects
-from ..analysis.selection import SpaceAnalysis
+from ..analysis.selection import SpaceAnalysis, is_coordinates, site_mask
 from ..ir.proofs import BucketedSizes, prove
 from ..locations import node_location
 from ..runtime.select import Capacities, CheckCounts, NonEmptyRows, StartCounts
-from ..ir.trace_ops import GuardOp, WriteAttribute
+from ..ir.trace_ops import GuardOp
 
 # aten ops that read memory at positions given by a tensor (a bad index fails the device)
 _INDEXING = ("aten.index", "aten.gather", "aten.scatter", "aten.take", "aten.embedding",
@@ -186,8 +187,16 @@ def _space(gm: fx.GraphModule, analysis: SpaceAnalysis, mask: fx.Node, count: fx
     invalid = add(operator.invert, valid)
     rows_of = NonEmptyRows(f"rows_of_{analysis.space.mask}")
     ranks = {name: value(named[name]).dim() for name, _ in analysis.child_masks}  # before rewriting
+    shape = (None, *analysis.space.trailing)  # the first size is never needed
     for name in analysis.space.sites:  # x[m] ==> rows_of(x.flatten(0, m.dim() - 1))[idx]
         site = named[name]
+        if is_coordinates(site):  # m.nonzero() ==> the positions of idx in m
+            stacked = _coordinates(graph, site, index, shape, made, cleaned)
+            if stacked is None:
+                del named[name]  # a tuple: its parts are the positions, nothing else reads it
+            else:
+                named[name] = stacked
+            continue
         source = site.args[0]
         with graph.inserting_before(site):
             rows = _made(graph.call_function(torch.flatten, (source, 0, dims - 1)), site, made) \
@@ -209,10 +218,52 @@ def _space(gm: fx.GraphModule, analysis: SpaceAnalysis, mask: fx.Node, count: fx
         with graph.inserting_after(shaped):
             kept = _made(graph.call_function(operator.and_, (child, shaped)), child, made)
         for user in list(child.users):
-            if user.op == "call_function" and user.target is operator.getitem and user.args[1] is child:
-                user.update_arg(1, kept)
+            if site_mask(user) is child:
+                user.replace_input_with(child, kept)
         masks[name] = kept
+    for use in analysis.counts:  # rows.shape[0] as a value ==> the true count, on the device
+        user = named[use.user]
+        with graph.inserting_before(user):
+            true = count if use.factor == 1 else \
+                _made(graph.call_function(operator.mul, (count, use.factor)), user, made)
+        user.replace_input_with(named[use.size], true)
     return named
+
+
+def _coordinates(graph: fx.Graph, site: fx.Node, index: fx.Node, shape: tuple, made: set[fx.Node],
+                 cleaned: set[fx.Node]) -> fx.Node | None:
+    """``m.nonzero(as_tuple=...)`` of a mask of ``shape`` as the positions of the gathered flat
+    ``index`` (each a real row's, 0 when the selection is empty: cleaned): the tuple's parts
+    replace its ``getitem`` users, or the stacked positions replace the site (returned)."""
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+
+    def add(target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        with graph.inserting_before(site):
+            return _made(graph.call_function(target, args, kwargs), site, made)
+
+    parts = []
+    for dim, stride in enumerate(strides):  # position d = index // stride_d % size_d
+        part = index if stride == 1 else add(torch.div, index, stride, rounding_mode="floor")
+        if dim > 0:
+            part = add(torch.remainder, part, max(int(shape[dim]), 1))
+        parts.append(part)
+    cleaned.update(parts)
+    if not site.kwargs.get("as_tuple", False):
+        stacked = add(torch.stack, tuple(parts), 1)
+        cleaned.add(stacked)
+        site.replace_all_uses_with(stacked)
+        graph.erase_node(site)
+        return stacked
+    for user in list(site.users):
+        if user.op == "call_function" and user.target is operator.getitem and \
+                isinstance(user.args[1], int):
+            user.replace_all_uses_with(parts[user.args[1]])
+            graph.erase_node(user)
+        else:  # a guard on the tuple's length, say: the tuple of the parts
+            user.args = fx.node.map_arg(user.args, lambda n: tuple(parts) if n is site else n)
+            user.kwargs = fx.node.map_arg(user.kwargs, lambda n: tuple(parts) if n is site else n)
+    graph.erase_node(site)
+    return None
 
 
 def _floating(val: Any) -> bool:
@@ -234,6 +285,9 @@ def _along(dim: int, rank: int) -> list[int]:
     return [1] * dim + [-1] + [1] * (rank - dim - 1)
 
 
+_NEUTRAL = {"sum": 0, "mean": 0, "any": False, "all": True}  # what a padding row is filled with
+
+
 def _mask_reduction(graph: fx.Graph, named: dict[str, fx.Node], r: Any, invalid: fx.Node,
                     count: fx.Node, made: set[fx.Node]) -> None:
     """sum/mean over the rows of the real rows only (see the module docstring)."""
@@ -251,8 +305,8 @@ def _mask_reduction(graph: fx.Graph, named: dict[str, fx.Node], r: Any, invalid:
     else:
         rows = named[r.rows]
     shaped = add("view", invalid, _along(r.row_dim, r.rank), method=True)
-    masked = add("masked_fill", rows, shaped, 0, method=True)
-    if r.kind == "sum" and not r.argument:  # the same call on the masked rows
+    masked = add("masked_fill", rows, shaped, _NEUTRAL[r.kind], method=True)
+    if r.kind in ("sum", "any", "all") and not r.argument:  # the same call on the masked rows
         node.replace_input_with(rows, masked)
         return
     dims = list(range(r.rank)) if r.dims is None else list(r.dims)
@@ -314,9 +368,9 @@ def visible_before(gm: fx.GraphModule, node: fx.Node, external: set[int],
 
 
 def _shows(node: fx.Node, external: set[int]) -> str | None:
-    """Why an abandon after ``node`` would not be invisible, or None."""
-    if node.op == "call_function" and isinstance(node.target, WriteAttribute):
-        return "an attribute write"
+    """Why an abandon after ``node`` would not be invisible, or None. An attribute write is
+    put back when the call is abandoned (``undone_on_failure``); one that keeps the rows is
+    refused by the analysis (``select-boundary``)."""
     found = effects(node)
     if found.unknown:
         return "effects unknown"

@@ -52,7 +52,7 @@ import torch.fx as fx
 
 from .. import options
 from ..analysis.meta import value
-from ..analysis.selection import Space, SpaceAnalysis, analyze_space, find_spaces
+from ..analysis.selection import Space, SpaceAnalysis, analyze_space, find_spaces, site_source
 from ..certificates import Certificate, Check, Site
 from ..ir.proofs import kept_whole, rely_on
 from ..locations import node_location
@@ -68,7 +68,12 @@ REORDERED = "reduction order changes: not bitwise, float64 difference measured"
 class SelectRows:
     """Rewrite boolean-mask selections to a static capacity (see the module docstring).
 
-    ``min_bucket``: the smallest capacity.
+    Args:
+        min_bucket (int): the smallest capacity.
+
+    Raises:
+        TypeError: ``min_bucket`` is not an int.
+        ValueError: ``min_bucket`` is below 1.
     """
 
     name = "SelectRows"
@@ -80,6 +85,15 @@ class SelectRows:
         return f"SelectRows(min_bucket={self.min_bucket})"
 
     def run(self, gm: fx.GraphModule) -> PassResult:
+        """Rewrite every selection space whose checks all hold, level by level.
+
+        Args:
+            gm (fx.GraphModule): a traced loss (:func:`fxpasses.trace`), rewritten in place.
+
+        Returns:
+            PassResult: ``gm``, whether it changed, and one certificate per space (a mask and
+            its selections), refusals included.
+        """
         spaces = find_spaces(gm)
         named = {n.name: n for n in gm.graph.nodes}
         analyses = {s.mask: analyze_space(gm, s) for s in spaces}
@@ -176,7 +190,10 @@ class SelectRows:
                      checks: list[Check], witness: Any) -> Certificate:
         sites = [named[s] for s in space.sites]
         contracting = analysis.evidence.get("contracting_ops", 0)
-        exact = not analysis.reductions and not analysis.calls and not contracting
+        # a count as a divisor is a division by a tensor where native divides by a Python
+        # int (CUDA multiplies by its reciprocal): not bitwise either
+        exact = not analysis.reductions and not analysis.calls and not contracting and \
+            not analysis.counts
         effect = {
             "level": space.level, "sites": len(sites), "region_nodes": len(analysis.region),
             "capacity": f"chosen before the count is known: the next power of two of the largest "
@@ -188,6 +205,8 @@ class SelectRows:
             "numeric_class": EXACT if exact else REORDERED,
             "masked_reductions": tuple(f"{r.kind} at {r.node}" for r in analysis.reductions),
             "divisors": "true counts, on the device",
+            "counts_as_values": tuple(f"{u.factor} x the count for {u.size} in {u.user}"
+                                      for u in analysis.counts),
             "empty_selection": "abandoned at the read: the call runs natively (selection-empty)"}
         guards = (*(g.as_guard() for g in COUNT_GUARDS),
                   *(a.as_guard() for a in kept_whole([named[n] for n in analysis.region
@@ -201,10 +220,14 @@ class SelectRows:
 
 def _mask_shape(named: dict[str, fx.Node], space: Space) -> Check:
     mask = value(named[space.mask])
-    wrong = [s for s in space.sites if not _leading(mask, value(named[s].args[0]))]
-    ok = not wrong and space.level > 0
+    sources = {s: site_source(named[s]) for s in space.sites}
+    wrong = [s for s, x in sources.items() if x is not None and not _leading(mask, value(x))]
+    # the positions m.nonzero() come from the flat index by the sizes after the first
+    unknown = [s for s, x in sources.items() if x is None and None in space.trailing]
+    ok = not wrong and not unknown and space.level > 0
     evidence = {"mask_shape": _shape_text(mask), "level": space.level,
-                "sites_not_indexing_leading_dims": tuple(wrong)}
+                "sites_not_indexing_leading_dims": tuple(wrong),
+                "positions_of_a_mask_with_dynamic_trailing_sizes": tuple(unknown)}
     if space.level == 0:
         evidence["reason"] = "the mask's shape depends on data other than a selection's rows"
     return Check("mask-indexes-leading-dims", ok, evidence, None if ok else "select-mask-shape")

@@ -33,7 +33,7 @@ from torch.utils import _pytree as pytree
 
 from ..analysis.meta import value
 from ..analysis.selection import (SpaceAnalysis, concrete_size, example_value, meta_value,
-                                  subgraph, symbols_of)
+                                  site_mask, site_source, subgraph, symbols_of)
 from ..certificates import Witness
 from ..pipeline import copy_graph_module
 from ..ir.runtime_op import RuntimeOp
@@ -86,8 +86,8 @@ def selection_witness(gm: fx.GraphModule, analyses: list[SpaceAnalysis], seed: i
     capacities = {space.mask: space.capacities for space in done.spaces}
     placeholders = [n for n in native.graph.nodes if n.op == "placeholder"]
     masks = sorted({a.space.mask for a in analyses})
-    sources = {n.args[0].name: n.args[1].name for n in native.graph.nodes
-               if n.name in {s for a in analyses for s in a.space.sites}}
+    sources = {site_source(n).name: site_mask(n).name for n in native.graph.nodes
+               if n.name in {s for a in analyses for s in a.space.sites} and site_source(n) is not None}
     parents = frozenset().union(*(symbols_of(meta_value(p)) for p in placeholders))
     sizes = dict.fromkeys(parents, PARENT_ROWS)
     traced = {m: tuple(concrete_size(s, sizes) for s in value(_named(native, m)).shape)

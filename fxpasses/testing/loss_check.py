@@ -149,7 +149,22 @@ class CaseReport:
 
 def check_case(case: LossCase, *, arms: dict[str, Callable[[], list]] | None = None,
                rtol: float = 1e-9, atol: float = 1e-12) -> CaseReport:
-    """Every arm against the native module on ``case`` (see the module docstring)."""
+    """Every arm against the native module on ``case`` (see the module docstring).
+
+    Args:
+        case (LossCase): a drawn case (:func:`~.random_losses.random_losses`).
+        arms (dict, optional): arm name -> a function returning that arm's passes (default
+            :data:`ARMS`).
+        rtol (float): relative tolerance of each observation.
+        atol (float): absolute tolerance of each observation.
+
+    Returns:
+        CaseReport: each arm's comparisons, loud refusal and coverage; ``report.ok`` when no
+        observation of any arm differs from native's.
+
+    Raises:
+        InvalidCase: the native module itself raised on the case.
+    """
     start = time.perf_counter()
     native = case.module()
     reference = run_protocol(native, native, case)
@@ -189,7 +204,7 @@ def _wrap_registry_restored() -> Iterator[None]:
     The code torch.fx generates for a graph that calls a leaf function registers its globals
     there (``torch.fx.wrap`` at its top), for good: they hold the graph's run-time sites, so no
     optimized loss that used a leaf function is ever freed (a leak of captured regions and their
-    recordings; see tests/passes/test_capture_regressions.py). Thousands of cases would slow
+    recordings; see tests/passes/test_capture_and_pair_match_native.py). Thousands of cases would slow
     down with it; the checker removes the entries its arms added.
     """
     registry = getattr(torch.fx._symbolic_trace, "_wrapped_fns_to_patch", None)

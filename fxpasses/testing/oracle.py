@@ -38,7 +38,13 @@ from torch.utils import _pytree as pytree
 
 @dataclass(frozen=True)
 class Comparison:
-    """One compared item: an output leaf, an input gradient or a parameter gradient."""
+    """One compared item: an output leaf, an input gradient or a parameter gradient.
+
+    ``where`` names it (``output .total``, ``grad args[0].o2m.scores``, ``grad param flow.w``);
+    ``kind`` says what differed (value, shape, nan, missing, type, structure, requires-grad);
+    ``ratio`` is the worst ``|cand - ref| / (atol + rtol |ref|)``, inf for a structural
+    difference; ``index``, ``reference`` and ``candidate`` locate and show the worst element.
+    """
 
     where: str  # "output .total", "grad args[0].o2m.scores", "grad param flow.masks"
     ok: bool
@@ -59,7 +65,11 @@ class Comparison:
 
 @dataclass(frozen=True)
 class EquivalenceReport:
-    """Every comparison made, the tolerances, and the worst difference."""
+    """Every comparison made, the tolerances, and the worst difference.
+
+    ``ok``: every comparison passed; ``failures``: those that did not; ``worst``: the largest
+    ratio, failures first; ``str(report)`` is the readable summary.
+    """
 
     comparisons: tuple[Comparison, ...]
     rtol: float
@@ -101,7 +111,25 @@ def compare(reference: Callable, candidate: Callable, args: tuple = (), kwargs: 
             parameters: bool = True) -> EquivalenceReport:
     """Compare ``reference(*args, **kwargs)`` and ``candidate(...)``; see the module docstring.
 
-    ``parameters=False`` skips parameter gradients (e.g. a candidate that is a plain function).
+    Args:
+        reference (Callable): the callable trusted (the native loss).
+        candidate (Callable): the callable checked (an optimized loss).
+        args (tuple): positional arguments, any pytree; each callable gets its own float64 copy.
+        kwargs (dict, optional): keyword arguments, likewise.
+        rtol (float): relative tolerance of each element.
+        atol (float): absolute tolerance of each element.
+        seed (int): ``torch.manual_seed`` of each call (the same for both).
+        parameters (bool): compare parameter gradients; False skips them (e.g. a candidate that
+            is a plain function).
+
+    Returns:
+        EquivalenceReport: every comparison (output leaves, input and parameter gradients) and
+        the worst; ``report.ok`` when all are within tolerance. A different output structure is
+        one failed comparison.
+
+    Raises:
+        Exception: what ``reference`` or ``candidate`` raises (a call is not compared if it
+            fails).
     """
     kwargs = dict(kwargs or {})
     ref = _run(reference, args, kwargs, seed)
@@ -122,7 +150,19 @@ def compare(reference: Callable, candidate: Callable, args: tuple = (), kwargs: 
 
 def assert_equivalent(reference: Callable, candidate: Callable, args: tuple = (),
                       kwargs: dict | None = None, **options: Any) -> EquivalenceReport:
-    """:func:`compare`, raising ``AssertionError`` with the report unless equivalent."""
+    """:func:`compare`, raising unless equivalent.
+
+    Args:
+        reference, candidate, args, kwargs: as :func:`compare`.
+        **options: ``rtol``, ``atol``, ``seed``, ``parameters`` of :func:`compare`.
+
+    Returns:
+        EquivalenceReport: the report, every comparison within tolerance.
+
+    Raises:
+        AssertionError: some comparison is not; the message is the report (the worst item
+            first, then every failure).
+    """
     report = compare(reference, candidate, args, kwargs, **options)
     if not report.ok:
         raise AssertionError(str(report))

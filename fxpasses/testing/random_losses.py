@@ -272,10 +272,22 @@ def mutations(draw: st.DrawFn, program: Program, calls: int) -> tuple[Mutation, 
 def random_losses(draw: st.DrawFn, *, programs: st.SearchStrategy[Program] | None = None,
                   calls: tuple[int, int] = (2, 3), schedules: Sequence[str] = SCHEDULES,
                   extras: bool = True) -> LossCase:
-    """A :class:`LossCase`: a program, a parameter seed, 2-3 calls, a schedule, second order or
-    not; with ``extras``, now and then mutations between calls (one case in four that can have
-    them), a stateful flow (one in six that calls the flow) and a bad call (one in six that
-    can raise on a wider input)."""
+    """A hypothesis strategy of :class:`LossCase`: a program, a parameter seed, 2-3 calls, a
+    schedule, second order or not; with ``extras``, now and then mutations between calls (one
+    case in four that can have them), a stateful flow (one in six that calls the flow) and a bad
+    call (one in six that can raise on a wider input).
+
+    Args:
+        programs (SearchStrategy[Program], optional): where programs come from (default
+            :func:`~.loss_programs.loss_programs`).
+        calls (tuple[int, int]): the fewest and most calls of a case.
+        schedules (Sequence[str]): the schedules drawn from (:data:`SCHEDULES`).
+        extras (bool): draw mutations, stateful flows and bad calls too.
+
+    Returns:
+        SearchStrategy[LossCase]: for ``@given(random_losses())``; check each with
+        :func:`~.loss_check.check_case`.
+    """
     program = draw(programs if programs is not None else loss_programs())
     seed = draw(st.integers(0, 2**16))
     count = draw(st.integers(*calls))

@@ -179,12 +179,12 @@ class ObjectTracker:
             _, _, placeholder = next(v for v in self._sources.values() if v[0] == Source(source.root))
             return ReadSource(op_id, source.path, str(source)), (placeholder,)
         if kind == "loss":
-            return ReadSource(op_id, source.path, str(source), self._sources_root("loss")), ()
+            return ReadSource(op_id, source.path, str(source), self._sources_root("loss"), source), ()
         if kind == "global":
             return ReadSource(op_id, (("item", source.root[2]), *source.path), str(source),
-                              source.root[1]), ()
+                              source.root[1], source), ()
         return ReadSource(op_id, (("attr", "cell_contents"), *source.path), str(source),
-                          source.root[1]), ()
+                          source.root[1], source), ()
 
     def _sources_root(self, kind: str) -> Any:
         return next(obj for src, obj, _ in self._sources.values() if src.root == (kind,) and not src.path)

@@ -6,6 +6,8 @@
   ``_set_grad_enabled`` nodes in place; an autocast switch inside the loss is refused;
 * density methods (``flow.log_prob``), leaf modules and leaf functions become one node each:
   the call runs on plain values with recording paused, its results are traced;
+* the globals of each user module whose code the trace runs get stand-ins for ``len`` and
+  ``int`` where that module cannot tell them from the builtins (:mod:`.shadows`);
 * a profile hook records the globals of every user function the trace executes (garbage
   collection is off meanwhile, so that no collection callback's globals are taken for the loss's;
   a profiler already installed with ``sys.setprofile`` is off during the trace).
@@ -26,6 +28,7 @@ from ..isolation import ModuleState
 from ..locations import is_user_file
 from .objects import ObjectTracker
 from .recorder import Recorder, Unsupported
+from .shadows import BuiltinShadows
 from .values import TracedScalar, TracedTensor, active_recorder
 
 FACTORIES = ("zeros ones empty full rand randn randint randperm arange linspace logspace eye tensor "
@@ -49,20 +52,32 @@ _ABSENT = object()
 
 
 class Patches:
+    """The trace's undo journal: attributes and mapping entries it set, undone in reverse."""
+
     def __init__(self) -> None:
-        self.undo: list[tuple[Any, str, Any]] = []
+        self.undo: list[tuple[bool, Any, str, Any]] = []  # (an item?, owner, name, previous)
 
     def set(self, owner: Any, name: str, value: Any) -> None:
         previous = vars(owner).get(name, _ABSENT) if hasattr(owner, "__dict__") else _ABSENT
-        self.undo.append((owner, name, previous))
+        self.undo.append((False, owner, name, previous))
         setattr(owner, name, value)
 
+    def set_item(self, mapping: dict, key: str, value: Any) -> None:
+        self.undo.append((True, mapping, key, mapping.get(key, _ABSENT)))
+        mapping[key] = value
+
     def restore(self) -> None:
-        for owner, name, previous in reversed(self.undo):
-            if previous is _ABSENT:
+        for item, owner, name, previous in reversed(self.undo):
+            if item:
+                if previous is _ABSENT:
+                    owner.pop(name, None)
+                else:
+                    owner[name] = previous
+            elif previous is _ABSENT:
                 delattr(owner, name)
             else:
                 setattr(owner, name, previous)
+        self.undo.clear()
 
 
 def _factory(original: Callable, thread: int) -> Callable:
@@ -147,7 +162,7 @@ class ModulePatcher:
 
 @contextlib.contextmanager
 def patched(rec: Recorder, tracker: ObjectTracker, patcher: ModulePatcher,
-            leaf_functions: tuple[Callable, ...]) -> Iterator[None]:
+            leaf_functions: tuple[Callable, ...], shadows: BuiltinShadows) -> Iterator[None]:
     """Everything the trace changes (see the module docstring), restored on every exit."""
     thread = threading.get_ident()
     patches = patcher.patches
@@ -168,6 +183,7 @@ def patched(rec: Recorder, tracker: ObjectTracker, patcher: ModulePatcher,
     def profile(frame: Any, event: str, arg: Any) -> None:
         if event == "call" and is_user_file(frame.f_code.co_filename):
             if not rec.paused:
+                shadows.cover(frame.f_globals)
                 tracker.frame_state(frame)
             elif rec.kept_whole is not None:  # the code of a call kept whole
                 tracker.frame_state_inside(frame)

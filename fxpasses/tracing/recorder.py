@@ -86,6 +86,7 @@ class Recorder:
         self.opaque_modules: dict[int, nn.Module] = {}  # modules called as one node
         self.busy = False  # inside a torch call being recorded: the recorder's own calls are plain
         self.guards: list[tuple[str, str]] = []  # (kind, location) of guard nodes, in order
+        self.guard_nodes: list[fx.Node] = []  # the guard nodes, in the same order
         self._events: list[tuple[str, str]] = []  # ("guard" | "write", location), in order
         self._attrs: dict[Any, fx.Node] = {}
         self._constants: dict[int, str] = {}
@@ -110,7 +111,7 @@ class Recorder:
     def guard(self, op: Any, value: fx.Node, kind: str) -> None:
         self.guards.append((kind, op.location))
         self._events.append(("guard", op.location))
-        self.node("call_function", op, (value,))
+        self.guard_nodes.append(self.node("call_function", op, (value,)))
 
     def writes_before_guards(self) -> tuple[str, ...]:
         """Locations of writes to inputs, parameters or buffers that precede a guard node."""
@@ -254,15 +255,22 @@ class Recorder:
 
     # -- scalars ---------------------------------------------------------------------------------
     def size(self, tensor: TracedTensor, dim: int) -> TracedScalar:
-        dim = dim % max(tensor.dim(), 1)
+        with torch._C.DisableTorchFunctionSubclass():  # the real size, whoever asks
+            dim = dim % max(tensor.dim(), 1)
+            size = tensor.shape[dim]
         key = (tensor._fx_node, dim)
         if key not in self._sizes:
             node = self.node("call_method", "size", (tensor._fx_node, dim))
-            self._sizes[key] = TracedScalar(tensor.shape[dim], node, self)
+            self._sizes[key] = TracedScalar(size, node, self)
         return self._sizes[key]
 
     def shape(self, tensor: TracedTensor) -> TracedSize:
         return TracedSize(self.size(tensor, d) for d in range(tensor.dim()))
+
+    def item(self, tensor: TracedTensor) -> TracedScalar:
+        """``tensor.item()``, a host read on every call."""
+        value = self.run(torch.Tensor.item, (tensor,), {})
+        return TracedScalar(value, self.node("call_method", "item", (tensor._fx_node,)), self)
 
     def scalar_op(self, op: Callable, *operands: Any) -> TracedScalar:
         """``op`` on traced numbers, as a node; on another thread (a float the trace stands in
@@ -416,8 +424,7 @@ def _numel(rec: Recorder, args: tuple, kwargs: dict) -> TracedScalar:
 
 
 def _item(rec: Recorder, args: tuple, kwargs: dict) -> TracedScalar:
-    value = rec.run(torch.Tensor.item, args, kwargs)
-    return TracedScalar(value, rec.node("call_method", "item", (args[0]._fx_node,)), rec)
+    return rec.item(args[0])
 
 
 def _to_python(convert: Callable) -> Callable:

@@ -75,13 +75,21 @@ def test_a_tiny_cpu_fit_pair_writes_both_arms(tmp_path):
     pytest.importorskip("ultralytics", minversion="8.4")
     out = tmp_path / "fit.json"
     done = run("fit.py", "--epochs", "1", "--train-images", "8", "--val-images", "4", "--imgsz",
-               "160", "--pairs", "1", "--device", "cpu", "--batch", "4", "--workers", "0",
-               "--work", str(tmp_path / "work"), "--out", str(out))
+               "160", "--pairs", "2", "--deadline-s", "1", "--device", "cpu", "--batch", "4",
+               "--workers", "0", "--work", str(tmp_path / "work"), "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(out.read_text())["batches"]["4"]["summary"]
+    results = json.loads(out.read_text())
+    assert results["stopped_by_deadline"] == [4]  # the first pair ran, the second would not fit
+    summary = results["batches"]["4"]["summary"]
     for arm in ("native", "fxpasses"):
         assert len(summary[arm]["fit_s"]["values"]) == 1 and summary[arm]["train_losses"][0]
-        assert summary[arm]["metrics"][0]
-    runs = json.loads(out.read_text())["batches"]["4"]["runs"]
+        assert summary[arm]["metrics"][0] and summary[arm]["process_s"]["median"] > 0
+        assert f"{arm}_b4_1: epoch 1/1 at" in done.stderr  # progress of each epoch
+    runs = results["batches"]["4"]["runs"]
+    assert [r["arm"] for r in runs] == ["native", "fxpasses"]
     (fast,) = [r for r in runs if r["arm"] == "fxpasses"]
     assert fast["fxpasses"]["stats"]["optimized"] >= 1
+    assert all(r["amp_check"] == {"ran": True, "answer": False, "s": r["amp_check"]["s"]}
+               for r in runs)  # on a CPU the trainer's check answers False at once
+    assert (tmp_path / "fit_fxpasses_b4.txt").read_text().strip()
+    assert "fxpasses losses box" in done.stderr and "would end after --deadline-s" in done.stderr

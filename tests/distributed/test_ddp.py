@@ -11,13 +11,13 @@ batch has no visible keypoints (step 1) and then no objects (step 2); DDP with i
 
 from __future__ import annotations
 
-import json
-import socket
-import time
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
+
+from fxpasses.cli import import_file
+
+ranks = import_file(Path(__file__).parents[1] / "helpers" / "ranks.py")
 
 pytestmark = pytest.mark.long  # whole pose losses end to end: see pyproject.toml
 
@@ -25,34 +25,14 @@ WORLD_SIZE = 2
 TIMEOUT_S = 120.0
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run_ranks(tmp_path: Path) -> list[dict]:
-    from ddp_worker import run_rank
-
-    context = mp.start_processes(run_rank, args=(WORLD_SIZE, _free_port(), str(tmp_path)),
-                                 nprocs=WORLD_SIZE, join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    while not context.join(timeout=1.0):  # re-raises a rank's exception with its traceback
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.terminate()
-            pytest.fail(f"DDP ranks did not finish within {TIMEOUT_S:.0f} s")
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
-
-
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # spawned ranks inherit sys.path
-    try:
-        yield _run_ranks(tmp_path_factory.mktemp("ddp"))
-    finally:
-        monkeypatch.undo()
+    with ranks.importable(Path(__file__).parent):
+        from ddp_worker import run_rank
+
+        folder = tmp_path_factory.mktemp("ddp")
+        yield ranks.run_ranks(run_rank, (WORLD_SIZE, ranks.free_port(), str(folder)), WORLD_SIZE,
+                              folder, TIMEOUT_S)
 
 
 @pytest.mark.parametrize("arm", ["PairRLE", "PairRLE+CaptureLoss"])

@@ -3,47 +3,21 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.fx as fx
-from torch import nn
 
 from fxpasses import PassResult, optimize
 from fxpasses.certificates import Certificate, Site
+from fxpasses.cli import import_file
 from fxpasses.passes import PairRLE
 from fxpasses.ir.runtime_op import RuntimeOp
 
+flows = import_file(Path(__file__).parents[1] / "helpers" / "float64_flows.py")
 
-@pytest.fixture(autouse=True)
-def float64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
-
-
-class Flow(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inner, self.outer = nn.Linear(2, 8), nn.Linear(8, 2)
-
-    def log_prob(self, x):
-        return -(self.outer(torch.tanh(self.inner(x))) ** 2).sum(-1)
-
-
-class Masked(nn.Module):
-    """Two branches scored by one flow; a running total rebound on each call (an attribute
-    write that a failed optimized run must leave undone)."""
-
-    def __init__(self):
-        super().__init__()
-        self.flow = Flow()
-        self.total = torch.zeros(())
-
-    def forward(self, a, b, mask):
-        loss = -self.flow.log_prob(a[mask]).mean() - self.flow.log_prob(b).mean()
-        self.total = self.total + loss.detach()
-        return loss
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def _inputs(seed: int = 0, width: int = 2):
@@ -69,7 +43,7 @@ def _assert_native(loss, fast, args):
 
 
 def test_an_error_native_raises_too_propagates_as_natives_and_later_calls_run_optimized():
-    loss = Masked()
+    loss = flows.MaskedWithTotal()
     fast = optimize(loss, passes=[PairRLE()])
     _assert_native(loss, fast, _inputs(0))
     wrong = _inputs(1, width=3)  # the flow takes 2 columns: natively an error as well
@@ -85,7 +59,7 @@ def test_an_error_native_raises_too_propagates_as_natives_and_later_calls_run_op
         _assert_native(loss, fast, _inputs(seed))
     stats = fast.stats
     assert stats.native == {"native-raised": 1} and not stats.exceptions, stats.render()
-    assert stats.optimized == 3 and all(s.disabled is None for s in fast.specializations)
+    assert stats.optimized == 3 and all(fast.disabled(s) is None for s in fast.specializations)
 
 
 class _RaiseOnce(RuntimeOp):
@@ -125,7 +99,7 @@ class RaiseAt:
 
 
 def test_a_transient_failure_returns_natives_result_counted_and_later_calls_run_optimized():
-    loss = Masked()
+    loss = flows.MaskedWithTotal()
     fast = optimize(loss, passes=[PairRLE(), RaiseAt(1)])
     for seed in range(4):  # the second call's optimized run raises once
         _assert_native(loss, fast, _inputs(seed))
@@ -133,15 +107,15 @@ def test_a_transient_failure_returns_natives_result_counted_and_later_calls_run_
     assert stats.native == {"optimized-path-raised": 1} and stats.optimized == 3, stats.render()
     (exc,) = stats.exceptions
     assert exc.type == "OutOfMemoryError" and exc.node == "raise_at"
-    assert fast.specializations[0].disabled is None
+    assert fast.disabled(fast.specializations[0]) is None
 
 
 def test_failures_that_native_survives_disable_the_specialization_only_three_in_a_row():
-    loss = Masked()
+    loss = flows.MaskedWithTotal()
     fast = optimize(loss, passes=[PairRLE(), RaiseAt(1, 2, 4, 5, 6)])
     for seed in range(8):  # optimized, 2 failures, optimized (the count starts again), 3 failures
         _assert_native(loss, fast, _inputs(seed))
     stats = fast.stats
     assert stats.optimized == 2 and len(stats.exceptions) == 5
     assert stats.native == {"optimized-path-raised": 5, "optimized-path-disabled": 1}, stats.render()
-    assert fast.specializations[0].disabled == "optimized-path-disabled"
+    assert fast.disabled(fast.specializations[0]) == "optimized-path-disabled"

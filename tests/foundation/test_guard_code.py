@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from fxpasses.guard_code import FAILED_READ, compile_check
+from fxpasses.guard_code import READ_FAILED, compile_check
 from fxpasses.guards import Assumption, LossRoots, first_failure, whole_loss_assumptions
 from fxpasses.snapshots import snapshot
 from fxpasses.specialize import Specialization
@@ -83,14 +83,14 @@ def test_the_generated_check_finds_the_first_failure_of_the_exact_path(changes):
     assumptions = _assumptions(state, arg)
     check = compile_check(assumptions)
     leaves = [torch.zeros(1), arg]
-    assert check(state, leaves) == -1
+    assert check(state, leaves) is None
     _apply(state, arg, changes)
     exact = first_failure(assumptions, LossRoots(state, leaves))
     special = Specialization(0, None, assumptions, check=check)
     assert special.failing(state, leaves) is exact
     index = check(state, leaves)
-    assert index == FAILED_READ or (index == -1) == (exact is None)
-    if index >= 0:
+    assert index is READ_FAILED or (index is None) == (exact is None)
+    if isinstance(index, int):
         assert assumptions[index] is exact
 
 
@@ -100,7 +100,7 @@ def test_a_read_that_raises_falls_back_to_the_exact_path():
     check = compile_check(assumptions)
     del state.assign.topk
     leaves = [torch.zeros(1), arg]
-    assert check(state, leaves) == FAILED_READ
+    assert check(state, leaves) is READ_FAILED
     special = Specialization(0, None, assumptions, check=check)
     exact = collections.Counter()
     assert special.failing(state, leaves, exact) is assumptions[1]  # MISSING is not 10
@@ -233,7 +233,7 @@ def test_autocast_is_checked_inline_and_a_change_is_found():
     assumptions = _assumptions(state, arg)
     check, leaves = compile_check(assumptions), [torch.zeros(1), arg]
     assert "autocast_state() ==" in check.source and "holds(" not in check.source
-    assert check(state, leaves) == -1
+    assert check(state, leaves) is None
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert check(state, leaves) == len(assumptions) - 1
         assert first_failure(assumptions, LossRoots(state, leaves)) is assumptions[-1]

@@ -52,7 +52,7 @@ def test_batchnorm_statistics_move_as_natively(passes):
         args = make_inputs(40, step, 0.5, 0.5, False)
         torch.testing.assert_close(fast(*args), native(*args), rtol=0, atol=0)
     if passes in ("pair", "all"):
-        assert next(c for c in fast.certificates if c.pass_name == "PairRLE").codes == ("rows-mixed",)
+        assert "rows-mixed" in next(c for c in fast.certificates if c.pass_name == "PairRLE").codes
     assert int(loss.flow.norm.num_batches_tracked) == int(native.flow.norm.num_batches_tracked) == 6
     _assert_same_state(loss, native)
 

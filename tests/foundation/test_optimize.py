@@ -305,4 +305,4 @@ def test_an_abandoned_call_runs_natively_and_keeps_the_specialization(two_branch
     stats = fast.stats
     assert stats.optimized == 2 and stats.native == {"optimized-path-raised": 1}  # its code
     assert stats.abandoned == {"optimized-path-raised at here.py:1": 1}
-    assert all(s.disabled is None for s in fast.specializations)
+    assert all(fast.disabled(s) is None for s in fast.specializations)

@@ -82,6 +82,13 @@ def _rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).norm() / want.double().norm().clamp(min=1e-30)).item()
 
 
+def _worst_parameter(network, native_params) -> dict:
+    """The parameter furthest from native's (rel L2), with its name and norm, for the record."""
+    name, p = max(network.named_parameters(), key=lambda np_: _rel_l2(np_[1], native_params[np_[0]]))
+    return {"param_rel_l2_diff": _rel_l2(p, native_params[name]), "worst_param": name,
+            "worst_param_norm": native_params[name].double().norm().item()}
+
+
 def _grad_differences(native_net, network) -> tuple[float, float, list[str]]:
     """Worst rel L2 gradient difference over non-flow and over flow parameters; missing grads."""
     worst, worst_flow, missing = 0.0, 0.0, []
@@ -159,8 +166,7 @@ def test_five_adamw_steps_replayed_and_captured_against_native(precision):
                 "loss_rel_diff": abs((totals[name].double() - totals["native"].double())
                                      / totals["native"].double()).item(),
                 "grad_rel_l2_diff": grad, "flow_grad_rel_l2_diff": flow_grad, "missing_grads": missing,
-                "param_rel_l2_diff": max(_rel_l2(p, native_params[n])
-                                         for n, p in network.named_parameters())})
+                **_worst_parameter(network, native_params)})
     loss = arms["both"][1]
     MEASURED[f"training {precision}"] = {"per_step": rows, "stats": loss.stats.as_dict()}
     _assert_loss_ran_optimized(loss)

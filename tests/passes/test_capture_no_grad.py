@@ -1,8 +1,8 @@
 """No_grad blocks inside captured regions: held whole, restoring the mode they found, or barriers.
 
-An assigner under ``@torch.no_grad()`` between two stretches of loss arithmetic used to split the
-graph into three regions (its switches were barriers); a region now holds such a block whole when
-every node in it can go there. Checked on a CPU with the emulated recorder (CUDA graphs' buffer
+An assigner under ``@torch.no_grad()`` between two stretches of loss arithmetic is held whole by
+one region when every node in it can go there (its mode switches are no barriers), not split into
+three regions. Checked on a CPU with the emulated recorder (CUDA graphs' buffer
 semantics), in float64, against the native loss: values, input and parameter gradients.
 """
 

@@ -256,18 +256,19 @@ def test_rows_leaving_through_an_unknown_boundary_are_refused():
     torch.testing.assert_close(fast(points, fg, keep), module(points, fg, keep))
 
 
-class FromNonzero(nn.Module):
-    """A mask whose size comes from nonzero, not from a selection."""
+class FromUnique(nn.Module):
+    """A mask whose size comes from unique, not from a selection."""
 
     def forward(self, points, fg):
-        picked = points.flatten(0, 1)[torch.nonzero(fg.flatten()).squeeze(-1)]  # (F, K, 2)
+        ids = torch.unique(fg.flatten().long() * torch.arange(fg.numel()))  # 0 and fg's positions
+        picked = points.flatten(0, 1)[ids]  # (U, K, 2)
         keep = picked[:, 0, 0] > 0
         return picked[keep].sum()
 
 
 def test_mask_shaped_by_other_data_is_refused():
     points, _, _, fg, _ = branch_inputs("random", 5, poison=False)
-    module = FromNonzero()
+    module = FromUnique()
     fast, certs = _select_certificates(module, points, fg)
     assert certs["gt"].codes == ("select-mask-shape",)
     torch.testing.assert_close(fast(points, fg), module(points, fg))

@@ -13,15 +13,14 @@ rank's criterion was wrapped and its ordinary calls ran optimized.
 
 from __future__ import annotations
 
-import json
-import socket
-import time
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 
+from fxpasses.cli import import_file
 from fxpasses.integrations import ultralytics as fxu
+
+ranks = import_file(Path(__file__).parents[1] / "helpers" / "ranks.py")
 
 pytestmark = pytest.mark.long  # each rank traces the real criterion
 
@@ -30,13 +29,7 @@ TIMEOUT_S = 600.0
 ODD_STEP = 1  # rank 0: no visible keypoints; rank 1: no persons (see the worker)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run_ranks(tmp_path: Path, mode: str) -> list[dict]:
+def _run_ranks(folder: Path, mode: str) -> list[dict]:
     from ultralytics import YOLO
     from ultralytics_ddp_worker import run_rank
 
@@ -44,26 +37,14 @@ def _run_ranks(tmp_path: Path, mode: str) -> list[dict]:
     fxu.enable(yolo)
     callback = yolo.callbacks["on_pretrain_routine_end"][-1]
     assert isinstance(callback.__self__, fxu.Integration)
-    context = mp.start_processes(run_rank,
-                                 args=(WORLD_SIZE, _free_port(), str(tmp_path), mode, callback),
-                                 nprocs=WORLD_SIZE, join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    while not context.join(timeout=1.0):  # re-raises a rank's exception with its traceback
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.terminate()
-            pytest.fail(f"DDP ranks did not finish within {TIMEOUT_S:.0f} s")
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+    return ranks.run_ranks(run_rank, (WORLD_SIZE, ranks.free_port(), str(folder), mode, callback),
+                           WORLD_SIZE, folder, TIMEOUT_S)
 
 
 @pytest.fixture(scope="module", params=["eager", "compile"])
 def reports(request, tmp_path_factory):
-    monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # spawned ranks inherit sys.path
-    try:
+    with ranks.importable(Path(__file__).parent):
         yield _run_ranks(tmp_path_factory.mktemp(f"ultralytics_ddp_{request.param}"), request.param)
-    finally:
-        monkeypatch.undo()
 
 
 def test_all_reduced_gradients_equal_native_on_every_rank(reports):

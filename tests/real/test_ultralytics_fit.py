@@ -157,23 +157,31 @@ for name in [n for n in sys.modules if n.split(".")[0] == "fxpasses"]:
     del sys.modules[name]
 sys.modules["fxpasses"] = None  # any reference to fxpasses in the checkpoint now fails to load
 from ultralytics import YOLO
-for path in sys.argv[1:3]:
+for path in (*sys.argv[1:3], sys.argv[4]):
     with zipfile.ZipFile(path) as z:
         assert not [n for n in z.namelist() if b"fxpasses" in z.read(n)], path
 model = YOLO(sys.argv[1])
 result = model.predict(sys.argv[3], imgsz=320, device="cpu", verbose=False)[0]
 print("keypoints", tuple(result.keypoints.data.shape[1:]))
+import torch
+trained = torch.load(sys.argv[4], weights_only=False)  # the trained model, criterion and all
+print("criterion", type(trained.criterion).__name__)
 """
 
 
-def test_the_checkpoint_loads_without_fxpasses_and_predicts(fits):
+def test_the_checkpoint_loads_without_fxpasses_and_predicts(fits, tmp_path):
+    from ultralytics.utils.torch_utils import unwrap_model
+
     weights = fits["fx"]["trainer"].save_dir / "weights"
     image = next((fits["data"].parent / "images" / "val").glob("*.png"))
+    trained = unwrap_model(fits["fx"]["trainer"].model)
+    assert isinstance(trained.criterion, fxu.OptimizedCriterion)
+    torch.save(trained, tmp_path / "trained.pt")  # as a user saves the model the trainer trained
     done = subprocess.run([sys.executable, "-c", _LOAD_WITHOUT_FXPASSES, str(weights / "last.pt"),
-                           str(weights / "best.pt"), str(image)],
+                           str(weights / "best.pt"), str(image), str(tmp_path / "trained.pt")],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "keypoints (17, 3)" in done.stdout
+    assert "keypoints (17, 3)" in done.stdout and "criterion E2ELoss" in done.stdout
 
 
 def test_resume_wraps_the_criterion_resume_built(fits):

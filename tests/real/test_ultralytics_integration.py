@@ -78,3 +78,52 @@ def test_a_criterion_that_cannot_be_wrapped_stays_native_with_one_log_line():
         LOGGER.removeHandler(handler)
     assert integration.criterion is None and getattr(model, "criterion", None) is None
     assert [r.getMessage().split(":")[1].strip() for r in records] == ["integration-unsupported"]
+
+
+def _callbacks_of(yolo, event: str) -> list:
+    return [c for c in yolo.callbacks[event]
+            if isinstance(getattr(c, "__self__", None), fxu.Integration)]
+
+
+def test_enable_again_replaces_the_earlier_callbacks():
+    from ultralytics import YOLO
+
+    from fxpasses.passes import PairRLE
+
+    yolo = YOLO("yolo26n-pose.yaml")
+    first, second = fxu.enable(yolo), fxu.enable(yolo, passes=[PairRLE()])
+    for event in ("on_pretrain_routine_end", "on_train_end"):  # one fit: one wrap, one log line
+        assert [c.__self__ for c in _callbacks_of(yolo, event)] == [second], event
+    assert first is not second and [p.name for p in second.passes] == ["PairRLE"]
+    assert len(yolo.callbacks["on_train_end"]) > 1  # the trainer's own callbacks are kept
+
+
+def _log_records(call):
+    from ultralytics.utils import LOGGER
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    LOGGER.addHandler(handler)
+    try:
+        call()
+    finally:
+        LOGGER.removeHandler(handler)
+    return records
+
+
+def test_a_report_that_cannot_be_written_does_not_fail_the_finished_fit(pose_model, tmp_path):
+    from types import SimpleNamespace
+
+    integration = fxu.enable(pose_model)
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")  # the report's folder is a file: writing under it fails
+    trainer = SimpleNamespace(model=pose_model, save_dir=blocked)
+    records = _log_records(lambda: integration.on_train_end(trainer))
+    assert [(r.levelno, r.getMessage().split(";")[-1].split("(")[0].strip()) for r in records] == [
+        (logging.WARNING, "report not written")]
+    assert "fxpasses: E2ELoss with PairRLE, SelectRows" in records[0].getMessage()
+    trainer.save_dir = tmp_path
+    records = _log_records(lambda: integration.on_train_end(trainer))
+    assert len(records) == 1 and records[0].levelno == logging.INFO
+    assert (tmp_path / "fxpasses.json").exists() and (tmp_path / "fxpasses.txt").read_text()

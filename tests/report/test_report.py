@@ -119,7 +119,7 @@ def test_report_of_a_loss_whose_trace_failed(tmp_path):
 def test_render_starts_with_a_summary_of_every_pass(fast):
     text = render_report(build_report(fast), verbose=False, diff=False)
     head = text.splitlines()[2:6]
-    assert head[0] == "summary: 2 calls, 2 optimized, 0 native, 1 specialization"
+    assert head[0] == "summary: 2 calls, 2 optimized, 0 native, 1 specialization (50.0 per 100 calls)"
     assert "  DropTimesOne: applied at 2 of 2 sites" in head
     assert "  RefuseMethods: applied at 0 of 4 sites; refused: op-unknown 4" in head
 

@@ -2,8 +2,8 @@
 
 A loss that updates a running value (``self.ema = 0.5 * self.ema + 1``) before a data-dependent
 decision (``if mask.any():``): when the decision goes the other way, the optimized call is
-abandoned and the call runs natively. Before the fix the abandoned call's write stayed, the
-native run updated the value again, and the loss drifted from native from then on (silently).
+abandoned and the call runs natively. Were the abandoned call's write kept, the native run would
+update the value again, and the loss would drift from native from then on (silently).
 """
 
 from __future__ import annotations

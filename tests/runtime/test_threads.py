@@ -3,60 +3,40 @@
 PairRLE + CaptureLoss (the emulated recorder: CUDA graphs' static buffers, on a CPU), masks so
 that the paired flow call has a data-dependent row count and is replayed per row bucket. Each
 thread runs forward and backward on its own inputs; a call that finds another thread inside the
-optimized path runs natively, counted ``concurrent-call``.
+optimized path runs natively, counted ``concurrent-call``; a call that finds another thread inside
+a captured region runs that region eagerly.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-import time
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from fxpasses import optimize
+from fxpasses.cli import import_file
 from fxpasses.passes import CaptureLoss, PairRLE
+from fxpasses.runtime.capture import CapturedRegion
 from fxpasses.runtime.emulated import EmulatedRecorder
 
+flows = import_file(Path(__file__).parents[1] / "helpers" / "float64_flows.py")
 
-@pytest.fixture(autouse=True)
-def float64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
-
-
-class Flow(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inner, self.outer = nn.Linear(2, 8), nn.Linear(8, 2)
-
-    def log_prob(self, x):
-        return -(self.outer(torch.tanh(self.inner(x))) ** 2).sum(-1)
-
-
-class Masked(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.flow = Flow()
-
-    def forward(self, a, b, mask_a, mask_b):
-        return -self.flow.log_prob(a[mask_a]).mean() - self.flow.log_prob(b[mask_b]).mean()
-
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 _PARAMETERS: dict[int, list[tuple[str, nn.Parameter]]] = {}
 
 
-def _loss() -> Masked:
-    loss = Masked()
+def _loss() -> nn.Module:
+    loss = flows.TwoMasked()
     _PARAMETERS[id(loss)] = list(loss.named_parameters())  # as an optimizer would hold them
     return loss
 
 
-def _params(loss: Masked) -> list[nn.Parameter]:
+def _params(loss: nn.Module) -> list[nn.Parameter]:
     return [p for _, p in _PARAMETERS[id(loss)]]
 
 
@@ -153,3 +133,49 @@ def test_a_native_call_during_another_threads_recording_reads_the_real_parameter
     assert wrong == []
     assert fast.stats.native == {"concurrent-call": 1}
     assert any(c.get("recorded") for c in fast.stats.sites.values()), fast.stats.render()
+
+
+def test_threads_racing_through_replays_and_backwards_get_native_values():
+    loss = flows.TwoBranch()
+    fast = optimize(loss, passes=[PairRLE(), CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder(),
+                                                         min_bucket=8, count_copies=False,
+                                                         record_after=1)])
+    inputs = [(torch.randn(9 + i % 5, 2), torch.randn(4 + i % 3, 2)) for i in range(40)]
+    expected = [loss(a, b).detach() for a, b in inputs]
+    fast(*inputs[0])  # optimize once; then threads race through replays and backwards
+    errors: list[str] = []
+
+    def worker(offset: int) -> None:
+        for i in range(offset, offset + 100):
+            a, b = inputs[i % len(inputs)]
+            value = fast(a, b)
+            value.backward()
+            if not torch.allclose(value.detach(), expected[i % len(inputs)], rtol=1e-12, atol=1e-12):
+                errors.append(f"call {i}: {value.item()} != {expected[i % len(inputs)].item()}")
+
+    threads = [threading.Thread(target=worker, args=(k * 7,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:5]
+    assert fast.stats.exceptions == []
+
+
+def test_a_call_while_another_thread_is_inside_a_region_runs_it_eagerly():
+    region = CapturedRegion("r", lambda x: (x * 2).exp(), recorder=EmulatedRecorder())
+    inside, leave = threading.Event(), threading.Event()
+
+    def occupy() -> None:
+        with region.lock:
+            inside.set()
+            leave.wait(10)
+
+    other = threading.Thread(target=occupy)
+    other.start()
+    inside.wait(10)
+    x = torch.randn(3)
+    assert torch.equal(region(x), (x * 2).exp())
+    leave.set()
+    other.join()
+    assert region.counters == {"concurrent-call": 1}

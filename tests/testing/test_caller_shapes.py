@@ -3,10 +3,9 @@ loss's plain callable object, the flow's flag read inside ``log_prob``), a flow 
 state in training mode, concurrent calls, a bad call that raises then valid ones.
 
 Each shape is drawn by ``random_losses()`` and checked by ``check_case``. The ``test_census_finds_*``
-tests are hand-built cases of each shape; each failed on the code before the fixes of the defects
-they exhibit (stale settings of a callable object, a flag read inside the paired flow, analysis runs
-writing module state, racing threads, optimization disabled after a raised call), so the census
-finds that class.
+tests are hand-built cases of each shape, each exhibiting a defect of that class (stale settings of a
+callable object, a flag read inside the paired flow, analysis runs writing module state, racing
+threads, optimization disabled after a raised call), so that the census finds the class.
 """
 
 from __future__ import annotations

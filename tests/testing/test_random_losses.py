@@ -9,7 +9,7 @@ changed between calls, a stateful flow, a bad call, concurrent calls) are drawn 
 property test; tests/testing/test_caller_shapes.py has one case of each.
 
 * CI: ``CI_CASES`` cases, derandomized (the same cases on every run), no shrinking (a failure
-  prints its whole case; tests/passes/test_capture_regressions.py keeps minimal ones). About
+  prints its whole case; tests/passes/test_capture_and_pair_match_native.py keeps minimal ones). About
   0.7-1.2 CPU-seconds per case on this project's 2-core CPU machine: 40 cases, ~40 s (the census
   is where the thousands run).
 * ``slow`` and opt-in (``FXPASSES_SWEEP=1 python -m pytest -m slow``; ``-m slow`` alone skips

@@ -1,4 +1,4 @@
-"""The dual-branch pose loss written as public training code writes it (issue 15, item 4).
+"""The dual-branch pose loss written as public training code writes it.
 
 Same mathematics as :class:`~fxpasses.workloads.pose.loss.DualBranchPoseLoss`, in the style of
 ultralytics' end-to-end pose losses (``v8PoseLoss``, ``E2ELoss``, ``TaskAlignedAssigner``): a plain

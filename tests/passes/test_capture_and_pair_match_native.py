@@ -1,6 +1,6 @@
-"""Regressions found by the random-loss generator (fxpasses.testing.random_losses), each minimised
-to a small explicit loss. CaptureLoss on CPU with the emulated recorder, float64, against the
-native loss. Each test fails while its defect is present (issue 9) and passes once it is fixed:
+"""Small explicit losses on which CaptureLoss and PairRLE match the native loss, each minimised from
+a case the random-loss generator (fxpasses.testing.random_losses) found. CaptureLoss on CPU with
+the emulated recorder, float64, against the native loss. Each test fails while its defect is present:
 
 * parameters read inside a captured region get no gradient (an ``nn.Linear``; the shared flow
   once PairRLE's paired call is fused into a region, with and without zero tracing rows; and
@@ -17,8 +17,10 @@ native loss. Each test fails while its defect is present (issue 9) and passes on
   regions, the second fed by the first's output changed in place, it counted a path twice;
 * ``backward(retain_graph=True)``, then a later call, then that backward again: silently wrong;
 * PairRLE (alone): rows whose log-probabilities are only detached get a zero gradient, not None,
-  also when the value passes an in-place op on memory computed from it, and when it is only
-  read under ``torch.no_grad()`` (an assigner's target);
+  also when the value passes an in-place op on memory computed from it, when it is only
+  read under ``torch.no_grad()`` (an assigner's target), and when it passes a leaf function
+  first (then also bucketed or fused into a region); where a leaf decides whether a gradient
+  reaches a branch at all, the site keeps its native calls;
 * a region argument that is a tuple of tensors (a split passed on to a later region) was kept as
   a constant of the recording: no gradient flowed through it;
 * an optimized loss that calls a leaf function is never freed, nor its captured regions (their
@@ -102,7 +104,7 @@ def test_linear_inside_a_region_gets_its_gradients():
 
 
 class TwoBranch(nn.Module):
-    """issue 9, case 1: the flow on two branches' rows; the paired call has static row counts."""
+    """The flow on two branches' rows; the paired call has static row counts."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -150,7 +152,7 @@ class DetachedBranch(nn.Module):
 
 
 def test_pairing_gives_no_gradient_to_rows_whose_log_probs_are_detached():
-    """PairRLE alone (not one of issue 9's five): natively ``a.grad`` is None; the paired call's
+    """PairRLE alone: natively ``a.grad`` is None; the paired call's
     cat gives ``a`` a zero gradient instead (None and zero differ for optimizers and DDP)."""
     loss = _float64(DetachedBranch)
     fast = optimize(loss, passes=[PairRLE()])
@@ -219,22 +221,13 @@ def _opaque_inputs(cls, calls: list[tuple[int, int]]) -> list[tuple]:
             for k, (n, m) in enumerate(calls)]
 
 
-_ZERO_NOT_NONE = pytest.mark.xfail(strict=True, reason=(
-    "known defect (issue 23 item 8, open): rows whose log-probabilities pass a leaf function and "
-    "are only returned detached get a zero gradient from a paired call where natively they get "
-    "None; the fix tried (autograd Functions linking stack and split) gave wrong second-order "
-    "gradients under PairRLE+CaptureLoss (test_second_order_gradients_of_three_paired_calls_"
-    "in_a_region) and was taken back"))
-
-
-@_ZERO_NOT_NONE
 @pytest.mark.parametrize("cls", list(_OPAQUE_CALLS), ids=lambda c: c.__name__)
 @pytest.mark.parametrize("arm", ["PairRLE", "PairRLE+CaptureLoss"])
 def test_pairing_gives_no_gradient_to_rows_whose_log_probs_pass_a_leaf_then_detach(cls, arm):
-    """The analysis cannot see through a leaf function, so the rows enter the paired call with
-    grad; natively ``rows.grad`` is None, the paired call (alone, bucketed in a recording, or
-    fused into a region) gave it zeros: a branch's rows get a gradient only where one reaches
-    that branch's results. Every other gradient equals native's."""
+    """Natively ``rows.grad`` is None; the paired call (alone, bucketed in a recording, or fused
+    into a region) gave it zeros while the gradient walk stopped at the leaf function. It now
+    looks through the leaf (which writes no state) to the detach, so the rows enter detached.
+    Every other gradient equals native's."""
     passes = [PairRLE()] if arm == "PairRLE" else [PairRLE(), _capture(min_region_ops=1, min_bucket=4)]
     loss = _float64(cls)
     fast = optimize(loss, passes=passes, leaf_functions=[identity])
@@ -252,7 +245,36 @@ def test_pairing_gives_no_gradient_to_rows_whose_log_probs_pass_a_leaf_then_deta
     assert fast.stats.optimized == len(_OPAQUE_CALLS[cls]) and not fast.stats.native
 
 
-@_ZERO_NOT_NONE
+def stopped(x):
+    """Declared a leaf function: its result carries no gradient (it detaches inside)."""
+    return x.detach() * 2
+
+
+class StoppedInsideLeafBranch(nn.Module):
+    """One branch's log-probabilities reach the loss only through a leaf that detaches them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flow = Flow()
+
+    def forward(self, a, b):
+        return -self.flow.log_prob(b).mean() + stopped(self.flow.log_prob(a)).sum()
+
+
+def test_pairing_is_refused_where_a_leaf_decides_whether_a_gradient_reaches_a_branch():
+    """Whether the leaf's result carries a gradient cannot be told from the graph: natively
+    ``a.grad`` is None here; paired, the cat would give it zeros. The site keeps its native calls
+    (``pair-gradient-undecided``, naming the leaf)."""
+    loss = _float64(StoppedInsideLeafBranch)
+    fast = optimize(loss, passes=[PairRLE()], leaf_functions=[stopped])
+    assert_equivalent(loss, fast, (_rows(5, 1), _rows(3, 2)), rtol=RTOL, atol=ATOL)
+    fast(_rows(5, 1), _rows(3, 2))
+    (cert,) = [c for c in fast.certificates if c.pass_name == "PairRLE"]
+    assert cert.codes == ("pair-gradient-undecided",)
+    (check,) = [c for c in cert.checks if c.id == "branch-gradients-decided"]
+    assert list(check.evidence["undecided"].values()) == [("stopped",)]
+
+
 def test_census_program_of_a_detached_opaque_branch_matches_native():
     """The census's program (seed 7777) as it found it, every arm, its calls."""
     builder = ProgramBuilder(2, [InputSpec("rows", "a"), InputSpec("rows", "b"), InputSpec("mask", "a"),

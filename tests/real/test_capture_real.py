@@ -1,0 +1,62 @@
+"""CaptureLoss on the real Ultralytics criterion, unmodified, with the emulated recorder (CUDA
+graphs' static-buffer semantics on a CPU): the stride table of ``make_anchors`` is folded (tal.py,
+``new_full`` of ``strides[i]``), the loss-item writes (``loss[1] = ...; loss[1] *= self.hyp.pose``)
+run on copies inside regions, no local write is kept for a read of its old memory, and values,
+every prediction gradient and the flow's parameter gradients equal native over calls that replay
+the regions; the items a call returned are not overwritten by the next call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._pytree import tree_leaves
+
+from fxpasses import optimize
+from fxpasses.passes import CaptureLoss, PairRLE, SelectRows
+from fxpasses.runtime.emulated import EmulatedRecorder
+from fxpasses.workloads.ultralytics_pose import pose_batch, pose_preds
+
+pytestmark = pytest.mark.long  # traces the real criterion and runs the three passes
+
+
+def _call(loss, flow, seed, counts):
+    preds = pose_preds(2, seed=seed, image_size=128)
+    batch = pose_batch(2, seed=seed, image_size=128, counts=counts, poison=seed % 2 == 1)
+    total, items = loss(preds, batch)
+    flow.zero_grad(set_to_none=True)
+    total.sum().backward()
+    grads = [t.grad for t in tree_leaves(preds) if isinstance(t, torch.Tensor) and t.requires_grad]
+    return total.detach(), items, grads, [p.grad.clone() for p in flow.parameters()]
+
+
+def test_the_real_criterion_captured_with_folds_and_copies_equals_native(pose_model):
+    crit = pose_model.init_criterion()
+    flow = pose_model.model[-1].flow_model
+    fast = optimize(crit, passes=[PairRLE(), SelectRows(), CaptureLoss(
+        devices=("cpu",), recorder=EmulatedRecorder(), record_after=1)])
+    counts = torch.tensor([1, 3])  # the trace's sizes: every call optimized, the regions replayed
+    kept = []
+    for seed in range(3):
+        got, want = _call(fast, flow, seed, counts), _call(crit, flow, seed, counts)
+        torch.testing.assert_close(got[0], want[0])
+        assert got[1].keys() == want[1].keys()
+        for key in want[1]:
+            torch.testing.assert_close(got[1][key], want[1][key])
+        assert len(got[2]) == 8  # boxes, scores, kpts, kpts_sigma of both branches
+        for g, w in zip(got[2] + got[3], want[2] + want[3]):
+            torch.testing.assert_close(g, w)
+        kept.append((got[1], {k: v.clone() for k, v in got[1].items()}))
+    for items, copy in kept:  # a later replay wrote nothing the caller holds
+        assert all(torch.equal(items[k], copy[k]) for k in copy)
+    assert fast.stats.optimized == 3 and not fast.stats.native
+    certificates = [c for c in fast.certificates if c.pass_name == "CaptureLoss"]
+    folds = [c for c in certificates if c.applied and "folded" in c.effect]
+    assert len(folds) == 12 and all("ultralytics/utils/tal.py:" in c.site.locations[0] for c in folds)
+    copies = [c for c in certificates if c.applied and "copy_elements" in c.effect]
+    lines = {c.site.locations[0].rsplit("/", 1)[-1] for c in copies}
+    assert {"loss.py:908", "loss.py:909", "loss.py:911"} <= lines  # loss[1] *= self.hyp.pose ...
+    assert not any("write-old-value-read" in c.codes for c in certificates)
+    regions = [c for c in certificates if c.applied and "region" in c.effect]
+    assert len(regions) >= 4
+    replayed = {k: v.get("replayed", 0) for k, v in fast.stats.sites.items() if "capture_region" in k}
+    assert replayed and all(n >= 2 for n in replayed.values())
