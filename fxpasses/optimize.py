@@ -75,6 +75,7 @@ from .pipeline import Pass
 from .report import build_report, render_report
 from .ir.runtime_op import runtime_ops
 from .ir.abandon import Abandon
+from .runtime.call_reads import relied_reads
 from .runtime.module_state import MODULE_STATE
 from .ir.trace_ops import undone_on_failure
 from .signature import flatten_call
@@ -277,7 +278,7 @@ class OptimizedLoss(nn.Module):
             try:
                 # grad mode restored on every exit, KeyboardInterrupt included; attribute writes
                 # undone when the call is abandoned or raises (its native run makes them once)
-                with torch.set_grad_enabled(True), undone_on_failure():
+                with torch.set_grad_enabled(True), undone_on_failure(), self._reads(special, leaves):
                     return Ran(special, gm.forward(*special.signature.inputs(leaves)))
             except Abandon as stop:  # a decision of this trace goes the other way in this call
                 self._stats.abandoned[f"{stop.code} at {stop.where}"] += 1
@@ -301,6 +302,12 @@ class OptimizedLoss(nn.Module):
             case Abandoned(code) | Refused(code):
                 return self._native(args, kwargs, code)
         raise TypeError(f"not a call outcome: {outcome!r}")
+
+    def _reads(self, special: Specialization, leaves: list[Any]) -> Any:
+        """What work after the call (a second-order backward) checks again (:mod:`.runtime.call_reads`)."""
+        if not special.relied:
+            return contextlib.nullcontext()
+        return relied_reads(functools.partial(special.relied_changed, self._loss, leaves))
 
     def _after_failure(self, special: Specialization, failure: RecordedException, args: tuple,
                        kwargs: dict) -> Any:

@@ -53,6 +53,9 @@ class Specialization:
     # the same assumptions against the same values (traces that differ only in a decision);
     # given by the cache as it adds the specialization
     check_key: int = -1
+    # what the code of calls kept whole read, where a rewrite's proof ran that code (also among
+    # ``assumptions``): checked again when a region holding such code is recomputed later
+    relied: tuple[Assumption, ...] = ()
 
     def leaves_of(self, args: tuple, kwargs: dict,
                   flat: Callable[[], tuple[list[Any], Any]]) -> list[Any] | None:
@@ -61,6 +64,10 @@ class Specialization:
 
     def roots(self, loss: Any, leaves: list[Any]) -> LossRoots:
         return LossRoots(loss, leaves)
+
+    def relied_changed(self, loss: Any, leaves: list[Any]) -> Assumption | None:
+        """The first of ``relied`` that does not hold now, or None."""
+        return first_failure(self.relied, self.roots(loss, leaves))
 
     def failing(self, loss: Any, leaves: list[Any], exact: Counter | None = None) -> Assumption | None:
         """The first assumption that does not hold for this call, or None: by the generated
@@ -136,8 +143,8 @@ def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pas
         put_back(info.written_state)  # the first call makes the loss's writes, once
     special.seconds["pipeline"] = time.perf_counter() - start
     special.graph_module = special.run.graph_module
-    relied = [a for a in relied_on(special.graph_module)
-              if not any(a is b for b in special.assumptions)]
+    special.relied = relied_on(special.graph_module)
+    relied = [a for a in special.relied if not any(a is b for b in special.assumptions)]
     if relied:  # what the code of calls kept whole read, where a rewrite's proof ran that code
         special.assumptions += tuple(relied)
         special.check = compile_check(special.assumptions)

@@ -329,6 +329,11 @@ _CODES = (
          "A backward reached a replay whose graph memory a later replay overwrote "
          "(backward(retain_graph=True) again after a new forward); it raised instead of giving a "
          "wrong gradient.", "Run the second backward before the next forward, or drop CaptureLoss."),
+    Code("double-backward-state-changed", "failure",
+         "A backward with create_graph=True reached a captured region after a value its code "
+         "reads from the loss's state (a module's flag) changed since the forward: the eager "
+         "recomputation would run other code than the forward did; it raised instead of giving a "
+         "wrong gradient.", "Change the setting after the backward, or drop CaptureLoss."),
     Code("replay-pending-backward", "guard",
          "The previous replay's backward has not run yet; replaying would overwrite the "
          "activations it needs, so this call ran the region natively.",

@@ -41,7 +41,8 @@ a gradient depend on gets None, as natively (not the zeros a replay computes). A
 replay that a later replay overwrote (``backward(retain_graph=True)`` twice around a new forward)
 raises :class:`StaleReplayError`. A backward with ``create_graph=True`` (second-order gradients)
 is recomputed eagerly from the saved inputs, so it is differentiable, counted as
-``double-backward-eager``.
+``double-backward-eager``; if a value the region's code read from the loss's state (a flag)
+changed since the forward, it raises :class:`~.call_reads.StateChangedError` instead.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from torch.utils import _pytree as pytree
 from ..certificates.codes import note
 from ..guards import SiteGuard, ambient_state
 from ..ir.runtime_op import Propagator, RuntimeOp
+from .call_reads import StateChangedError, current
 from .module_state import MODULE_STATE
 
 
@@ -331,6 +333,7 @@ class _Replay(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an output no gradient reaches arrives as None
         ctx.generation = region.began(ctx)
         ctx.save_for_backward(*tensors)  # read only by a create_graph backward
+        ctx.reads_changed = current()  # so is the check of what the region's code read
         outputs = recording.tensor_outputs()
         differentiable = set(recording.grad_output_index)
         tensor_positions = [i for i, o in enumerate(recording.outputs) if isinstance(o, torch.Tensor)]
@@ -342,6 +345,13 @@ class _Replay(torch.autograd.Function):
         region: CapturedRegion = ctx.region
         region.check_fresh(ctx.generation)
         if torch.is_grad_enabled():  # create_graph=True: the gradient must itself be differentiable
+            changed = ctx.reads_changed() if ctx.reads_changed is not None else None
+            if changed is not None:
+                raise StateChangedError(
+                    f"fxpasses: a second-order backward through captured region {region.op_id} "
+                    f"after {changed.source}, read by its code ({changed.location}), changed since "
+                    "the forward: recomputed now, the region would not be the code the forward ran "
+                    "[double-backward-state-changed]")
             return (None, None, *region.differentiable_gradients(ctx.recording, ctx.saved_tensors, grads))
         with region.lock:
             region.check_fresh(ctx.generation)

@@ -2,8 +2,8 @@
 
 It keeps exactly the static-buffer semantics of :class:`~fxpasses.runtime.capture.CudaGraphRecorder`
 — inputs copied into static buffers, every replay overwriting the same output and gradient
-memory — but a "replay" re-runs the recorded function eagerly and writes the results into those
-buffers. So ownership bugs (an output the caller keeps being overwritten by the next replay) and
+memory — but a forward "replay" re-runs the recorded function eagerly and writes the results
+into those buffers, and a backward replay differentiates what the latest forward replay ran. So ownership bugs (an output the caller keeps being overwritten by the next replay) and
 pending-backward bugs show up on a CPU exactly as they would on a GPU.
 """
 
@@ -33,28 +33,41 @@ def _overwrite(static: torch.Tensor, value: torch.Tensor) -> None:
 
 
 class _Forward:
+    """A replay: the recorded function run again on the static inputs, its results written
+    into the static outputs. With a backward recorded it runs with gradients on, as it was
+    recorded, and keeps its autograd graph (``activations``) for the backward replays, as a
+    graph's activations stay in its memory until its next replay."""
+
     def __init__(self, fn: Callable, recording: Recording, inputs: list[Any]):
         self.fn, self.recording, self.inputs = fn, recording, inputs
+        self.activations: tuple[list[Any], list[Any]] | None = None  # (outputs, inputs)
 
     def replay(self) -> None:
-        with torch.no_grad():
+        with torch.enable_grad() if self.recording.backward is not None else torch.no_grad():
             fresh = pytree.tree_leaves(self.fn(*self.inputs))
+        if self.recording.backward is not None:
+            self.activations = (fresh, self.inputs)
+        with torch.no_grad():
             for static, value in zip(self.recording.outputs, fresh):
                 if isinstance(static, torch.Tensor):
                     _overwrite(static, value)
 
 
 class _Backward:
-    def __init__(self, fn: Callable, recording: Recording, inputs: list[Any]):
-        self.fn, self.recording, self.inputs = fn, recording, inputs
+    """A backward replay: the latest forward replay's graph differentiated for the static
+    incoming gradients (never the function run again: what it reads from Python state, a flag
+    of a module, may have changed since, and a graph's kernels are fixed when recorded)."""
+
+    def __init__(self, recording: Recording, forward: _Forward):
+        self.recording, self.forward = recording, forward
 
     def replay(self) -> None:
         r = self.recording
+        fresh, inputs = self.forward.activations
         with torch.enable_grad():
-            fresh = pytree.tree_leaves(self.fn(*self.inputs))
             grads = torch.autograd.grad([fresh[i] for i in r.grad_output_index],
-                                        [self.inputs[i] for i in r.grad_input_index], r.grad_outputs,
-                                        allow_unused=True)
+                                        [inputs[i] for i in r.grad_input_index], r.grad_outputs,
+                                        retain_graph=True, allow_unused=True)
         with torch.no_grad():
             for static, value in zip(r.grad_inputs, grads):
                 if static is not None and value is not None:
@@ -85,5 +98,5 @@ class EmulatedRecorder(GraphRecorder):
         inputs = [args[i] if i in identity else static for i, static in enumerate(recording.inputs)]
         recording.forward = _Forward(fn, recording, inputs)
         if recording.backward is not None:
-            recording.backward = _Backward(fn, recording, inputs)
+            recording.backward = _Backward(recording, recording.forward)
         return recording

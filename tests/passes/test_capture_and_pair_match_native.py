@@ -21,6 +21,9 @@ the emulated recorder, float64, against the native loss. Each test fails while i
   read under ``torch.no_grad()`` (an assigner's target), and when it passes a leaf function
   first (then also bucketed or fused into a region); where a leaf decides whether a gradient
   reaches a branch at all, the site keeps its native calls;
+* a flag read inside a captured paired call, changed while an earlier call's backward is
+  pending (interleaved calls): the emulated recorder ran the call again for that backward, with
+  the new flag;
 * a region argument that is a tuple of tensors (a split passed on to a later region) was kept as
   a constant of the recording: no gradient flowed through it;
 * an optimized loss that calls a leaf function is never freed, nor its captured regions (their
@@ -653,5 +656,21 @@ def test_second_order_gradients_of_three_paired_calls_in_a_region():
         [("shift_by_bias", (0,)), ("log_prob", (0,)), ("log_prob", (1,)), ("log_prob", (1,)),
          ("ratio", (7, 6))], calls=((4, 6), (4, 6)), dim=3, schedule="sequential",
         second_order=True), seed=84)
+    report = check_case(case, arms={"PairRLE+CaptureLoss": ARMS["PairRLE+CaptureLoss"]})
+    assert report.ok, str(report)
+
+
+def test_a_flag_changed_between_interleaved_calls_leaves_pending_gradients_right():
+    """Census (the property over every caller shape, 40 derandomized cases): two flow calls,
+    paired and captured; ``flow.center`` set before call 1 of an interleaved schedule (both
+    forwards, then both backwards). Call 0's backward replays its recording, which the emulated
+    recorder ran again with the new flag: call 0's gradients were wrong (max rel 55)."""
+    from fxpasses.testing.loss_check import ARMS
+    from fxpasses.testing.loss_programs import Mutation
+    from fxpasses.testing.random_losses import explicit_case
+
+    case = explicit_case([("log_prob", (0,)), ("log_prob", (1,)), ("sum_all", (4,)), ("sum_all", (5,)),
+                          ("add", (6, 7))], calls=((5, 5), (2, 2)), dim=3, schedule="interleaved",
+                         mutations=(Mutation(1, "center", True),))
     report = check_case(case, arms={"PairRLE+CaptureLoss": ARMS["PairRLE+CaptureLoss"]})
     assert report.ok, str(report)

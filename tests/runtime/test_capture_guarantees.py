@@ -4,7 +4,9 @@ Each runs in float64 against the native loss, on CPU with the emulated recorder 
 static-buffer semantics) and, where a device is present, on CUDA with real CUDA graphs (marked
 ``cuda``): parameters read inside a region get their gradients, outputs the caller keeps are never
 overwritten (and may be changed in place), second-order gradients are right, a stale
-retain_graph backward raises. Threads sharing one captured loss: tests/runtime/test_threads.py.
+retain_graph backward raises. Threads sharing one captured loss: tests/runtime/test_threads.py. Besides: a flag read
+inside a region, changed between a call's forward and its backward, leaves the backward the
+forward's (first order) or raises (second order: the region is recomputed).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import nn
 from fxpasses import optimize
 from fxpasses.cli import import_file
 from fxpasses.passes import CaptureLoss, PairRLE
+from fxpasses.runtime.call_reads import StateChangedError
 from fxpasses.runtime.capture import StaleReplayError
 from fxpasses.runtime.emulated import EmulatedRecorder
 
@@ -213,3 +216,80 @@ def test_outputs_copied_out_of_graph_memory_can_be_changed_in_place():
         (total + mean + peak).backward()
         assert torch.allclose(total, 2 * want[0]) and torch.allclose(mean, want[1])
     assert any(v.get("replayed") for k, v in fast.stats.sites.items() if "capture_region" in k)
+
+
+class CenteringFlow(nn.Module):
+    """``log_prob`` reads a Python flag: with ``center`` its rows' mean is subtracted first."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.outer = nn.Linear(2, 8), nn.Linear(8, 2)
+        self.center = False
+
+    def log_prob(self, x):
+        if self.center:
+            x = x - x.mean(0, keepdim=True)
+        return -(self.outer(torch.tanh(self.inner(x))) ** 2).sum(-1)
+
+
+class TwoBranchCentering(TwoBranch):
+    def __init__(self):
+        super().__init__()
+        self.flow = CenteringFlow()
+
+
+def _forwards_then_backwards(fn, loss, calls):
+    """Call 0's forward, ``flow.center = True``, call 1's forward, then both backwards (the
+    first call's gradients read before the second's backward)."""
+    loss.zero_grad(set_to_none=True)
+    loss.flow.center = False
+    first = fn(*calls[0])
+    loss.flow.center = True
+    second = fn(*calls[1])
+    first.backward()
+    seen = [a.grad.clone() for a in calls[0]] + [p.grad.clone() for p in loss.parameters()]
+    second.backward()
+    return seen + [a.grad for a in calls[1]] + [p.grad for p in loss.parameters()]
+
+
+def test_a_flag_changed_while_a_backward_is_pending_leaves_that_backward_as_recorded(device):
+    """Census (the property over every caller shape, interleaved schedule): call 0 replays the
+    paired call's recording; ``flow.center`` changes, call 1 traces again; call 0's backward
+    then replays the recorded backward, which reads no Python. The emulated recorder re-ran the
+    flow for its backward, with the new flag: call 0's gradients were wrong."""
+    loss = TwoBranchCentering().to(device)
+    fast = optimize(loss, passes=[PairRLE(), capture(device)])
+
+    def calls():
+        g = torch.Generator(device).manual_seed(0)
+        return [tuple(torch.randn(n, 2, generator=g, device=device, requires_grad=True) for n in (5, 4))
+                for _ in range(2)]
+
+    expected = _forwards_then_backwards(loss, loss, calls())
+    got = _forwards_then_backwards(fast, loss, calls())
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+    assert fast.stats.sites and any(v.get("replayed") for v in fast.stats.sites.values())
+
+
+def test_a_flag_changed_before_a_second_order_backward_raises(device):
+    """A second-order backward recomputes the region eagerly, its flow call reading
+    ``flow.center`` again: set after the forward, the gradients were silently those of the other
+    branch of the flow's code. Now it raises; with the flag as at the forward it is exact."""
+    loss = TwoBranchCentering().to(device)
+    fast = optimize(loss, passes=[PairRLE(), capture(device)])
+    for change in (False, True):
+        g = torch.Generator(device).manual_seed(0)
+        a, b = (torch.randn(n, 2, generator=g, device=device, requires_grad=True) for n in (5, 4))
+        loss.flow.center = False
+        out = fast(a, b)
+        loss.flow.center = change
+        if change:
+            with pytest.raises(StateChangedError, match="loss.flow.center"):
+                torch.autograd.grad(out, (a, b), create_graph=True)
+        else:
+            grads = torch.autograd.grad(out, (a, b), create_graph=True)
+            del grads
+        del out  # the replay's memory is free again: the next call replays too
+    (counts,) = [v for v in fast.stats.sites.values() if v.get("replayed")]
+    assert counts["replayed"] == 2 and counts["double-backward-eager"] == 1

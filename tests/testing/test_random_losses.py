@@ -67,11 +67,10 @@ def test_random_losses_match_native_under_every_pass_combination(case):
 @CI
 @given(random_losses())
 def test_random_losses_with_caller_shapes_match_native_under_every_pass_combination(case):
-    """The same over every caller shape. Open (issue 23): in one complete default run (xdist, on
-    the 2-core machine) it failed on a case whose flow.center changes before call 1 of an
-    interleaved schedule, call 0's gradients wrong under PairRLE+CaptureLoss; run alone it
-    passes (the failure depends on what ran before in the process: not understood). Left out of
-    the default run until that is found; the census draws these shapes."""
+    """The same over every caller shape. Its 40 derandomized cases are drawn from this
+    function's source (hypothesis hashes it): under the previous test's name they held a case,
+    ``flow.center`` set before call 1 of an interleaved schedule, that the emulated recorder got
+    wrong (not an order dependence: it fails alone; kept in test_capture_regressions)."""
     report = check_case(case)
     assert report.ok, str(report)
 
