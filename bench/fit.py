@@ -21,7 +21,8 @@ checkpoint, catches the ConnectionError and keeps AMP on; the children run with
 ``false``.
 
 Recorded per run: the complete-fit time (``model.train()``: setup, the AMP check, the
-criterion's recordings, training, EMA, validation, checkpoints), the whole-process time, peak
+criterion's recordings, training, EMA, validation, checkpoints) with the moments its setup ended
+and each epoch was validated, the whole-process time, peak
 reserved CUDA memory, the AMP check's answer and duration, the final training losses and
 validation metrics, and for the fxpasses arm the criterion's counters (its ``explain()`` is
 copied beside ``--out``). Per arm and batch: median and range of both times and of memory, and
@@ -89,12 +90,20 @@ def child(args: argparse.Namespace) -> None:
 
         integration = fxu.enable(yolo)
     start = time.perf_counter()
+    moments = {"setup_s": None, "epochs_s": []}  # since start: setup done, each epoch validated
+
+    def setup_done(trainer):
+        moments["setup_s"] = time.perf_counter() - start
 
     def epoch_done(trainer):  # the trainer calls it after each epoch, and after validating best.pt
+        at = time.perf_counter() - start
+        if trainer.epoch < trainer.epochs:
+            moments["epochs_s"].append(at)
         done = (f"epoch {trainer.epoch + 1}/{trainer.epochs}" if trainer.epoch < trainer.epochs
                 else "final validation")
-        say(f"  {args.name}: {done} at {time.perf_counter() - start:.1f} s", progress)
+        say(f"  {args.name}: {done} at {at:.1f} s", progress)
 
+    yolo.add_callback("on_pretrain_routine_end", setup_done)
     yolo.add_callback("on_fit_epoch_end", epoch_done)
     yolo.train(data=args.data, epochs=args.epochs, imgsz=args.imgsz, batch=args.batch,
                workers=args.workers, device=args.device, amp=AMP[args.amp], plots=False, seed=0,
@@ -102,7 +111,7 @@ def child(args: argparse.Namespace) -> None:
     fit_s = time.perf_counter() - start
     trainer = yolo.trainer
     cuda = torch.cuda.is_available() and trainer.device.type == "cuda"
-    record = {"arm": args.child, "batch": args.batch, "fit_s": fit_s,
+    record = {"arm": args.child, "batch": args.batch, "fit_s": fit_s, **moments,
               "peak_reserved_mib": torch.cuda.max_memory_reserved() / 2**20 if cuda else None,
               "gpu": torch.cuda.get_device_name(trainer.device) if cuda else None,
               "amp_setting": args.amp, "amp": bool(trainer.amp), "amp_check": amp_check,

@@ -91,5 +91,7 @@ def test_a_tiny_cpu_fit_pair_writes_both_arms(tmp_path):
     assert fast["fxpasses"]["stats"]["optimized"] >= 1
     assert all(r["amp_check"] == {"ran": True, "answer": False, "s": r["amp_check"]["s"]}
                for r in runs)  # on a CPU the trainer's check answers False at once
+    assert all(0 < r["setup_s"] < r["epochs_s"][0] < r["fit_s"] and len(r["epochs_s"]) == 1
+               for r in runs)
     assert (tmp_path / "fit_fxpasses_b4.txt").read_text().strip()
     assert "fxpasses losses box" in done.stderr and "would end after --deadline-s" in done.stderr
