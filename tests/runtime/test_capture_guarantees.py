@@ -232,7 +232,7 @@ class CenteringFlow(nn.Module):
         return -(self.outer(torch.tanh(self.inner(x))) ** 2).sum(-1)
 
 
-class TwoBranchCentering(TwoBranch):
+class TwoBranchCentering(flows.TwoBranch):
     def __init__(self):
         super().__init__()
         self.flow = CenteringFlow()
