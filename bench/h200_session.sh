@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One session's GPU work on the lent H200, in three calls of at most 10 minutes each (see
+# bench/RESULTS.md for what each produced). Run from the repository root with the wheels of
+# ultralytics, ultralytics-thop, ultralytics-platform, polars and polars-runtime-32 in .whl/
+# (the machine has no package index):  bash bench/h200_session.sh census|bench|fit
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:. YOLO_OFFLINE=1
+python -c "import torch, ultralytics; print('torch', torch.__version__, 'ultralytics', ultralytics.__version__, torch.cuda.get_device_name())"
+case "${1:?census, bench or fit}" in
+census)  # the random-loss census on 13 of the 16 CPUs, the GPU tests beside it
+    python -m fxpasses.testing.census --cases 10000 --jobs 13 --seed 500 --minutes "${MINUTES:-8.3}" \
+        --examples "$OUT/census_examples.txt" > "$OUT/census.txt" 2>&1 &
+    census=$!
+    FXPASSES_MEASURE_DIR="$OUT" timeout 480 python -m pytest tests -m cuda -q -p no:cacheprovider -rfE \
+        > "$OUT/cuda_tests.txt" 2>&1
+    echo "cuda tests rc $?"; tail -5 "$OUT/cuda_tests.txt"
+    wait $census; echo "census rc $?"; tail -30 "$OUT/census.txt" ;;
+bench)  # the real criterion and the reference loss, interleaved against eager, fresh batches
+    R=${ROUNDS:-30}
+    python bench/interleaved.py --loss real --batch 16 --rounds $R --arms all,compile,compile-ro --out "$OUT/real16"
+    python bench/interleaved.py --loss real --batch 16 --amp --rounds $R --arms all --out "$OUT/real16amp"
+    python bench/interleaved.py --loss real --batch 4 --rounds $R --arms all --out "$OUT/real4"
+    python bench/interleaved.py --loss reference --batch 16 --rounds $R --arms all --out "$OUT/ref16" ;;
+fit)  # complete-fit time of a real model.train(), native against the integration
+    python bench/fit.py ${FIT_ARGS:?set FIT_ARGS} --device 0 --out "$OUT/fit" ;;
+esac
