@@ -21,8 +21,13 @@ def _overwrite(static: torch.Tensor, value: torch.Tensor) -> None:
     """Write ``value`` into ``static``'s memory in place, as a graph replay does.
 
     A buffer whose elements share memory (an expanded view) is written through its storage when
-    ``value`` has the same layout; a replay writes the memory, never rebinds the tensor.
+    ``value`` has the same layout; a replay writes the memory, never rebinds the tensor. A
+    ``value`` that is ``static``'s own memory (an output that is a view of a static input) is
+    not written: a graph writes nothing there, and a copy onto itself would move the version
+    counter of the input, saved by the replay's autograd graph for its backward.
     """
+    if _same_memory(static, value):
+        return
     dense = all(stride != 0 or size <= 1 for size, stride in zip(static.shape, static.stride()))
     if dense:
         static.copy_(value)
@@ -30,6 +35,11 @@ def _overwrite(static: torch.Tensor, value: torch.Tensor) -> None:
     if (value.stride(), value.storage_offset()) != (static.stride(), static.storage_offset()):
         raise RuntimeError("emulated replay: an overlapping static buffer changed its layout")
     static.untyped_storage().copy_(value.untyped_storage())
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.device == b.device and a.dtype == b.dtype)
 
 
 class _Forward:

@@ -24,6 +24,9 @@ the emulated recorder, float64, against the native loss. Each test fails while i
 * a flag read inside a captured paired call, changed while an earlier call's backward is
   pending (interleaved calls): the emulated recorder ran the call again for that backward, with
   the new flag;
+* a region output that is a view of its input (``x[..., :1]``), the input also saved by the
+  region's own backward (``x * weight``): the emulated recorder copied the view onto itself
+  after the forward replay, moving the input's version, and the call's backward raised;
 * a region argument that is a tuple of tensors (a split passed on to a later region) was kept as
   a constant of the recording: no gradient flowed through it;
 * an optimized loss that calls a leaf function is never freed, nor its captured regions (their
@@ -673,4 +676,46 @@ def test_a_flag_changed_between_interleaved_calls_leaves_pending_gradients_right
                           ("add", (6, 7))], calls=((5, 5), (2, 2)), dim=3, schedule="interleaved",
                          mutations=(Mutation(1, "center", True),))
     report = check_case(case, arms={"PairRLE+CaptureLoss": ARMS["PairRLE+CaptureLoss"]})
+    assert report.ok, str(report)
+
+
+class ViewAndProduct(nn.Module):
+    """A region whose output is a view of its input, an input its backward reads (``mul``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.tensor([0.5, -2.0], dtype=torch.float64))
+
+    def forward(self, x):
+        return (x * self.weight).sum(), x[..., :1]
+
+
+def test_a_region_output_viewing_an_input_its_backward_reads_leaves_that_backward_right():
+    """Census (the default property run): a region's output, a view of its static input, was
+    copied onto itself after the emulated forward replay; the copy moved the input's version,
+    saved by the replay's graph for ``x * weight``, and the call's own backward raised (native:
+    none)."""
+    native, optimized = ViewAndProduct(), ViewAndProduct()
+    fast = optimize(optimized, passes=[_capture(min_region_ops=1)])
+    for seed in (1, 2):
+        x, y = _rows(3, seed), _rows(3, seed)
+        (loss, view), (got_loss, got_view) = native(x), fast(y)
+        (loss + 3 * view.sum()).backward()
+        (got_loss + 3 * got_view.sum()).backward()
+        assert torch.equal(loss, got_loss.detach()) and torch.equal(view, got_view.detach())
+        assert torch.allclose(x.grad, y.grad, rtol=RTOL, atol=ATOL)
+        assert torch.allclose(native.weight.grad, optimized.weight.grad, rtol=RTOL, atol=ATOL)
+    assert fast.stats.sites["0:capture_region_0"]["replayed"] >= 1
+
+
+def test_a_region_output_viewing_an_input_under_a_retained_backward_matches_native_or_is_loud():
+    """Census (the default property run), minimised: ``first_feature(r1)`` kept, ``r1`` scaled
+    by a parameter in the same region, schedule ``retain``: call 0's backward raised (an
+    in-place modification of a saved ``[1, 2]`` tensor) where native raises nothing."""
+    from fxpasses.testing.loss_check import ARMS
+    from fxpasses.testing.random_losses import explicit_case
+
+    case = explicit_case([("first_feature", (1,)), ("scale_by_weight", (1,)), ("sum_all", (5,))],
+                         kept=(4,), calls=((5, 1), (5, 4)), schedule="retain")
+    report = check_case(case, arms={"CaptureLoss": ARMS["CaptureLoss"]})
     assert report.ok, str(report)
