@@ -278,6 +278,64 @@ def test_pairing_is_refused_where_a_leaf_decides_whether_a_gradient_reaches_a_br
     assert list(check.evidence["undecided"].values()) == [("stopped",)]
 
 
+class Keeper:
+    """A setting and a slot a leaf function reads and writes (a global)."""
+
+    keep = False
+    kept = None
+
+
+KEEPER = Keeper()
+
+
+def maybe_keep(x):
+    """Declared a leaf function: keeps its argument when asked (for a later backward)."""
+    if KEEPER.keep:
+        KEEPER.kept = x
+    return x
+
+
+class KeptBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.flow = Flow()
+
+    def forward(self, a, b):
+        return -self.flow.log_prob(b).mean(), maybe_keep(self.flow.log_prob(a)).detach()
+
+
+def _keep_then_differentiate(fn) -> list:
+    """A call with the leaf keeping nothing, then one where it keeps ``a``'s log-probabilities
+    and the caller differentiates them later: ``a``'s gradients, each time."""
+    grads = []
+    try:
+        for keep in (False, True):
+            KEEPER.keep = keep
+            a, b = _rows(5, 1), _rows(3, 2)
+            fn(a, b)[0].backward()
+            if keep:
+                KEEPER.kept.sum().backward()
+            grads.append(a.grad)
+    finally:
+        KEEPER.keep, KEEPER.kept = False, None
+    return grads
+
+
+def test_what_a_looked_through_leaf_reads_is_an_assumption_of_the_detached_rows():
+    """The rows of ``a`` enter detached because the leaf, as traced, writes nothing; once its
+    setting makes it keep its argument, that decision is made again (a retrace: the leaf now
+    writes, the site keeps its native calls) and the kept value's backward reaches ``a``."""
+    native = _float64(KeptBranch)
+    expected = _keep_then_differentiate(native)
+    loss = _float64(KeptBranch)
+    fast = optimize(loss, passes=[PairRLE()], leaf_functions=[maybe_keep])
+    got = _keep_then_differentiate(fast)
+    assert got[0] is None and expected[0] is None
+    assert torch.allclose(got[1], expected[1], rtol=RTOL, atol=ATOL)
+    assert [c.codes for c in fast.certificates if c.pass_name == "PairRLE"] == [
+        (), ("pair-gradient-undecided",)]
+
+
 def test_census_program_of_a_detached_opaque_branch_matches_native():
     """The census's program (seed 7777) as it found it, every arm, its calls."""
     builder = ProgramBuilder(2, [InputSpec("rows", "a"), InputSpec("rows", "b"), InputSpec("mask", "a"),
