@@ -7,6 +7,8 @@ The path returns one of these values; the loss turns it into the call's result i
   selection); the call runs natively, counted by ``code``, and is traced again only if ``retrace``;
 - :class:`Refused`: no specialization may run the call (one disabled, a trace that failed, the
   budget spent, a profiler active); the call runs natively, counted by ``code``;
+- :class:`TraceFailed`: the trace made on this call raised; the call runs natively, and if
+  native raises too the error was the call's (a wrong input shape), and the refusal is dropped;
 - :class:`Raised`: the rewritten graph raised; the call runs natively, and native decides whether
   the error was the call's or the optimized path's.
 """
@@ -45,6 +47,13 @@ class Refused:
 
 
 @dataclass(frozen=True, slots=True)
+class TraceFailed:
+    """The trace just made on the call, ``special`` (refused ``trace-failed``), raised."""
+
+    special: Specialization
+
+
+@dataclass(frozen=True, slots=True)
 class Raised:
     """``special``'s graph raised on the call, recorded as ``failure``."""
 
@@ -52,4 +61,4 @@ class Raised:
     failure: RecordedException
 
 
-CallOutcome = Union[Ran, Abandoned, Refused, Raised]
+CallOutcome = Union[Ran, Abandoned, Refused, TraceFailed, Raised]

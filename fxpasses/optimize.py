@@ -10,7 +10,8 @@ Each call of an OptimizedLoss:
    gains, the flow's identity...), the one that ran most of the recent calls first, each checked
    only when its turn comes. None holds: the loss is traced again on this call, within
    ``max_specializations`` (the assumption that failed is counted as the reason); a trace that
-   fails is a refusal certificate and calls of that structure run natively;
+   fails is a refusal certificate and calls of that structure run natively (unless native
+   raises on the call too: then the error was the call's, and the refusal is dropped);
 3. runs the rewritten graph. A guard node that fails (a data-dependent decision went the other
    way) abandons the call: it runs natively, counted by the guard's line; the second call since
    the last trace that every specialization abandons is traced instead (its decisions get a
@@ -63,7 +64,7 @@ import torch.fx as fx
 from torch import nn
 
 from . import options
-from .call_outcome import Abandoned, CallOutcome, Raised, Ran, Refused
+from .call_outcome import Abandoned, CallOutcome, Raised, Ran, Refused, TraceFailed
 from .certificates import Certificate
 from .certificates.codes import note
 from .certificates.io import save
@@ -203,6 +204,8 @@ class OptimizedLoss(nn.Module):
             made = self._specialize(args, kwargs)
             if isinstance(made, Refused):
                 return made
+            if made.refusal == "trace-failed":
+                return TraceFailed(made)
             outcome = self._try(made, args, kwargs, flat()[0])
         if not isinstance(outcome, Abandoned):
             return outcome
@@ -299,6 +302,8 @@ class OptimizedLoss(nn.Module):
                 return special.info.unflatten_output(outputs)
             case Raised(special, failure):
                 return self._after_failure(special, failure, args, kwargs)
+            case TraceFailed(special):
+                return self._native_after_failed_trace(special, args, kwargs)
             case Abandoned(code) | Refused(code):
                 return self._native(args, kwargs, code)
         raise TypeError(f"not a call outcome: {outcome!r}")
@@ -308,6 +313,21 @@ class OptimizedLoss(nn.Module):
         if not special.relied:
             return contextlib.nullcontext()
         return relied_reads(functools.partial(special.relied_changed, self._loss, leaves))
+
+    def _native_after_failed_trace(self, special: Specialization, args: tuple, kwargs: dict) -> Any:
+        """The native result of a call whose trace, just made, raised. If native raises too,
+        the error was the call's (a wrong input shape), not the trace's: native's exception
+        propagates and the refusal is dropped, or it would send every later call of this
+        structure (valid ones) to native; else it stays, for those calls."""
+        try:
+            with MODULE_STATE.shared():
+                result = self._loss(*args, **kwargs)
+        except BaseException:
+            self._cache.remove(special)
+            self._count_native("native-raised")
+            raise
+        self._count_native(special.refusal)
+        return result
 
     def _after_failure(self, special: Specialization, failure: RecordedException, args: tuple,
                        kwargs: dict) -> Any:

@@ -51,6 +51,12 @@ class SpecializationCache:
         self._order.insert(0, special)
         return special
 
+    def remove(self, special: Specialization) -> None:
+        """Drop ``special`` (a refusal that would wrongly send later calls to native)."""
+        self._order.remove(special)
+        self._failures.pop(special.index, None)
+        self._disabled.pop(special.index, None)
+
     def disabled(self, special: Specialization) -> str | None:
         """The code why ``special`` must not run (its trace's refusal, or its failures), or None."""
         return self._disabled.get(special.index, special.refusal)

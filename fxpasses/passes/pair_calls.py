@@ -137,8 +137,8 @@ class PairCalls:
             for s in group:
                 if len(s.calls) > 1:
                     cert = self._decide(gm, s)
-                    if cert.applied:
-                        rely_on(gm, kept_whole(s.calls).reads)
+                    if cert.applied:  # what the calls and the code looked through read
+                        rely_on(gm, kept_whole([*s.calls, *_looked_through(gm, cert)]).reads)
                         detached = _detached_calls(cert)
                         new_nodes = self._rewrite(gm, s, cert.id, detached)
                         cert = dataclasses.replace(cert, effect={**cert.effect, "new_nodes": new_nodes,
@@ -383,10 +383,21 @@ class PairCalls:
         return tuple(new_nodes)
 
 
+def _branch_check(cert: Certificate) -> Check:
+    (check,) = [c for c in cert.checks if c.id == "branch-gradients-decided"]
+    return check
+
+
 def _detached_calls(cert: Certificate) -> tuple[str, ...]:
     """The calls whose rows enter the paired call detached, as the certificate decided."""
-    (check,) = [c for c in cert.checks if c.id == "branch-gradients-decided"]
-    return tuple(check.evidence["detached"])
+    return tuple(_branch_check(cert).evidence["detached"])
+
+
+def _looked_through(gm: fx.GraphModule, cert: Certificate) -> list[fx.Node]:
+    """The kept-whole calls a detached branch's decision looked through (their code's reads
+    are assumptions of it, as the paired method's are)."""
+    names = {n for through in _branch_check(cert).evidence["looked_through"].values() for n in through}
+    return [n for n in gm.graph.nodes if n.name in names]
 
 
 def _autocast_off() -> contextlib.ExitStack:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -456,6 +457,12 @@ class Program:
     __repr__ = __str__
 
 
+# The stateful flow's updates, one thread at a time: the ``threads`` schedule runs calls at once
+# (some natively, beside an optimized one), its native reference one after the other; unguarded,
+# ``calls += 1`` from two threads could lose one (a race of the user code, natively too).
+_STATE_LOCK = threading.Lock()
+
+
 class RowFlow(nn.Module):
     """A tiny row-wise density: a shift from a two-layer MLP, a learnable scale, a Gaussian base.
 
@@ -480,9 +487,10 @@ class RowFlow(nn.Module):
 
     def log_prob(self, x: Tensor) -> Tensor:
         if self.stateful and self.training:
-            self.row_sum.add_(x.detach().sum(0))
-            self.rows_seen.add_(x.shape[0])
-            self.calls += 1
+            with _STATE_LOCK:  # thread-safe, as the checker's native reference assumes
+                self.row_sum.add_(x.detach().sum(0))
+                self.rows_seen.add_(x.shape[0])
+                self.calls += 1
         if self.center:
             x = x - x.mean(0, keepdim=True)
         z = (x - self.outer(torch.tanh(self.inner(x)))) * torch.exp(-self.log_scale) / self.base_scale

@@ -62,6 +62,34 @@ def test_an_error_native_raises_too_propagates_as_natives_and_later_calls_run_op
     assert stats.optimized == 3 and all(fast.disabled(s) is None for s in fast.specializations)
 
 
+class Scaled(Masked):
+    """The same with an int setting the trace reads (an exponent): a change traces again."""
+
+    power = 1
+
+    def forward(self, a, b, mask):
+        return super().forward(a, b, mask) ** self.power
+
+
+def test_an_error_on_a_call_that_traces_again_leaves_later_calls_optimized():
+    """Census (mutations and a bad call): the setting changes right before a call that raises
+    natively. That call is traced (no trace holds for the new setting); the trace raises; its
+    refusal matched every later call of the same structure, valid ones too, which all ran
+    natively (``trace-failed``). Now the refusal is dropped: native's error was the call's."""
+    loss = Scaled()
+    fast = optimize(loss, passes=[PairRLE()])
+    _assert_native(loss, fast, _inputs(0))
+    loss.power = 2
+    with pytest.raises(RuntimeError) as raised:
+        fast(*_inputs(1, width=3))
+    assert raised.value.__context__ is None
+    for seed in (2, 3):
+        _assert_native(loss, fast, _inputs(seed))
+    stats = fast.stats
+    assert stats.native == {"native-raised": 1}, stats.render()
+    assert stats.optimized == 3 and all(s.disabled is None for s in fast.specializations)
+
+
 class _RaiseOnce(RuntimeOp):
     """Raises an out-of-memory error on its ``at``-th call (counting from 0), else passes its
     value on."""

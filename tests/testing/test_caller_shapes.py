@@ -115,6 +115,34 @@ def test_a_stateful_flow_writes_its_buffers_and_counter_on_each_native_call():
     assert int(values["call 2 state buffer flow.rows_seen"]) == sum(a + b for a, b in THREE_CALLS)
 
 
+def test_the_stateful_flows_updates_are_thread_safe():
+    """The ``threads`` schedule runs calls at once, its native reference one after the other:
+    that holds only for user code whose updates are atomic (``calls += 1`` from two threads
+    lost counts, natively too: a census failure the oracle made)."""
+    import sys
+    import threading
+
+    from fxpasses.testing.loss_programs import RowFlow
+
+    flow, x = RowFlow(2, stateful=True), torch.randn(3, 2)
+
+    def work():
+        for _ in range(300):
+            flow.log_prob(x)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert flow.calls == 1800 and int(flow.rows_seen) == 5400
+
+
 def test_the_bad_call_raises_natively_and_later_calls_run():
     values = _native(_with(_case(FLOWS, calls=THREE_CALLS), bad_call=1))
     assert values["bad call before call 1 raised"] == "RuntimeError"
