@@ -6,7 +6,7 @@ whenever the batch holds another number of objects. During a trace, the globals 
 module whose code the tracing thread runs get a stand-in for each of these names
 (:meth:`BuiltinShadows.cover`): called by the tracing thread, while it records, on a traced
 tensor or number, it returns a :class:`~.values.TracedScalar` whose node computes the size on
-every call (``len(t)``: ``t.size(0)``; ``int(t)``: ``int(t.item())``, a host read); called
+every call (``len(t)``: ``t.size(0)``; ``int(t)``: ``torch.sym_int(t.item())``, a host read); called
 anywhere else (another thread, a call kept whole, on anything else) it *is* the builtin: the
 same result or the same exception.
 
@@ -63,12 +63,14 @@ def _symbolic_int(rec: Any) -> Callable:
     def int(*args, **kwargs):  # noqa: A001
         if len(args) == 1 and not kwargs and _recording(rec):
             (value,) = args
+            # torch.sym_int: int() of a number, and a size symbol as it is, where shape
+            # propagation (FakeTensorProp) reads an unbacked .item() (int() would guard on it)
             if isinstance(value, TracedTensor):
                 builtins.int(_plain(value))  # a tensor of other than one element raises here
-                return rec.scalar_op(builtins.int, rec.item(value))
+                return rec.scalar_op(torch.sym_int, rec.item(value))
             if isinstance(value, TracedScalar):
                 builtins.int(value.value)
-                return rec.scalar_op(builtins.int, value)
+                return rec.scalar_op(torch.sym_int, value)
         return builtins.int(*args, **kwargs)
     return int
 
