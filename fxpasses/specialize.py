@@ -160,6 +160,7 @@ def _symbolic_sizes(info: TraceInfo) -> dict[str, Any]:
     why, and where the guards sit (tracing.guard_order)."""
     return {"len_int_symbolic_in": list(info.builtins_shadowed),
             "builtins_kept_in": dict(info.builtins_refused),
+            "host_reads_per_call": info.host_reads,
             "guards_at_front": info.guard_places.count("front"),
             "guards_moved_up": sum(p.startswith("after ") for p in info.guard_places),
             "guards_where_read": info.guard_places.count("where read")}

@@ -3,9 +3,11 @@
 ``trace(loss_fn, example_args, example_kwargs)`` runs ``loss_fn`` (an ``nn.Module``, a plain
 function, a bound method, or a callable object holding modules) once on copies of the example
 inputs and records what it did (:mod:`fxpasses.tracing`): one node per torch call; a guard node
-wherever Python took a value (``if mask.any():``, a size used as an int); an *assumption* for every
-value read from the loss's state (:mod:`fxpasses.guards`), floats read as arithmetic becoming
-inputs read on every call. The trace changes nothing: inputs are copies, attributes the loss
+wherever Python took a value (``if mask.any():``, ``range(n)``), on sizes as early as their inputs
+allow (:mod:`fxpasses.tracing.guard_order`); sizes used as sizes (``len(t)``, ``int(counts.max())``,
+``t.shape[0]``) stay nodes computed on every call (:mod:`fxpasses.tracing.shadows`); an
+*assumption* for every value read from the loss's state (:mod:`fxpasses.guards`), floats read as
+arithmetic becoming inputs read on every call. The trace changes nothing: inputs are copies, attributes the loss
 writes and buffers it updates are restored, random state is kept.
 
 The graph's placeholders are the call's inputs (:mod:`fxpasses.signature`: tensors, floats,
@@ -38,9 +40,10 @@ from torch.utils import _pytree as pytree
 from .certificates import Certificate, Check, Site
 from .guards import Assumption
 from .locations import exception_location
+from .ir.trace_ops import GuardOp
 from .signature import CallSignature, flatten_call
-from .tracing.objects import ObjectTracker
 from .tracing.guard_order import hoist_guards
+from .tracing.objects import ObjectTracker
 from .tracing.patches import ModulePatcher, Patches, patched
 from .tracing.recorder import Recorder, Unsupported
 from .ir.sources import Source
@@ -93,6 +96,7 @@ class TraceInfo:
     # and (module, why) of those that kept the builtins (their sizes are exact guards)
     builtins_shadowed: tuple[str, ...] = ()
     builtins_refused: tuple[tuple[str, str], ...] = ()
+    host_reads: int = 0  # values read to the host on every call for the graph's own use (.item())
 
     def unflatten_output(self, flat: Any) -> Any:
         return pytree.tree_unflatten(list(flat), self.out_spec)
@@ -225,6 +229,12 @@ def _output(rec: Recorder, out: Any) -> Any:
     return spec
 
 
+def _host_reads(graph: fx.Graph) -> int:
+    """``.item()`` nodes whose value the graph computes with (not only a guard's check)."""
+    return sum(1 for n in graph.nodes if n.op == "call_method" and n.target == "item"
+               and any(not isinstance(user.target, GuardOp) for user in n.users))
+
+
 def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = None, *,
           policy: LeafPolicy | None = None) -> fx.GraphModule:
     """Trace ``loss_fn`` called on ``(example_args, example_kwargs)`` into one GraphModule.
@@ -295,6 +305,7 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
                                   tuple(rec.guards), rec.writes_before_guards(), tuple(modules),
                                   len(rec.graph.nodes), tracker.written_state,
                                   tuple(places[node] for node in rec.guard_nodes),
-                                  tuple(shadows.covered), tuple(shadows.refused.items()))
+                                  tuple(shadows.covered), tuple(shadows.refused.items()),
+                                  _host_reads(rec.graph))
     return gm
 

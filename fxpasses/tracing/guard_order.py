@@ -18,6 +18,7 @@ from __future__ import annotations
 import operator
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from ..ir.trace_ops import GuardOp
@@ -26,7 +27,7 @@ _METADATA = frozenset(("size", "dim", "numel"))
 # methods whose result has their input's shape (their sizes are their input's)
 _SAME_SHAPE = frozenset("to float double half bfloat16 long int short bool contiguous clone detach "
                         "type_as".split())
-_SCALAR_FUNCTIONS = frozenset((bool, int, float, abs, *(getattr(operator, name) for name in
+_SCALAR_FUNCTIONS = frozenset((bool, int, float, abs, torch.sym_int, *(getattr(operator, name) for name in
                               "add sub mul truediv floordiv mod pow neg pos eq ne lt le gt ge not_ "
                               "and_ or_ xor".split())))
 

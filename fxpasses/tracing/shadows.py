@@ -6,7 +6,7 @@ whenever the batch holds another number of objects. During a trace, the globals 
 module whose code the tracing thread runs get a stand-in for each of these names
 (:meth:`BuiltinShadows.cover`): called by the tracing thread, while it records, on a traced
 tensor or number, it returns a :class:`~.values.TracedScalar` whose node computes the size on
-every call (``len(t)``: ``t.size(0)``; ``int(t)``: ``int(t.item())``, a host read); called
+every call (``len(t)``: ``t.size(0)``; ``int(t)``: ``torch.sym_int(t.item())``, a host read); called
 anywhere else (another thread, a call kept whole, on anything else) it *is* the builtin: the
 same result or the same exception.
 
@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import builtins
 import dis
+import functools
+import os
 import sys
 import threading
 import types
@@ -63,12 +65,14 @@ def _symbolic_int(rec: Any) -> Callable:
     def int(*args, **kwargs):  # noqa: A001
         if len(args) == 1 and not kwargs and _recording(rec):
             (value,) = args
+            # torch.sym_int: int() of a number, and a size symbol as it is, where shape
+            # propagation (FakeTensorProp) reads an unbacked .item() (int() would guard on it)
             if isinstance(value, TracedTensor):
                 builtins.int(_plain(value))  # a tensor of other than one element raises here
-                return rec.scalar_op(builtins.int, rec.item(value))
+                return rec.scalar_op(torch.sym_int, rec.item(value))
             if isinstance(value, TracedScalar):
                 builtins.int(value.value)
-                return rec.scalar_op(builtins.int, value)
+                return rec.scalar_op(torch.sym_int, value)
         return builtins.int(*args, **kwargs)
     return int
 
@@ -118,38 +122,70 @@ def _held_code(namespace: dict) -> Iterator[types.CodeType]:
             yield function.__code__
 
 
-def _source_code(namespace: dict) -> types.CodeType | None:
+_LOAD_GLOBAL = dis.opmap["LOAD_GLOBAL"]
+_EXTENDED_ARG = dis.opmap["EXTENDED_ARG"]
+_BY_NAME = {dis.opmap[name]: name for name in ("LOAD_NAME", "LOAD_FROM_DICT_OR_GLOBALS", *_WRITES)
+            if name in dis.opmap}
+
+
+def _name_ops(code: types.CodeType) -> Iterator[tuple[str, str, bool, int]]:
+    """(op, name, NULL pushed, offset) of each global or name op of ``code``, from its raw
+    bytecode (``dis.get_instructions`` is several times slower)."""
+    raw, extended = code.co_code, 0
+    for offset in range(0, len(raw), 2):
+        op, arg = raw[offset], raw[offset + 1] | extended
+        extended = arg << 8 if op == _EXTENDED_ARG else 0
+        if op == _LOAD_GLOBAL:  # 3.11+: the name is arg >> 1; the low bit pushes NULL (a call)
+            yield "LOAD_GLOBAL", code.co_names[arg >> 1], bool(arg & 1), offset
+        elif op in _BY_NAME:
+            yield _BY_NAME[op], code.co_names[arg], False, offset
+
+
+def _line(code: types.CodeType, offset: int) -> Any:
+    return next((line for start, end, line in code.co_lines() if start <= offset < end), code.co_firstlineno)
+
+
+@functools.lru_cache(maxsize=4096)
+def _misuse(code: types.CodeType, rerun: bool) -> str | None:
+    """How ``code`` uses a shadowed name other than by calling it, or None (a pure function of
+    the code: remembered)."""
+    if not any(name in code.co_names for name in (*SHADOWED, *_REFLECTIVE)):
+        return None
+    for op, name, called, offset in _name_ops(code):
+        if op == "LOAD_GLOBAL" and name in _REFLECTIVE:
+            return f"{code.co_qualname}() calls {name}()"
+        if name not in SHADOWED:
+            continue
+        if op == "LOAD_GLOBAL" and not called:
+            return f"{code.co_qualname}() uses {name} as a value (line {_line(code, offset)})"
+        if op in _WRITES:
+            return f"{code.co_qualname}() binds {name}"
+        if rerun and op != "LOAD_GLOBAL":
+            return f"{code.co_qualname} reads {name} by name (line {_line(code, offset)})"
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _source_misuse(path: str, mtime_ns: int, size: int) -> str | None:
+    """The first misuse in the code of the source file at ``path`` (as of its modification
+    time and size: remembered), or None."""
+    try:
+        with open(path, "rb") as file:
+            top = compile(file.read(), path, "exec", dont_inherit=True)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    return next(filter(None, (_misuse(code, rerun) for code, rerun in _code_objects(top))), None)
+
+
+def _source_check(namespace: dict) -> str | None:
     path = namespace.get("__file__")
     if not isinstance(path, str) or not path.endswith(".py"):
         return None
     try:
-        with open(path, "rb") as file:
-            return compile(file.read(), path, "exec", dont_inherit=True)
-    except (OSError, SyntaxError, ValueError):
+        stat = os.stat(path)
+    except OSError:
         return None
-
-
-def _misuse(code: types.CodeType, rerun: bool) -> str | None:
-    """How ``code`` uses a shadowed name other than by calling it, or None."""
-    if not any(name in code.co_names for name in (*SHADOWED, *_REFLECTIVE)):
-        return None
-    for instr in dis.get_instructions(code):
-        name = instr.argval
-        if instr.opname == "LOAD_GLOBAL" and name in _REFLECTIVE:
-            return f"{code.co_qualname}() calls {name}()"
-        if name not in SHADOWED:
-            continue
-        if instr.opname == "LOAD_GLOBAL" and not instr.arg & 1:  # 3.11+: no NULL pushed: a value
-            return f"{code.co_qualname}() uses {name} as a value (line {_line(code, instr)})"
-        if instr.opname in _WRITES:
-            return f"{code.co_qualname}() binds {name}"
-        if instr.opname in ("LOAD_NAME", "LOAD_FROM_DICT_OR_GLOBALS") and rerun:
-            return f"{code.co_qualname} reads {name} by name (line {_line(code, instr)})"
-    return None
-
-
-def _line(code: types.CodeType, instr: dis.Instruction) -> Any:
-    return getattr(instr, "positions", None) and instr.positions.lineno or code.co_firstlineno
+    return _source_misuse(path, stat.st_mtime_ns, stat.st_size)
 
 
 def why_not_shadowed(namespace: dict) -> str | None:
@@ -164,14 +200,11 @@ def why_not_shadowed(namespace: dict) -> str | None:
     own = vars(own) if isinstance(own, types.ModuleType) else own
     if not isinstance(own, dict) or any(own.get(name) is not getattr(builtins, name) for name in SHADOWED):
         return "the module's builtins are not Python's"
-    source = _source_code(namespace)
-    codes = [*(_code_objects(source) if source is not None else ()),
-             *((c, True) for held in _held_code(namespace) for c, _ in _code_objects(held, True))]
-    for code, rerun in codes:
-        found = _misuse(code, rerun)
-        if found:
-            return found
-    return None
+    found = _source_check(namespace)
+    if found:
+        return found
+    return next(filter(None, (_misuse(code, True) for held in _held_code(namespace)
+                              for code, _ in _code_objects(held, True))), None)
 
 
 class BuiltinShadows:

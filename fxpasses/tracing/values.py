@@ -5,7 +5,8 @@
   sees real values. Its ``__torch_function__`` hands every torch call to the active recorder.
 * :class:`TracedScalar` is a size, a count or a float input: it behaves as a number in arithmetic
   (each operation is a node) and turns into a plain Python value — with a guard that the value is
-  the one seen — where Python needs one (``bool``, ``int``, ``range``, formatting, hashing).
+  the one seen — where Python needs one (``bool``, ``int``, ``range``, formatting, hashing, a
+  method of the number such as ``n.bit_length()``).
   It is deliberately *not* an ``int`` subclass: CPython reads an int subclass's value directly
   (``range``, indexing, numpy), which no guard would see.
 * :class:`TracedSize` is the tuple of TracedScalars that ``x.shape`` returns.
@@ -154,6 +155,13 @@ class TracedScalar(ScalarCarrier):
 
     def __repr__(self) -> str:  # for debugging only: no guard
         return f"TracedScalar({self.value!r}, node={self.node.name})"
+
+    def __getattr__(self, name: str) -> Any:
+        # a method or attribute of the number itself (``n.bit_length()``): of its value, guarded
+        value = object.__getattribute__(self, "value")
+        if name.startswith("__") or not hasattr(type(value), name):
+            raise AttributeError(f"{type(value).__name__!r} object has no attribute {name!r}")
+        return getattr(self.recorder.concretize(self), name)
 
 
 class TracedSize(tuple):

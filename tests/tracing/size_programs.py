@@ -133,3 +133,11 @@ class LateDecisions(nn.Module):
         if (rows[:, 1] > 0.5).any():
             work = work * 2.0
         return work + rows.sum() / nl
+
+
+class PowerOfTwo(nn.Module):
+    """A method of the number ``len`` returned (Ultralytics' MPS bucket): its value, guarded."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        slots = 1 << (len(x) - 1).bit_length()
+        return x.new_zeros((slots, x.shape[1])).sum() + x.sum() / len(x)

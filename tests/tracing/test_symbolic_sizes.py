@@ -82,12 +82,28 @@ def test_a_size_used_as_a_size_is_no_value_guard_but_a_node():
     nodes = {n.name: n for n in gm.graph.nodes}
     zeros = next(n for n in nodes.values() if n.target == "new_zeros")
     padded = zeros.args[1][1]  # int(counts.max()), computed on every call
-    assert padded.target is int and padded.args[0].target == "item"
+    assert padded.target is torch.sym_int and padded.args[0].target == "item"
     arange = next(n for n in nodes.values() if getattr(n.target, "__name__", "") == "arange")
     assert arange.args[0].target == "size"  # len(batch_idx)
     divided = [n for n in nodes.values() if len(n.args) == 2 and getattr(n.args[1], "target", None)
                == "size" and n.args[1].args[0] is n.args[0]]  # loss /= len(loss)
     assert [str(n.target) for n in divided] == ["__idiv__"]
+
+
+@pytest.mark.skipif(torch.__version__ < "2.5", reason="torch 2.4 has no fake kernel for bincount "
+                    "(DynamicOutputShapeException): the packed targets' shapes are unknown there")
+def test_shape_propagation_reads_a_padded_size_as_an_unbacked_symbol():
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    from fxpasses.analysis.meta import annotate
+    from fxpasses.signature import flatten_call
+
+    batch = _batch([1, 3, 0])
+    gm = trace(programs.PackedLoss(KEYPOINTS, BATCH), batch)
+    leaves, _ = flatten_call(batch, {})
+    assert annotate(gm, gm.meta["fxpasses"].signature.inputs(leaves)) == []  # every node has metadata
+    zeros = next(n for n in gm.graph.nodes if n.target == "new_zeros")
+    assert free_unbacked_symbols(tuple(zeros.meta["val"].shape[1:2]))  # int(counts.max())
 
 
 def test_int_of_arithmetic_on_a_size_and_a_setting_is_computed_each_call():
@@ -155,6 +171,17 @@ def test_module_globals_are_put_back_after_a_trace_and_after_a_failed_one():
         trace(programs.Raises(), (torch.ones(2, 2),))
     assert not [name for name in SHADOWED if name in namespace]
     assert len(torch.ones(4)) == 4
+
+
+def test_a_method_of_a_size_takes_its_value_with_a_guard():
+    native = programs.PowerOfTwo()
+    gm = trace(native, (torch.ones(3, 2),))
+    assert [(type(g).__name__, g.expected) for g in _guards(gm)] == [("ExpectValue", 2)]  # len(x) - 1
+    fast = optimize(native)
+    for rows in (3, 4, 6, 3):
+        x = torch.rand(rows, 2, dtype=torch.float64)
+        torch.testing.assert_close(fast(x), native(x))
+    assert fast.stats.optimized == 3 and len(fast.specializations) == 2  # 6 rows: 8 slots, a new trace
 
 
 def _module(tmp_path, name, source):
