@@ -65,7 +65,7 @@ class Space:
     parent: str | None
     level: int
     rank: int  # of the mask: the leading dims of every source it selects from
-    trailing: tuple[int | None, ...] = ()  # the mask's sizes after the first (None: dynamic)
+    positions: tuple[str, ...] = ()  # the sites that are m.nonzero(...)
 
 
 @dataclass(frozen=True)
@@ -174,9 +174,8 @@ def find_spaces(gm: fx.GraphModule) -> list[Space]:
         parents = {owner[s] for s in inherited if s in owner}
         parent = next(iter(parents)) if len(parents) == 1 else None
         level = spaces[parent].level + 1 if parent else (1 if not inherited else 0)
-        trailing = tuple(d if isinstance(d, int) else None for d in value(mask).shape[1:])
         spaces[mask.name] = Space(mask.name, tuple(s.name for s in sites), own, parent, level,
-                                  value(mask).dim(), trailing)
+                                  value(mask).dim(), tuple(s.name for s in sites if is_coordinates(s)))
         for symbol in own:
             owner[symbol] = mask.name
     return list(spaces.values())

@@ -30,7 +30,6 @@ computed (:func:`place_reads`).
 
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +42,7 @@ from ..analysis.capture import is_state
 from ..analysis.meta import storages_of, tensors_in, value
 from ..analysis.ops import node_facts
 from ..analysis.order import effects
-from ..analysis.selection import SpaceAnalysis, is_coordinates, site_mask
+from ..analysis.selection import SpaceAnalysis, is_coordinates
 from ..ir.proofs import BucketedSizes, prove
 from ..locations import node_location
 from ..runtime.select import Capacities, CheckCounts, NonEmptyRows, StartCounts
@@ -187,11 +186,10 @@ def _space(gm: fx.GraphModule, analysis: SpaceAnalysis, mask: fx.Node, count: fx
     invalid = add(operator.invert, valid)
     rows_of = NonEmptyRows(f"rows_of_{analysis.space.mask}")
     ranks = {name: value(named[name]).dim() for name, _ in analysis.child_masks}  # before rewriting
-    shape = (None, *analysis.space.trailing)  # the first size is never needed
     for name in analysis.space.sites:  # x[m] ==> rows_of(x.flatten(0, m.dim() - 1))[idx]
         site = named[name]
-        if is_coordinates(site):  # m.nonzero() ==> the positions of idx in m
-            stacked = _coordinates(graph, site, index, shape, made, cleaned)
+        if name in analysis.space.positions:  # m.nonzero() ==> the positions of idx in m
+            stacked = _coordinates(graph, site, mask, dims, count, capacity, made, cleaned)
             if stacked is None:
                 del named[name]  # a tuple: its parts are the positions, nothing else reads it
             else:
@@ -217,8 +215,8 @@ def _space(gm: fx.GraphModule, analysis: SpaceAnalysis, mask: fx.Node, count: fx
             shaped = _made(graph.call_method("view", (valid, _along(dim, ranks[name]))), child, made)
         with graph.inserting_after(shaped):
             kept = _made(graph.call_function(operator.and_, (child, shaped)), child, made)
-        for user in list(child.users):
-            if site_mask(user) is child:
+        for user in list(child.users):  # (read from the graph: a rewritten source has no metadata)
+            if _selects_by(user, child):
                 user.replace_input_with(child, kept)
         masks[name] = kept
     for use in analysis.counts:  # rows.shape[0] as a value ==> the true count, on the device
@@ -230,40 +228,45 @@ def _space(gm: fx.GraphModule, analysis: SpaceAnalysis, mask: fx.Node, count: fx
     return named
 
 
-def _coordinates(graph: fx.Graph, site: fx.Node, index: fx.Node, shape: tuple, made: set[fx.Node],
-                 cleaned: set[fx.Node]) -> fx.Node | None:
-    """``m.nonzero(as_tuple=...)`` of a mask of ``shape`` as the positions of the gathered flat
-    ``index`` (each a real row's, 0 when the selection is empty: cleaned): the tuple's parts
-    replace its ``getitem`` users, or the stacked positions replace the site (returned)."""
-    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
-
+def _coordinates(graph: fx.Graph, site: fx.Node, mask: fx.Node, rank: int, count: fx.Node,
+                 capacity: fx.Node, made: set[fx.Node], cleaned: set[fx.Node]) -> fx.Node | None:
+    """``m.nonzero(as_tuple=...)`` as the positions of ``m`` padded to the capacity, a padding
+    row copying the last real position (0 when there is none: cleaned). Parts of the tuple
+    replace its ``getitem`` users; the positions themselves replace ``m.nonzero()`` (returned)."""
     def add(target: Any, *args: Any, **kwargs: Any) -> fx.Node:
         with graph.inserting_before(site):
             return _made(graph.call_function(target, args, kwargs), site, made)
 
-    parts = []
-    for dim, stride in enumerate(strides):  # position d = index // stride_d % size_d
-        part = index if stride == 1 else add(torch.div, index, stride, rounding_mode="floor")
-        if dim > 0:
-            part = add(torch.remainder, part, max(int(shape[dim]), 1))
-        parts.append(part)
-    cleaned.update(parts)
+    found = add(torch.nonzero_static, mask, size=capacity, fill_value=-1)  # (C, m.dim())
+    # the row of the last real position: count - 1 (beyond the capacity: some real row, the
+    # call is abandoned at the read; with no real row: row 0, all -1, clamped to 0)
+    last = add(torch.remainder, add(torch.clamp, add(operator.sub, count, 1), min=0), capacity)
+    last = add(torch.clamp, add(torch.index_select, found, 0, add(torch.reshape, last, (1,))), min=0)
+    positions = add(torch.where, add(operator.ge, found, 0), found, last)
+    cleaned.add(positions)
     if not site.kwargs.get("as_tuple", False):
-        stacked = add(torch.stack, tuple(parts), 1)
-        cleaned.add(stacked)
-        site.replace_all_uses_with(stacked)
+        site.replace_all_uses_with(positions)
         graph.erase_node(site)
-        return stacked
+        return positions
+    parts = tuple(add(torch.select, positions, 1, d) for d in range(rank))
+    cleaned.update(parts)
     for user in list(site.users):
         if user.op == "call_function" and user.target is operator.getitem and \
                 isinstance(user.args[1], int):
             user.replace_all_uses_with(parts[user.args[1]])
             graph.erase_node(user)
         else:  # a guard on the tuple's length, say: the tuple of the parts
-            user.args = fx.node.map_arg(user.args, lambda n: tuple(parts) if n is site else n)
-            user.kwargs = fx.node.map_arg(user.kwargs, lambda n: tuple(parts) if n is site else n)
+            user.args = fx.node.map_arg(user.args, lambda n: parts if n is site else n)
+            user.kwargs = fx.node.map_arg(user.kwargs, lambda n: parts if n is site else n)
     graph.erase_node(site)
     return None
+
+
+def _selects_by(node: fx.Node, mask: fx.Node) -> bool:
+    """``node`` is ``x[mask]`` or ``mask.nonzero(...)``."""
+    if node.op == "call_function" and node.target is operator.getitem:
+        return len(node.args) == 2 and node.args[1] is mask
+    return is_coordinates(node) and node.args[0] is mask
 
 
 def _floating(val: Any) -> bool:

@@ -220,14 +220,11 @@ class SelectRows:
 
 def _mask_shape(named: dict[str, fx.Node], space: Space) -> Check:
     mask = value(named[space.mask])
-    sources = {s: site_source(named[s]) for s in space.sites}
-    wrong = [s for s, x in sources.items() if x is not None and not _leading(mask, value(x))]
-    # the positions m.nonzero() come from the flat index by the sizes after the first
-    unknown = [s for s, x in sources.items() if x is None and None in space.trailing]
-    ok = not wrong and not unknown and space.level > 0
+    sources = [site_source(named[s]) for s in space.sites]  # None: the positions m.nonzero()
+    wrong = [s for s, x in zip(space.sites, sources) if x is not None and not _leading(mask, value(x))]
+    ok = not wrong and space.level > 0
     evidence = {"mask_shape": _shape_text(mask), "level": space.level,
-                "sites_not_indexing_leading_dims": tuple(wrong),
-                "positions_of_a_mask_with_dynamic_trailing_sizes": tuple(unknown)}
+                "sites_not_indexing_leading_dims": tuple(wrong)}
     if space.level == 0:
         evidence["reason"] = "the mask's shape depends on data other than a selection's rows"
     return Check("mask-indexes-leading-dims", ok, evidence, None if ok else "select-mask-shape")

@@ -205,14 +205,19 @@ def _run(module: fx.GraphModule, inputs: list[Any], seed: int) -> tuple[list[Any
     return outputs, [torch.zeros_like(w) if g is None else g for g, w in zip(grads, wrt)]
 
 
+_CASTS = ("float", "half", "bfloat16")  # x.float() and its kind: casts the graph writes as methods
+
+
 def _float64_dtype_arguments(module: fx.GraphModule) -> None:
-    """A floating dtype written in the graph (``x.to(torch.float32)``) becomes float64, as the
-    inputs are: the witness computes every floating value in float64."""
+    """A floating dtype written in the graph (``x.to(torch.float32)``, ``x.float()``) becomes
+    float64, as the inputs are: the witness computes every floating value in float64."""
     def widened(arg: Any) -> Any:
         return torch.float64 if isinstance(arg, torch.dtype) and arg.is_floating_point else arg
     for node in module.graph.nodes:
         node.args = fx.node.map_aggregate(node.args, widened)
         node.kwargs = fx.node.map_aggregate(node.kwargs, widened)
+        if node.op == "call_method" and node.target in _CASTS:
+            node.target = "double"
     module.recompile()
 
 
