@@ -62,7 +62,7 @@ def test_an_error_native_raises_too_propagates_as_natives_and_later_calls_run_op
     assert stats.optimized == 3 and all(fast.disabled(s) is None for s in fast.specializations)
 
 
-class Scaled(Masked):
+class Scaled(flows.MaskedWithTotal):
     """The same with an int setting the trace reads (an exponent): a change traces again."""
 
     power = 1
@@ -87,7 +87,7 @@ def test_an_error_on_a_call_that_traces_again_leaves_later_calls_optimized():
         _assert_native(loss, fast, _inputs(seed))
     stats = fast.stats
     assert stats.native == {"native-raised": 1}, stats.render()
-    assert stats.optimized == 3 and all(s.disabled is None for s in fast.specializations)
+    assert stats.optimized == 3 and all(fast.disabled(s) is None for s in fast.specializations)
 
 
 class _RaiseOnce(RuntimeOp):
