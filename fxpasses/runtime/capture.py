@@ -243,8 +243,12 @@ class Recording:
         self._storages = [(ref, torch._C._storage_Use_Count(ref.cdata)) for ref, _ in refs]
 
     def referenced(self) -> bool:
-        """Whether any tensor besides this recording's own refers to its static memory."""
-        return any(torch._C._storage_Use_Count(ref.cdata) > own for ref, own in self._storages)
+        """Whether any tensor besides this recording's own refers to its static memory (a
+        graph's activations live in its pool; an emulated replay's, which may be views of
+        static memory, are counted by its ``held_uses``)."""
+        held = getattr(self.forward, "held_uses", None) or {}
+        return any(torch._C._storage_Use_Count(ref.cdata) > own + held.get(ref.cdata, 0)
+                   for ref, own in self._storages)
 
     def load(self, tensors: Sequence[torch.Tensor]) -> None:
         """Copy the call's tensors into the static input buffers (identity inputs are in place),

@@ -9,9 +9,11 @@ pending-backward bugs show up on a CPU exactly as they would on a GPU.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
 from .capture import GraphRecorder, Recording
@@ -51,12 +53,19 @@ class _Forward:
     def __init__(self, fn: Callable, recording: Recording, inputs: list[Any]):
         self.fn, self.recording, self.inputs = fn, recording, inputs
         self.activations: tuple[list[Any], list[Any]] | None = None  # (outputs, inputs)
+        # storage -> uses of it the kept activations hold (an output that is a view of a static
+        # input): a graph's activations live in its pool, so they are not a caller's reference
+        self.held_uses: Counter[int] = Counter()
 
     def replay(self) -> None:
         with torch.enable_grad() if self.recording.backward is not None else torch.no_grad():
             fresh = pytree.tree_leaves(self.fn(*self.inputs))
         if self.recording.backward is not None:
             self.activations = (fresh, self.inputs)
+            own = {id(t) for t in (*self.recording.inputs, *self.recording.outputs)}
+            self.held_uses = Counter(StorageWeakRef(t.untyped_storage()).cdata for t in
+                                     {id(t): t for t in fresh if isinstance(t, torch.Tensor)
+                                      and id(t) not in own}.values())
         with torch.no_grad():
             for static, value in zip(self.recording.outputs, fresh):
                 if isinstance(static, torch.Tensor):

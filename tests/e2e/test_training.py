@@ -79,5 +79,8 @@ def test_adamw_steps_with_the_optimized_loss_match_native_in_float64(passes):
     if "CaptureLoss" in passes:
         regions = [v for k, v in stats.sites.items() if "capture_region" in k]
         again = sum(n for k, n in stats.abandoned.items() if k.startswith("selection-capacity"))
-        # every run replayed: each step's, and each run again of a step whose capacity grew
-        assert regions and all(v.get("replayed", 0) == STEPS + again for v in regions), stats.render()
+        # every run replayed: each step's, and each run again of a step whose capacity grew; on
+        # such a run again a region may run eagerly instead (outputs-alive: a tensor of the
+        # abandoned attempt, held from C++, still refers to the region's static memory)
+        assert regions and all(v.get("replayed", 0) + v.get("outputs-alive", 0) == STEPS + again
+                               and v.get("outputs-alive", 0) <= again for v in regions), stats.render()

@@ -5,8 +5,8 @@ goes to each rank pickled (as Ultralytics' launcher sends the trainer's callback
 rank's own DDP model's criterion, for the trainer's DDP settings with and without ``compile`` (the
 latter not compiled: see the worker). The ranks run :mod:`ultralytics_ddp_worker` (a plain module
 on this folder's path, so that spawned processes import it by name). Checked: after every step the
-all-reduced gradients of every parameter equal the native criterion's to 1e-10 relative (float64)
-on both ranks, although at step 1 one rank's persons have no visible keypoints and the other rank
+all-reduced gradients of every parameter equal the native criterion's to 1e-6 of each gradient's
+scale (float64; the criterion's own float32 parts bound it: see the worker) on both ranks, although at step 1 one rank's persons have no visible keypoints and the other rank
 has no persons; no parameter lacks a gradient; DDP (as the trainer sets it) raises nothing; each
 rank's criterion was wrapped and its ordinary calls ran optimized.
 """
@@ -52,7 +52,7 @@ def test_all_reduced_gradients_equal_native_on_every_rank(reports):
         got, native = report["optimized"], report["native"]
         assert all(r <= 1 for r in got["grad_ratio"]), (rank, got["grad_ratio"])
         for a, b in zip(got["loss"], native["loss"]):
-            assert a == pytest.approx(b, rel=1e-10, abs=1e-12), (rank, got["loss"], native["loss"])
+            assert a == pytest.approx(b, rel=1e-6, abs=1e-12), (rank, got["loss"], native["loss"])
     for arm in ("native", "optimized"):  # reduced: both ranks hold the same gradients
         assert reports[0][arm]["grad_abs_sum"] == reports[1][arm]["grad_abs_sum"], arm
         assert reports[0][arm]["loss"] != reports[1][arm]["loss"], arm  # own batches

@@ -34,7 +34,11 @@ from fxpasses.workloads.ultralytics_pose import pose_batch, pose_model
 
 STEPS = 3
 BATCH, IMAGE_SIZE, COUNTS = 2, 128, (1, 2)
-RTOL, ATOL = 1e-10, 1e-12
+# the criterion computes parts in float32 whatever the default dtype (keypoints.float(),
+# loss.py:785; the OKS in the assigner, tal.py; the RLE weights and sigmas): a rewrite that pads
+# those rows sums them in another order, float32 rounding (1e-8 of a gradient's scale, measured).
+# So each gradient is compared to its tensor's scale, float32's rounding times a margin.
+RTOL, ATOL = 1e-6, 1e-12
 ARMS = ("native", "optimized")
 
 
@@ -52,9 +56,10 @@ def batch_for(rank: int, step: int) -> dict[str, torch.Tensor]:
 
 
 def _worst(got: torch.Tensor | None, want: torch.Tensor | None) -> float:
+    """max |got - want| / (ATOL + RTOL max |want|): at most 1 passes."""
     if got is None or want is None:
         return float("inf") if (got is None) != (want is None) else 0.0
-    return ((got - want).abs() / (ATOL + RTOL * want.abs())).max().item()
+    return ((got - want).abs().max() / (ATOL + RTOL * want.abs().max())).item()
 
 
 def _ddp(model: torch.nn.Module, mode: str) -> DistributedDataParallel:
