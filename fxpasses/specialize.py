@@ -111,6 +111,8 @@ def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pas
     The hooks, methods, submodules and modes of the modules the trace depends on
     (``info.modules``) are the caller's whole-loss guards."""
     special = Specialization(index, CallSignature.of_call(args, kwargs, positional_names(loss)))
+    logger.info("specialization %d of %s: tracing and running %d pass(es) (a new call structure: "
+                "this call takes longer)", index, type(loss).__name__, len(passes))
     start = time.perf_counter()
     try:
         gm = trace(loss, args, kwargs, policy=policy)

@@ -91,6 +91,7 @@ def _broken_local_writes(graph: fx.Graph, candidates: dict[fx.Node, frozenset[in
     sharing it outside the write's captured region, or a reader of one outside the region that
     graph order puts before the memory's last write."""
     order = {n: i for i, n in enumerate(graph.nodes)}
+    held = {n: storages_of(n) for n in graph.nodes}  # once, not once per candidate
     broken = set()
     for write, written in candidates.items():
         region = region_of.get(write)
@@ -99,7 +100,7 @@ def _broken_local_writes(graph: fx.Graph, candidates: dict[fx.Node, frozenset[in
             continue
         last = max(order[w] for w, s in candidates.items() if s & written)
         for node in graph.nodes:
-            if not storages_of(node) & written:
+            if not held[node] & written:
                 continue
             if region_of.get(node) != region or any(
                     region_of.get(u) != region and order[u] < last for u in node.users):

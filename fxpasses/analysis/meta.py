@@ -12,13 +12,14 @@ no device memory is used, so CUDA graphs can be planned on a CPU machine.
 from __future__ import annotations
 
 import operator
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import (GuardOnDataDependentSymNode,
                                                    PendingUnbackedSymbolNotFound, ShapeEnv,
                                                    free_unbacked_symbols)
+from torch.fx.experimental.sym_node import SymNode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -230,10 +231,20 @@ def annotate(gm: fx.GraphModule, example_tensors: Sequence[torch.Tensor]) -> lis
 def annotate_new(gm: fx.GraphModule) -> list[tuple[fx.Node, Exception]]:
     """Metadata for the nodes a pass added to an annotated graph, and for those whose inputs it
     changed (rewired, or themselves given new metadata), in the same fake mode; the others keep
-    theirs: cheap where :func:`annotate` propagates the whole graph again."""
+    theirs: cheap where :func:`annotate` propagates the whole graph again.
+
+    A node run again whose result is its old metadata (:func:`_same_allocation`: the same
+    shapes, strides, dtypes and devices, new memory sharing none of its inputs', then as
+    before) keeps its old value, so its users are not run again: a pass that rewires one node
+    (a constant index, a folded number) re-propagates that node, not all the graph below it."""
     mode = gm.meta[_FAKE_MODE]
     prop = _PartialFakeTensorProp(gm, mode)
     fresh: set[fx.Node] = set()
+    first_holder: dict[int, fx.Node] = {}  # each storage's first node, as metadata was
+    replaced: list[dict] = []  # old metadata kept alive: storage ids stay unique while this runs
+    for node in gm.graph.nodes:
+        for storage in storages_of(node):
+            first_holder.setdefault(storage, node)
     with mode, _quiet_shape_env():
         for node in gm.graph.nodes:
             if node.op == "placeholder":  # objects and floats too, not only what meta holds
@@ -248,12 +259,69 @@ def annotate_new(gm: fx.GraphModule) -> list[tuple[fx.Node, Exception]]:
                 continue
             if node.op == "output":
                 continue
-            for key in ("val", "unbacked_bindings", NODE_FACTS):  # stale: computed from other inputs
-                node.meta.pop(key, None)
-            prop.env[node] = prop.run_node(node)
+            old = {key: node.meta.pop(key) for key in ("val", "unbacked_bindings", NODE_FACTS)
+                   if key in node.meta}  # stale: computed from other inputs
+            replaced.append(old)
+            result = prop.run_node(node)
             node.meta[ANNOTATED] = _input_names(node)
+            if node.op in ("call_function", "call_method") and "val" in old and "val" in node.meta \
+                    and not {"unbacked_bindings"} & (old.keys() | node.meta.keys()) \
+                    and not _writes(old.get(NODE_FACTS)) and not _writes(node.meta.get(NODE_FACTS)) \
+                    and _same_allocation(old["val"], node.meta["val"],
+                                         lambda t: first_holder.get(storage_id(t)) is node,
+                                         set().union(*map(storages_of, node.all_input_nodes))):
+                node.meta["val"] = prop.env[node] = old["val"]
+                continue
+            prop.env[node] = result
             fresh.add(node)
     return prop.failures
+
+
+def _writes(facts: NodeFacts | None) -> bool:
+    return facts is None or facts.writes_input or not facts.complete
+
+
+def _same_allocation(old: Any, new: Any, owned: Callable[[torch.Tensor], bool],
+                     new_inputs: set[int]) -> bool:
+    """Whether ``new`` is ``old`` as metadata: the same structure, Python values equal, fake
+    tensors of the same sizes (:func:`_layout`), strides, offset, dtype, device, layout and requires_grad,
+    sharing storage among themselves alike; each old tensor's memory ``owned`` by its node (no
+    node before it held it), no new one holding memory of the node's inputs. A symbolic size, a
+    real tensor, a symbolic number or another object is never the same."""
+    old_leaves, old_spec = pytree.tree_flatten(old)
+    new_leaves, new_spec = pytree.tree_flatten(new)
+    if old_spec != new_spec:
+        return False
+    old_ids: dict[int, int] = {}
+    new_ids: dict[int, int] = {}
+    for i, (a, b) in enumerate(zip(old_leaves, new_leaves)):
+        if isinstance(a, FakeTensor) and isinstance(b, FakeTensor):
+            if not (_layout(a) == _layout(b) is not None
+                    and getattr(a, "constant", None) is None and getattr(b, "constant", None) is None):
+                return False
+            sa, sb = storage_id(a), storage_id(b)
+            if not owned(a) or sb in new_inputs or old_ids.setdefault(sa, i) != new_ids.setdefault(sb, i):
+                return False
+        elif not (type(a) is type(b) and type(a) in _PLAIN and a == b):
+            return False
+    return True
+
+
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout)
+
+
+def _layout(t: torch.Tensor) -> tuple | None:
+    """Sizes, strides and offset (a data-dependent one as its symbolic expression: equal
+    expressions of one ShapeEnv are equal sizes), dtype, device, layout, requires_grad."""
+    sizes = []
+    for s in (*t.shape, *t.stride(), t.storage_offset()):
+        if type(s) is int:
+            sizes.append(s)
+        elif isinstance(s, torch.SymInt) and isinstance(getattr(s, "node", None), SymNode):
+            sizes.append(("symbolic", s.node.expr))
+        else:
+            return None
+    return (tuple(sizes), t.dim(), t.dtype, t.device, t.layout, t.requires_grad)
 
 
 def _input_names(node: fx.Node) -> tuple[str, ...]:

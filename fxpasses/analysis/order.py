@@ -61,9 +61,9 @@ def _reads(node: fx.Node) -> frozenset[int] | None:
     return frozenset(storages)
 
 
-def conflict(a: fx.Node, b: fx.Node) -> str | None:
-    """Why ``a`` and ``b`` may not swap places, or None."""
-    ea, eb = effects(a), effects(b)
+def conflict(a: fx.Node | Effects, b: fx.Node | Effects) -> str | None:
+    """Why ``a`` and ``b`` (nodes, or their :func:`effects` read once) may not swap places, or None."""
+    ea, eb = (x if isinstance(x, Effects) else effects(x) for x in (a, b))
     if ea.unknown or eb.unknown:
         return "effects unknown"
     if ea.random and eb.random:

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..analysis.order import conflict
+from ..analysis.order import conflict, effects
 from ..analysis.graph import dependent_pairs, downstream, grad_modes, to_digraph
 from ..analysis.gradients import gradient_reach
 from ..analysis.meta import is_dynamic, value
@@ -282,8 +282,9 @@ class PairCalls:
         moved, jumped = self._reordering(gm, s, g) if not dependent else ([], [])
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         # a moved node now runs after every jumped node: only those it used to precede swap
+        of = {n: effects(n) for n in {*moved, *jumped}}  # once per node, not per pair
         conflicts = [f"{m.name} / {j.name}: {why}" for m in moved for j in jumped
-                     if order[j] > order[m] and (why := conflict(m, j)) is not None]
+                     if order[j] > order[m] and (why := conflict(of[m], of[j])) is not None]
         modes = grad_modes(gm.graph)
         last = max(s.calls, key=list(gm.graph.nodes).index)
         mode_changes = [n.name for n in moved if modes[n] != modes[last]]

@@ -67,3 +67,15 @@ def test_progress_logs_at_a_bounded_rate(caplog):
     done = [r.args[1] for r in caplog.records]
     assert done == [3, 6, 9, 10]  # every third tick (one clock read per item), then the end
     assert all(r.args[2] == "/10" for r in caplog.records)  # the total, from len()
+
+
+def test_a_new_trace_logs_when_it_starts_and_when_it_is_done(two_branch_loss, two_branch_inputs, caplog):
+    from fxpasses import optimize
+    fast = optimize(two_branch_loss)
+    with caplog.at_level(logging.INFO, logger="fxpasses"):
+        fast(*two_branch_inputs)
+        fast(*two_branch_inputs)  # the same structure: no trace, no line
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert len(lines) == 2
+    assert lines[0].startswith("specialization 0 of TwoBranchLoss: tracing and running")
+    assert "trace" in lines[1] and "pipeline" in lines[1] and lines[1].endswith(" s")

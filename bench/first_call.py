@@ -1,0 +1,103 @@
+"""The first call of an optimized real Ultralytics pose criterion: wall time against native.
+
+    PYTHONPATH=. python3 bench/first_call.py --batch 16 --image-size 320 --arms select,all --threads 1
+    PYTHONPATH=. python3 bench/first_call.py --arms all --profile out/first_call.prof
+
+The first call traces the loss, runs the passes' analyses, proofs and witnesses and (CaptureLoss)
+its region analyses; on a CPU CaptureLoss runs with the emulated recorder (``devices=("cpu",)``)
+so that its analysis runs as on CUDA. Per arm: the first call's seconds (forward and backward of
+``loss.sum()``), the specialization's own split (trace, pipeline, per pass), and the native
+step's seconds (median of ``--native-steps``). ``--profile`` writes a cProfile of the pipeline (the passes) of
+the last arm named's first call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import logging
+import statistics
+import time
+
+import torch
+
+from fxpasses import optimize, specialize
+from fxpasses.passes import CaptureLoss, PairRLE, SelectRows
+from fxpasses.runtime.emulated import EmulatedRecorder
+from fxpasses.workloads.ultralytics_pose import pose_batch, pose_model, pose_preds
+
+
+def passes(arm: str, device: str) -> list:
+    if arm == "select":
+        return [PairRLE(), SelectRows()]
+    capture = (CaptureLoss() if device.startswith("cuda")
+               else CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder()))
+    return [PairRLE(), SelectRows(), capture]
+
+
+def profile_pipeline(path: str) -> None:
+    """cProfile the passes' pipeline of the next specializations into ``path`` (the trace itself
+    refuses to run under a profiler: its own profile hook would displace it)."""
+    run = specialize.run_pipeline
+
+    def profiled(*args, **kwargs):
+        profiler = cProfile.Profile()
+        try:
+            return profiler.runcall(run, *args, **kwargs)
+        finally:
+            profiler.dump_stats(path)
+
+    specialize.run_pipeline = profiled
+
+
+def step(fn, preds, batch) -> float:
+    start = time.perf_counter()
+    out = fn(preds, batch)
+    out[0].sum().backward()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--image-size", type=int, default=320)
+    parser.add_argument("--arms", default="select,all")
+    parser.add_argument("--native-steps", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--profile", default=None)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads (1 keeps a shared CPU's timings stable)")
+    parser.add_argument("--log", action="store_true", help="print fxpasses' INFO log")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.log:
+        from fxpasses.log import enable
+        enable(logging.INFO)
+    torch.manual_seed(0)
+    criterion = pose_model(device=args.device).init_criterion()
+    data = lambda seed: (pose_preds(args.batch, seed=seed, image_size=args.image_size,  # noqa: E731
+                                    device=args.device),
+                         pose_batch(args.batch, seed=seed, image_size=args.image_size,
+                                    device=args.device))
+    native = [step(criterion, *data(s)) for s in range(args.native_steps)]
+    print(f"native step: median {statistics.median(native):.3f} s ({args.native_steps} steps, "
+          f"batch {args.batch}, {args.image_size} px, {args.device})")
+    arms = args.arms.split(",")
+    for arm in arms:
+        fast = optimize(criterion, passes=passes(arm, args.device))
+        if args.profile and arm == arms[-1]:
+            profile_pipeline(args.profile)
+        cpu = time.process_time()
+        first = step(fast, *data(100))
+        cpu = time.process_time() - cpu
+        second = step(fast, *data(101))
+        seconds = {k: round(v, 2) for s in fast.specializations for k, v in s.seconds.items()}
+        print(f"{arm}: first call {first:.2f} s ({first / statistics.median(native):.0f}x native; "
+              f"{cpu:.2f} s CPU), "
+              f"second call {second:.3f} s; {seconds}; {len(fast.specializations)} specialization(s)")
+
+
+if __name__ == "__main__":
+    main()
