@@ -206,14 +206,14 @@ class OptimizedLoss(nn.Module):
                 return made
             if made.refusal == "trace-failed":
                 return TraceFailed(made)
-            outcome = self._try(made, args, kwargs, flat()[0])
+            outcome = self._try(made, args, kwargs, made.signature.flatten(args, kwargs)[0])
         if not isinstance(outcome, Abandoned):
             return outcome
         self._abandoned_since_trace += 1  # every trace's decisions failed on this call
         if outcome.retrace and self._abandoned_since_trace >= _RETRACE_AFTER:  # its own trace
             made = self._specialize(args, kwargs)
             if not isinstance(made, Refused):
-                return self._try(made, args, kwargs, flat()[0])
+                return self._try(made, args, kwargs, made.signature.flatten(args, kwargs)[0])
         return outcome
 
     def _first_outcome(self, args: tuple, kwargs: dict,

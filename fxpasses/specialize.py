@@ -27,7 +27,7 @@ from .tracing.recorder import put_back
 from .log import logger
 from .certificates.digest import fingerprint
 from .pipeline import Pass, PipelineRun, run_pipeline
-from .signature import CallSignature, flatten_call
+from .signature import CallSignature
 from .trace import LeafPolicy, TraceFailure, TraceInfo, positional_names, trace
 
 
@@ -121,7 +121,7 @@ def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pas
         return special
     special.seconds["trace"] = time.perf_counter() - start
     info: TraceInfo = gm.meta["fxpasses"]
-    leaves, _ = flatten_call(args, kwargs)
+    leaves, _ = info.signature.flatten(args, kwargs)
     special.info, special.signature = info, info.signature
     ambient = tuple(a for a in whole_loss_assumptions(special.roots(loss, leaves))
                     if a.kind in CHECKED_PER_TRACE)
@@ -166,6 +166,13 @@ def _symbolic_sizes(info: TraceInfo) -> dict[str, Any]:
             "guards_where_read": info.guard_places.count("where read")}
 
 
+def _unread(info: TraceInfo) -> dict[str, Any]:
+    """The input values the trace never read: not matched by later calls (tracing.input_reads)."""
+    return {"values": list(info.unread_inputs),
+            "why": "no value under these keys was read while tracing: they cannot steer the "
+                   "trace, so a call with other values there (file names, shapes) shares it"}
+
+
 def _trace_certificate(loss: Any, info: TraceInfo, assumptions: Sequence[Assumption]) -> Certificate:
     """The trace's own certificate: what it recorded, and every assumption as a guard."""
     writes = info.writes_before_guards
@@ -175,7 +182,8 @@ def _trace_certificate(loss: Any, info: TraceInfo, assumptions: Sequence[Assumpt
                                        "modules_depended_on": len(info.modules),
                                        "their_guards": "whole-loss (hooks, methods, "
                                                        "submodules, modes)",
-                                       "symbolic_sizes": _symbolic_sizes(info)}),
+                                       "symbolic_sizes": _symbolic_sizes(info),
+                                       "inputs_not_read": _unread(info)}),
         Check("abandon-without-effect", not writes, {
             "writes_before_guards": writes,
             "attribute_writes": "put back when a call is abandoned or raises",

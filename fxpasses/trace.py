@@ -41,8 +41,9 @@ from .certificates import Certificate, Check, Site
 from .guards import Assumption
 from .locations import exception_location
 from .ir.trace_ops import GuardOp
-from .signature import CallSignature, flatten_call
+from .signature import CallSignature, flatten_call, path_name
 from .tracing.guard_order import hoist_guards
+from .tracing.input_reads import InputReads
 from .tracing.objects import ObjectTracker
 from .tracing.patches import ModulePatcher, Patches, patched
 from .tracing.recorder import Recorder, Unsupported
@@ -97,6 +98,8 @@ class TraceInfo:
     builtins_shadowed: tuple[str, ...] = ()
     builtins_refused: tuple[tuple[str, str], ...] = ()
     host_reads: int = 0  # values read to the host on every call for the graph's own use (.item())
+    # the input values the loss never read (tracing.input_reads): free in ``signature``
+    unread_inputs: tuple[str, ...] = ()
 
     def unflatten_output(self, flat: Any) -> Any:
         return pytree.tree_unflatten(list(flat), self.out_spec)
@@ -173,11 +176,12 @@ def positional_names(loss_fn: Any) -> tuple[str, ...]:
 
 
 def _inputs(rec: Recorder, tracker: ObjectTracker, signature: CallSignature,
-            leaves: list[Any]) -> list[Any]:
-    """Placeholders for the call's inputs, and the values the traced call receives."""
+            leaves: list[Any], placeholders: dict[int, fx.Node]) -> list[Any]:
+    """Placeholders for the call's inputs (into ``placeholders``, by leaf index), and the values
+    the traced call receives."""
     values = list(leaves)
     for slot, name in zip(signature.input_slots, signature.placeholder_names):
-        node = rec.graph.placeholder(name)
+        node = placeholders[slot] = rec.graph.placeholder(name)
         leaf = leaves[slot]
         if isinstance(leaf, torch.Tensor):  # a copy: the trace never writes the caller's tensors
             with torch.no_grad():
@@ -190,6 +194,28 @@ def _inputs(rec: Recorder, tracker: ObjectTracker, signature: CallSignature,
         else:
             tracker.track(leaf, Source(("arg", slot)), placeholder=node)
     return values
+
+
+def _without_unread(graph: fx.Graph, signature: CallSignature, placeholders: dict[int, fx.Node],
+                    reads: InputReads, args: tuple, kwargs: dict) -> tuple[CallSignature, list]:
+    """The signature with the input values the loss never read free, and their paths; their
+    placeholders (unused) leave the graph. A path with a used placeholder below it stays; a call
+    with pytree nodes that give no key paths keeps its signature whole."""
+    unread = reads.unread()
+    try:
+        paths = [path for path, _ in pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]] \
+            if unread else []
+    except ValueError:  # a node registered without key functions
+        return signature, []
+    below = lambda p: [n for i, n in placeholders.items() if paths[i][:len(p)] == p]  # noqa: E731
+    unread = [p for p in unread if not any(n.users for n in below(p))]
+    narrowed = signature.without(unread, args, kwargs)
+    if narrowed is None:
+        return signature, []
+    for path in unread:
+        for node in below(path):
+            graph.erase_node(node)
+    return narrowed, unread
 
 
 def _function_state(tracker: ObjectTracker, function: types.FunctionType | None,
@@ -253,9 +279,11 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
     rec.tracker = tracker
     shadows = BuiltinShadows(rec, patcher.patches)
     leaves, _ = flatten_call(tuple(example_args), example_kwargs)
+    placeholders: dict[int, fx.Node] = {}
+    reads = InputReads()
     try:
-        values = _inputs(rec, tracker, signature, leaves)
-        args, kwargs = pytree.tree_unflatten(values, signature.in_spec)
+        values = _inputs(rec, tracker, signature, leaves, placeholders)
+        args, kwargs = reads.wrap(pytree.tree_unflatten(values, signature.in_spec))
         if isinstance(owner, nn.Module):
             rec.index_state(owner, "")  # the loss module's own parameters and buffers
         if owner is not None:
@@ -297,6 +325,8 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
     finally:
         tracker.restore()
         patcher.state.restore()  # what the trace's run changed in the modules it met, kept whole calls' included
+    signature, unread = _without_unread(rec.graph, signature, placeholders, reads,
+                                        tuple(example_args), example_kwargs)
     places = hoist_guards(rec.graph)
     gm = fx.GraphModule(root, rec.graph, class_name=f"Traced{type(loss_fn).__name__}")
     modules = dict.fromkeys([*tracker.used_modules(),
@@ -306,6 +336,7 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
                                   len(rec.graph.nodes), tracker.written_state,
                                   tuple(places[node] for node in rec.guard_nodes),
                                   tuple(shadows.covered), tuple(shadows.refused.items()),
-                                  _host_reads(rec.graph))
+                                  _host_reads(rec.graph),
+                                  tuple(path_name(p, positional_names(loss_fn)) for p in unread))
     return gm
 
