@@ -10,6 +10,7 @@ structure run natively.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from torch import nn
 from .certificates import Certificate, Check, Guard, Site
 from .guard_code import READ_FAILED, compile_check
 from .ir.proofs import relied_on
+from .ir.runtime_op import runtime_ops
 from .isolation import module_state_kept
 from .guards import CHECKED_PER_TRACE, Assumption, LossRoots, first_failure, whole_loss_assumptions
 from .tracing.recorder import put_back
@@ -56,6 +58,12 @@ class Specialization:
     # what the code of calls kept whole read, where a rewrite's proof ran that code (also among
     # ``assumptions``): checked again when a region holding such code is recomputed later
     relied: tuple[Assumption, ...] = ()
+
+    @functools.cached_property
+    def adjustments(self) -> int:
+        """How many times one call can make its graph's run-time ops adjust themselves and run
+        again (:attr:`~fxpasses.ir.runtime_op.RuntimeOp.adjustments`)."""
+        return sum(op.adjustments for op in runtime_ops(self.graph_module))
 
     def leaves_of(self, args: tuple, kwargs: dict,
                   flat: Callable[[], tuple[list[Any], Any]]) -> list[Any] | None:
