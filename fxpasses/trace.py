@@ -269,6 +269,15 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
     ``gm.meta['fxpasses']`` (a :class:`TraceInfo`) rebuilds structured outputs and lists what
     the trace assumed. Raises :class:`TraceFailure`.
     """
+    gm = _trace(loss_fn, example_args, example_kwargs, policy, InputReads())
+    return gm if gm is not None else _trace(loss_fn, example_args, example_kwargs, policy, None)
+
+
+def _trace(loss_fn: Any, example_args: tuple, example_kwargs: dict | None,
+           policy: LeafPolicy | None, reads: InputReads | None) -> fx.GraphModule | None:
+    """One run of the trace, the input dicts handed over as ``reads``' stand-ins (None: as
+    they are); None where the loss's code could tell a stand-in from a dict (it names ``type``
+    or reads ``__class__``): then it traces again without them (every input value matched)."""
     policy = policy or LeafPolicy()
     root, owner, function = _loss_root(loss_fn)
     example_kwargs = dict(example_kwargs or {})
@@ -280,10 +289,11 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
     shadows = BuiltinShadows(rec, patcher.patches)
     leaves, _ = flatten_call(tuple(example_args), example_kwargs)
     placeholders: dict[int, fx.Node] = {}
-    reads = InputReads()
     try:
         values = _inputs(rec, tracker, signature, leaves, placeholders)
-        args, kwargs = reads.wrap(pytree.tree_unflatten(values, signature.in_spec))
+        args, kwargs = pytree.tree_unflatten(values, signature.in_spec)
+        if reads is not None:
+            args, kwargs = reads.wrap((args, kwargs))
         if isinstance(owner, nn.Module):
             rec.index_state(owner, "")  # the loss module's own parameters and buffers
         if owner is not None:
@@ -292,7 +302,8 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
             tracker.track(loss_fn, Source(("loss",)))
         patcher(root)
         _function_state(tracker, function, _bound_state(tracker, loss_fn))
-        with recording(rec), patched(rec, tracker, patcher, tuple(policy.leaf_functions), shadows):
+        with recording(rec), patched(rec, tracker, patcher, tuple(policy.leaf_functions), shadows,
+                                        reads):
             out = loss_fn(*args, **kwargs)
             spec = _output(rec, out)
             rec.paused = True  # what the contexts do on exit is not the loss's
@@ -321,12 +332,17 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
                               "tensor as a constant and cannot record the write (keep the tensor "
                               "in an attribute, or make the function that writes it a leaf)")
     except Exception as exc:  # any failure becomes a refusal certificate naming the line
+        if reads is not None and reads.types_read_in is not None:
+            return None  # perhaps the stand-ins' doing
         raise TraceFailure(_failure_certificate(loss_fn, exc), exc) from exc
     finally:
         tracker.restore()
         patcher.state.restore()  # what the trace's run changed in the modules it met, kept whole calls' included
+    if reads is not None and reads.types_read_in is not None:
+        return None
     signature, unread = _without_unread(rec.graph, signature, placeholders, reads,
-                                        tuple(example_args), example_kwargs)
+                                        tuple(example_args), example_kwargs) \
+        if reads is not None else (signature, [])
     places = hoist_guards(rec.graph)
     gm = fx.GraphModule(root, rec.graph, class_name=f"Traced{type(loss_fn).__name__}")
     modules = dict.fromkeys([*tracker.used_modules(),

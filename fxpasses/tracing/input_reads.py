@@ -9,17 +9,22 @@ records the keys whose values the loss took. A key whose value was never taken i
 value cannot have steered the trace, so the signature leaves it unmatched
 (:meth:`~fxpasses.signature.CallSignature.without`) and the graph drops its placeholders.
 
-What counts as taking a value: ``d[k]``, ``d.get(k)``, ``d.pop(k)``, ``d.setdefault(k)`` (that
-key), and everything that hands out or compares every value (``items()``, ``values()``,
-``copy()``, ``|``, ``==``, ``repr``, pickling and copying, ``{**d}`` and ``dict(d)`` (Python then
-reads every key through ``d[k]``), pytree flattening) or writes (every key). Keys alone (``in``,
-``len``, iteration, ``keys()``) take no value: the keys are part of the signature's structure,
-matched on every call. Not seen: a loss calling ``dict``'s own methods on the batch unbound
-(``dict.__getitem__(batch, k)``), and ``type(batch) is dict`` (which is False here).
+What counts as taking a value: ``d[k]`` and ``d.get(k)`` (that key), and everything that hands
+out or compares every value (``items()``, ``values()``, ``copy()``, ``|``, ``==``, ``repr``,
+pickling and copying, ``{**d}`` and ``dict(d)`` (Python then reads every key through ``d[k]``),
+pytree flattening) or writes (``pop``, ``setdefault``, ``d[k] = v``...: every key). Keys alone
+(``in``, ``len``, iteration, ``keys()``) take no value: the keys are part of the signature's
+structure, matched on every call. The stand-in is not a plain dict: where the loss's own code
+names the builtin ``type`` or reads ``__class__`` (it could tell them apart and take another
+path), the trace runs again with the dicts as they are (:func:`fxpasses.trace.trace`), and no
+value is free. Not seen: a loss calling ``dict``'s own methods on the batch unbound
+(``dict.__getitem__(batch, k)``), or library code that tests ``type(batch)``.
 """
 
 from __future__ import annotations
 
+import dis
+import types
 from typing import Any, Hashable
 
 from torch.utils import _pytree as pytree
@@ -145,11 +150,31 @@ def _holds_constant(node: Any) -> bool:
     return is_constant(node)
 
 
+_TYPE_READS = {("LOAD_GLOBAL", "type"), ("LOAD_NAME", "type"), ("LOAD_DEREF", "type"),
+               ("LOAD_ATTR", "__class__"), ("LOAD_METHOD", "__class__")}
+
+
+def _reads_types(code: types.CodeType) -> bool:
+    """Whether ``code`` names the builtin ``type`` or reads ``__class__``."""
+    return any((i.opname, i.argval) in _TYPE_READS for i in dis.get_instructions(code))
+
+
 class InputReads:
-    """The :class:`ReadDict` stand-ins of one traced call, and the key paths it left unread."""
+    """The :class:`ReadDict` stand-ins of one traced call, and the key paths it left unread.
+    ``types_read_in``: the first function of the loss's code seen naming ``type`` or reading
+    ``__class__`` (then the stand-ins may have changed its path), None if none."""
 
     def __init__(self) -> None:
         self._dicts: list[tuple[KeyPath, ReadDict]] = []
+        self._seen: set[types.CodeType] = set()
+        self.types_read_in: str | None = None
+
+    def ran(self, code: types.CodeType) -> None:
+        """The loss's code ran ``code`` (a function of a user file) while tracing."""
+        if self._dicts and self.types_read_in is None and code not in self._seen:
+            self._seen.add(code)
+            if _reads_types(code):
+                self.types_read_in = f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})"
 
     def wrap(self, node: Any, path: KeyPath = ()) -> Any:
         """``node`` with every dict (through plain dicts, tuples and lists) that holds a constant

@@ -41,6 +41,11 @@ def _reads_items(pred, batch):
     return total + (pred * batch["x"].sum(0)).sum()
 
 
+def _reads_type(pred, batch):
+    scale = 2.0 if type(batch) is dict else 3.0  # the stand-in is no plain dict: nothing is free
+    return scale * ((pred - batch["x"].sum(0)) ** 2).sum()
+
+
 def _run(fast, loss, pred, batch):
     got_pred, want_pred = (pred.detach().clone().requires_grad_() for _ in range(2))
     got, want = fast(got_pred, batch), loss(want_pred, batch)
@@ -80,6 +85,15 @@ def test_a_dict_whose_values_are_all_handed_out_has_no_free_value():
         _run(fast, _reads_items, pred, _batch(seed))
     assert len(fast.specializations) == 3  # ori_shape steers the value: each one its trace
     assert not fast.specializations[0].info.unread_inputs
+
+
+def test_code_that_can_tell_the_dict_type_leaves_no_value_free():
+    fast = optimize(_reads_type, passes=[])
+    pred = torch.randn(3, dtype=torch.float64)
+    for seed in range(3):
+        _run(fast, _reads_type, pred, _batch(seed))  # native's 2.0, as type(batch) is dict
+    assert len(fast.specializations) == 3 and not fast.specializations[0].info.unread_inputs
+    assert fast.stats.optimized == 3
 
 
 def test_a_call_missing_a_free_key_or_with_another_structure_is_not_matched():
