@@ -25,7 +25,7 @@ from fxpasses.integrations import ultralytics as fxu
 from fxpasses.workloads.pose_dataset import write_dataset
 from fxpasses.testing.torchvision_stand_in import ensure_torchvision
 
-pytestmark = pytest.mark.long  # whole fits: native about 40 s, optimized about 150 s here
+pytestmark = pytest.mark.long  # whole fits: both arms about 30 s here, the module about 50 s
 
 # persons per train image (one holds the most, 6: the batch without it pads less; an odd
 # total: the batches' persons differ), then per val image
