@@ -17,9 +17,10 @@ Each call of an OptimizedLoss:
    the last trace that every specialization abandons is traced instead (its decisions get a
    specialization of their own, within ``max_specializations``), unless an abandon says no trace
    would decide differently (an empty selection). An abandon whose op adjusted itself (a
-   selection's count above its capacity, which grew) runs the call again at once, up to
-   ``_RETRIES`` times. Any other exception: the call's attribute writes are undone and it is
-   recomputed natively. If native raises too, the error was the call's (a wrong input shape):
+   selection's count above its capacity, which grew) runs the call again at once, as many times
+   as the graph's run-time ops can adjust themselves in one call (each capacity grows at most
+   once: ``RuntimeOp.adjustments``), at least ``_RETRIES``. Any other exception: the call's
+   attribute writes are undone and it is recomputed natively. If native raises too, the error was the call's (a wrong input shape):
    native's exception propagates, as natively (no optimized traceback chained to it), and the
    specialization stays (``native-raised``). If native survives, the failure was the optimized
    path's: it is recorded in ``stats.exceptions`` (type, message, node; the first
@@ -86,7 +87,7 @@ from .stats import RecordedException, RunStats
 from .trace import LeafPolicy
 
 _RETRACE_AFTER = 2  # the 2nd call since the last trace that every trace abandons is traced
-_RETRIES = 3  # runs again of a call whose run-time op adjusted itself (a selection level each)
+_RETRIES = 3  # runs again at least of a call whose run-time op adjusted itself
 _MAX_EXCEPTIONS = 64  # failures kept in stats.exceptions (all are counted in stats.native)
 
 
@@ -206,14 +207,14 @@ class OptimizedLoss(nn.Module):
                 return made
             if made.refusal == "trace-failed":
                 return TraceFailed(made)
-            outcome = self._try(made, args, kwargs, flat()[0])
+            outcome = self._try(made, args, kwargs, made.signature.flatten(args, kwargs)[0])
         if not isinstance(outcome, Abandoned):
             return outcome
         self._abandoned_since_trace += 1  # every trace's decisions failed on this call
         if outcome.retrace and self._abandoned_since_trace >= _RETRACE_AFTER:  # its own trace
             made = self._specialize(args, kwargs)
             if not isinstance(made, Refused):
-                return self._try(made, args, kwargs, flat()[0])
+                return self._try(made, args, kwargs, made.signature.flatten(args, kwargs)[0])
         return outcome
 
     def _first_outcome(self, args: tuple, kwargs: dict,
@@ -277,6 +278,7 @@ class OptimizedLoss(nn.Module):
 
     def _run(self, special: Specialization, leaves: list[Any]) -> CallOutcome:
         gm = special.graph_module
+        retries = max(_RETRIES, special.adjustments)
         for attempt in itertools.count():
             try:
                 # grad mode restored on every exit, KeyboardInterrupt included; attribute writes
@@ -285,7 +287,7 @@ class OptimizedLoss(nn.Module):
                     return Ran(special, gm.forward(*special.signature.inputs(leaves)))
             except Abandon as stop:  # a decision of this trace goes the other way in this call
                 self._stats.abandoned[f"{stop.code} at {stop.where}"] += 1
-                if not stop.retry or attempt == _RETRIES:
+                if not stop.retry or attempt == retries:
                     return Abandoned(stop.code, stop.retrace)
             except Exception as exc:  # never lose the training step
                 # native runs after this block: its exception is not chained to this one

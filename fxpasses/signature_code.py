@@ -31,10 +31,11 @@ def _children(spec: Any) -> list[Any]:
 
 
 def compile_matcher(in_spec: Any, kinds: dict[int, Any], constants: dict[int, Any],
-                    same_constant: Callable[[Any, Any], bool],
-                    leaf_kind: Callable[[Any], Any]) -> Callable[[tuple, dict], Any] | None:
+                    same_constant: Callable[[Any, Any], bool], leaf_kind: Callable[[Any], Any],
+                    free: frozenset[int] = frozenset()) -> Callable[[tuple, dict], Any] | None:
     """The matcher of a signature (see the module docstring); ``kinds``: leaf index -> input
-    kind, ``constants``: leaf index -> value; None for a structure it cannot walk."""
+    kind, ``constants``: leaf index -> value, ``free``: leaf indices of values no trace read
+    (taken as they are, whatever they hold); None for a structure it cannot walk."""
     lines: list[str] = []
     names: dict[str, Any] = {"NODES": pytree.SUPPORTED_NODES, "Tensor": torch.Tensor,
                              "UNDECIDED": UNDECIDED, "same_constant": same_constant,
@@ -48,6 +49,9 @@ def compile_matcher(in_spec: Any, kinds: dict[int, Any], constants: dict[int, An
 
     def leaf(expr: str) -> None:
         index = len(leaves)
+        if index in free:
+            leaves.append(expr)
+            return
         kind = kinds.get(index)
         tensor = kind is not None and kind[0] == "tensor" and index not in constants
         # a plain tensor is no pytree node and no tuple: those tests only for other types

@@ -10,6 +10,7 @@ structure run natively.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -21,13 +22,14 @@ from torch import nn
 from .certificates import Certificate, Check, Guard, Site
 from .guard_code import READ_FAILED, compile_check
 from .ir.proofs import relied_on
+from .ir.runtime_op import runtime_ops
 from .isolation import module_state_kept
 from .guards import CHECKED_PER_TRACE, Assumption, LossRoots, first_failure, whole_loss_assumptions
 from .tracing.recorder import put_back
 from .log import logger
 from .certificates.digest import fingerprint
 from .pipeline import Pass, PipelineRun, run_pipeline
-from .signature import CallSignature, flatten_call
+from .signature import CallSignature
 from .trace import LeafPolicy, TraceFailure, TraceInfo, positional_names, trace
 
 
@@ -56,6 +58,12 @@ class Specialization:
     # what the code of calls kept whole read, where a rewrite's proof ran that code (also among
     # ``assumptions``): checked again when a region holding such code is recomputed later
     relied: tuple[Assumption, ...] = ()
+
+    @functools.cached_property
+    def adjustments(self) -> int:
+        """How many times one call can make its graph's run-time ops adjust themselves and run
+        again (:attr:`~fxpasses.ir.runtime_op.RuntimeOp.adjustments`)."""
+        return sum(op.adjustments for op in runtime_ops(self.graph_module))
 
     def leaves_of(self, args: tuple, kwargs: dict,
                   flat: Callable[[], tuple[list[Any], Any]]) -> list[Any] | None:
@@ -123,7 +131,7 @@ def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pas
         return special
     special.seconds["trace"] = time.perf_counter() - start
     info: TraceInfo = gm.meta["fxpasses"]
-    leaves, _ = flatten_call(args, kwargs)
+    leaves, _ = info.signature.flatten(args, kwargs)
     special.info, special.signature = info, info.signature
     ambient = tuple(a for a in whole_loss_assumptions(special.roots(loss, leaves))
                     if a.kind in CHECKED_PER_TRACE)
@@ -168,6 +176,13 @@ def _symbolic_sizes(info: TraceInfo) -> dict[str, Any]:
             "guards_where_read": info.guard_places.count("where read")}
 
 
+def _unread(info: TraceInfo) -> dict[str, Any]:
+    """The input values the trace never read: not matched by later calls (tracing.input_reads)."""
+    return {"values": list(info.unread_inputs),
+            "why": "no value under these keys was read while tracing: they cannot steer the "
+                   "trace, so a call with other values there (file names, shapes) shares it"}
+
+
 def _trace_certificate(loss: Any, info: TraceInfo, assumptions: Sequence[Assumption]) -> Certificate:
     """The trace's own certificate: what it recorded, and every assumption as a guard."""
     writes = info.writes_before_guards
@@ -177,7 +192,8 @@ def _trace_certificate(loss: Any, info: TraceInfo, assumptions: Sequence[Assumpt
                                        "modules_depended_on": len(info.modules),
                                        "their_guards": "whole-loss (hooks, methods, "
                                                        "submodules, modes)",
-                                       "symbolic_sizes": _symbolic_sizes(info)}),
+                                       "symbolic_sizes": _symbolic_sizes(info),
+                                       "inputs_not_read": _unread(info)}),
         Check("abandon-without-effect", not writes, {
             "writes_before_guards": writes,
             "attribute_writes": "put back when a call is abandoned or raises",

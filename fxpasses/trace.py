@@ -41,8 +41,9 @@ from .certificates import Certificate, Check, Site
 from .guards import Assumption
 from .locations import exception_location
 from .ir.trace_ops import GuardOp
-from .signature import CallSignature, flatten_call
+from .signature import CallSignature, flatten_call, path_name
 from .tracing.guard_order import hoist_guards
+from .tracing.input_reads import InputReads
 from .tracing.objects import ObjectTracker
 from .tracing.patches import ModulePatcher, Patches, patched
 from .tracing.recorder import Recorder, Unsupported
@@ -97,6 +98,8 @@ class TraceInfo:
     builtins_shadowed: tuple[str, ...] = ()
     builtins_refused: tuple[tuple[str, str], ...] = ()
     host_reads: int = 0  # values read to the host on every call for the graph's own use (.item())
+    # the input values the loss never read (tracing.input_reads): free in ``signature``
+    unread_inputs: tuple[str, ...] = ()
 
     def unflatten_output(self, flat: Any) -> Any:
         return pytree.tree_unflatten(list(flat), self.out_spec)
@@ -173,11 +176,12 @@ def positional_names(loss_fn: Any) -> tuple[str, ...]:
 
 
 def _inputs(rec: Recorder, tracker: ObjectTracker, signature: CallSignature,
-            leaves: list[Any]) -> list[Any]:
-    """Placeholders for the call's inputs, and the values the traced call receives."""
+            leaves: list[Any], placeholders: dict[int, fx.Node]) -> list[Any]:
+    """Placeholders for the call's inputs (into ``placeholders``, by leaf index), and the values
+    the traced call receives."""
     values = list(leaves)
     for slot, name in zip(signature.input_slots, signature.placeholder_names):
-        node = rec.graph.placeholder(name)
+        node = placeholders[slot] = rec.graph.placeholder(name)
         leaf = leaves[slot]
         if isinstance(leaf, torch.Tensor):  # a copy: the trace never writes the caller's tensors
             with torch.no_grad():
@@ -190,6 +194,28 @@ def _inputs(rec: Recorder, tracker: ObjectTracker, signature: CallSignature,
         else:
             tracker.track(leaf, Source(("arg", slot)), placeholder=node)
     return values
+
+
+def _without_unread(graph: fx.Graph, signature: CallSignature, placeholders: dict[int, fx.Node],
+                    reads: InputReads, args: tuple, kwargs: dict) -> tuple[CallSignature, list]:
+    """The signature with the input values the loss never read free, and their paths; their
+    placeholders (unused) leave the graph. A path with a used placeholder below it stays; a call
+    with pytree nodes that give no key paths keeps its signature whole."""
+    unread = reads.unread()
+    try:
+        paths = [path for path, _ in pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]] \
+            if unread else []
+    except ValueError:  # a node registered without key functions
+        return signature, []
+    below = lambda p: [n for i, n in placeholders.items() if paths[i][:len(p)] == p]  # noqa: E731
+    unread = [p for p in unread if not any(n.users for n in below(p))]
+    narrowed = signature.without(unread, args, kwargs)
+    if narrowed is None:
+        return signature, []
+    for path in unread:
+        for node in below(path):
+            graph.erase_node(node)
+    return narrowed, unread
 
 
 def _function_state(tracker: ObjectTracker, function: types.FunctionType | None,
@@ -243,6 +269,15 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
     ``gm.meta['fxpasses']`` (a :class:`TraceInfo`) rebuilds structured outputs and lists what
     the trace assumed. Raises :class:`TraceFailure`.
     """
+    gm = _trace(loss_fn, example_args, example_kwargs, policy, InputReads())
+    return gm if gm is not None else _trace(loss_fn, example_args, example_kwargs, policy, None)
+
+
+def _trace(loss_fn: Any, example_args: tuple, example_kwargs: dict | None,
+           policy: LeafPolicy | None, reads: InputReads | None) -> fx.GraphModule | None:
+    """One run of the trace, the input dicts handed over as ``reads``' stand-ins (None: as
+    they are); None where the loss's code could tell a stand-in from a dict (it names ``type``
+    or reads ``__class__``): then it traces again without them (every input value matched)."""
     policy = policy or LeafPolicy()
     root, owner, function = _loss_root(loss_fn)
     example_kwargs = dict(example_kwargs or {})
@@ -253,9 +288,12 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
     rec.tracker = tracker
     shadows = BuiltinShadows(rec, patcher.patches)
     leaves, _ = flatten_call(tuple(example_args), example_kwargs)
+    placeholders: dict[int, fx.Node] = {}
     try:
-        values = _inputs(rec, tracker, signature, leaves)
+        values = _inputs(rec, tracker, signature, leaves, placeholders)
         args, kwargs = pytree.tree_unflatten(values, signature.in_spec)
+        if reads is not None:
+            args, kwargs = reads.wrap((args, kwargs))
         if isinstance(owner, nn.Module):
             rec.index_state(owner, "")  # the loss module's own parameters and buffers
         if owner is not None:
@@ -264,7 +302,8 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
             tracker.track(loss_fn, Source(("loss",)))
         patcher(root)
         _function_state(tracker, function, _bound_state(tracker, loss_fn))
-        with recording(rec), patched(rec, tracker, patcher, tuple(policy.leaf_functions), shadows):
+        with recording(rec), patched(rec, tracker, patcher, tuple(policy.leaf_functions), shadows,
+                                        reads):
             out = loss_fn(*args, **kwargs)
             spec = _output(rec, out)
             rec.paused = True  # what the contexts do on exit is not the loss's
@@ -293,10 +332,17 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
                               "tensor as a constant and cannot record the write (keep the tensor "
                               "in an attribute, or make the function that writes it a leaf)")
     except Exception as exc:  # any failure becomes a refusal certificate naming the line
+        if reads is not None and reads.types_read_in is not None:
+            return None  # perhaps the stand-ins' doing
         raise TraceFailure(_failure_certificate(loss_fn, exc), exc) from exc
     finally:
         tracker.restore()
         patcher.state.restore()  # what the trace's run changed in the modules it met, kept whole calls' included
+    if reads is not None and reads.types_read_in is not None:
+        return None
+    signature, unread = _without_unread(rec.graph, signature, placeholders, reads,
+                                        tuple(example_args), example_kwargs) \
+        if reads is not None else (signature, [])
     places = hoist_guards(rec.graph)
     gm = fx.GraphModule(root, rec.graph, class_name=f"Traced{type(loss_fn).__name__}")
     modules = dict.fromkeys([*tracker.used_modules(),
@@ -306,6 +352,7 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
                                   len(rec.graph.nodes), tracker.written_state,
                                   tuple(places[node] for node in rec.guard_nodes),
                                   tuple(shadows.covered), tuple(shadows.refused.items()),
-                                  _host_reads(rec.graph))
+                                  _host_reads(rec.graph),
+                                  tuple(path_name(p, positional_names(loss_fn)) for p in unread))
     return gm
 

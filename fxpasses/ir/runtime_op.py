@@ -30,11 +30,14 @@ class RuntimeOp:
     ``capturable``: it may run inside a CUDA graph region when its shapes are static.
     ``grad_free``: what it does does not depend on the grad mode (a read of the loss's state, a
     host check of a value): it may leave a no_grad block that a captured region holds.
+    ``adjustments``: how many times one call can make it adjust itself and ask to be run again
+    (an ``Abandon`` with ``retry``): each of its selections' capacities grows at most once.
     """
 
     pure = False
     capturable = False
     grad_free = False
+    adjustments = 0
 
     def __init__(self, op_id: str):
         self.op_id = op_id

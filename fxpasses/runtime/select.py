@@ -15,8 +15,9 @@ visible. It abandons the call (:class:`~fxpasses.ir.abandon.Abandon`)
   wrong): the capacity grows to the count's bucket, and the call runs again at once with it
   (``retry``); a selection over the rows of one that did not fit has an unreliable count, so
   only the lowest level that does not fit grows;
-* ``selection-empty``: a count is zero: there is no real row to pad with, so the call runs
-  natively, counted (and never traced again for it: a new trace would abandon it too).
+* ``selection-empty``: a count is zero (and no lower level was cut off: then it is unreliable,
+  and that level grows first): there is no real row to pad with, so the call runs natively,
+  counted (and never traced again for it: a new trace would abandon it too).
 """
 
 from __future__ import annotations
@@ -114,21 +115,24 @@ class CheckCounts(RuntimeOp):
     def __init__(self, op_id: str, selections: Sequence[Capacities]):
         super().__init__(op_id)
         self.selections = tuple(selections)
+        # a call's counts are its own: each capacity grows to fit its count at most once (a
+        # higher level grows only once every lower one fits, so from a reliable count)
+        self.adjustments = len(self.selections)
 
     def __call__(self, *args: Any) -> tuple[int, ...]:
         caps, pending = args[:-1], args[-1]
         self.count_event("read")
         counts = pending.values()  # the one synchronisation
-        short = []
-        for selection, cap, count in zip(self.selections, caps, counts):
-            if count == 0:
+        short = [(s, cap, count) for s, cap, count in zip(self.selections, caps, counts)
+                 if count > cap]
+        lowest = min((s.level for s, _, _ in short), default=None)
+        for selection, count in zip(self.selections, counts):
+            # above a level that did not fit, a count (zero too) is unreliable: not an empty one
+            if count == 0 and (lowest is None or selection.level <= lowest):
                 self.count_code(NOT_EMPTY.code)
                 raise Abandon(NOT_EMPTY.code, selection.site, "a selection is empty: no real "
                               "row to pad with", retrace=False)  # any trace's read abandons it again
-            if count > cap:
-                short.append((selection, cap, count))
         if short:
-            lowest = min(s.level for s, _, _ in short)
             grown = [(s, cap, count) for s, cap, count in short if s.level == lowest]
             for selection, _, count in grown:
                 selection.grow(count)

@@ -16,6 +16,6 @@ floats read as arithmetic become inputs read on every call.
 Modules: :mod:`.values` (the carriers), :mod:`.recorder` (graph building and torch calls),
 :mod:`.objects` (attribute reads and writes), :mod:`.patches` (factories, grad-mode switches,
 density and leaf calls), :mod:`.shadows` (the ``len``/``int`` stand-ins), :mod:`.guard_order`
-(size guards moved forward); where a value was read is a :mod:`fxpasses.ir.sources` Source.
+(size guards moved forward), :mod:`.input_reads` (which values of the input dicts the loss read); where a value was read is a :mod:`fxpasses.ir.sources` Source.
 :func:`fxpasses.trace.trace` is the entry point.
 """

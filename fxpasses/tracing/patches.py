@@ -28,6 +28,7 @@ from ..isolation import ModuleState
 from ..locations import is_user_file
 from .objects import ObjectTracker
 from .recorder import Recorder, Unsupported
+from .input_reads import InputReads
 from .shadows import BuiltinShadows
 from .values import TracedScalar, TracedTensor, active_recorder
 
@@ -162,7 +163,8 @@ class ModulePatcher:
 
 @contextlib.contextmanager
 def patched(rec: Recorder, tracker: ObjectTracker, patcher: ModulePatcher,
-            leaf_functions: tuple[Callable, ...], shadows: BuiltinShadows) -> Iterator[None]:
+            leaf_functions: tuple[Callable, ...], shadows: BuiltinShadows,
+            reads: InputReads | None = None) -> Iterator[None]:
     """Everything the trace changes (see the module docstring), restored on every exit."""
     thread = threading.get_ident()
     patches = patcher.patches
@@ -185,6 +187,8 @@ def patched(rec: Recorder, tracker: ObjectTracker, patcher: ModulePatcher,
             if not rec.paused:
                 shadows.cover(frame.f_globals)
                 tracker.frame_state(frame)
+                if reads is not None:
+                    reads.ran(frame.f_code)
             elif rec.kept_whole is not None:  # the code of a call kept whole
                 tracker.frame_state_inside(frame)
 

@@ -10,6 +10,9 @@ fxpasses imports it, and importing this module does not either until a function 
   ``bboxes`` normalised xywh, ``keypoints`` normalised x, y with visibility 2.0, unlabelled
   keypoints stored as (0, 0, 0)), persons per image drawn by :func:`~.counts.object_counts`
   (empty images, a varying maximum), optionally with NaN/inf in unlabelled keypoints.
+* :func:`trainer_batches` gives the train batches a real ``PoseTrainer`` hands its criterion
+  (its own dataloader and ``preprocess_batch``: the tensors, and ``im_file``, ``ori_shape``,
+  ``resized_shape``, ``ratio_pad`` as tuples of Python values), with the model it builds.
 * :func:`pose_preds` gives predictions shaped as the model's training output (one2many and one2one
   dicts of ``boxes``, ``scores``, ``feats``, ``kpts``, ``kpts_sigma``) as leaf tensors that
   require grad; :func:`model_preds` runs the model itself and detaches its outputs into leaves.
@@ -18,7 +21,8 @@ fxpasses imports it, and importing this module does not either until a function 
 from __future__ import annotations
 
 import math
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor
@@ -101,3 +105,22 @@ def model_preds(model: Any, images: Tensor) -> dict[str, dict[str, Any]]:
 
     out = model(images)
     return tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point()), out)
+
+
+def trainer_batches(data: str | Path, project: str | Path, *, imgsz: int = 160, batch: int = 4,
+                    **overrides: Any) -> tuple[Any, Iterator[dict[str, Any]]]:
+    """The model a ``PoseTrainer`` on ``data`` builds (``get_model``, attributes set: its
+    ``init_criterion()`` is the trained criterion) and an iterator over one epoch of its train
+    batches, each as its criterion receives it (the trainer's dataloader, ``workers=0``, then its
+    ``preprocess_batch``). ``overrides``: trainer arguments (``mosaic=0.0``...); the trainer's
+    save directory is made under ``project``."""
+    from ultralytics.models.yolo.pose import PoseTrainer
+
+    args = dict(model="yolo26n-pose.yaml", data=str(data), imgsz=imgsz, batch=batch, workers=0,
+                device="cpu", amp=False, plots=False, seed=0, deterministic=True,
+                project=str(project), exist_ok=True, verbose=False, **overrides)
+    trainer = PoseTrainer(overrides=args)
+    trainer.model = trainer.get_model(cfg=args["model"], verbose=False)
+    trainer.set_model_attributes()
+    loader = trainer.get_dataloader(trainer.data["train"], batch_size=batch, rank=-1, mode="train")
+    return trainer.model, (trainer.preprocess_batch(b) for b in loader)

@@ -181,6 +181,36 @@ def test_a_count_above_its_capacity_runs_the_call_again_with_the_capacity_grown(
     assert_same(loss, fast, inputs("full", "full", 2))
 
 
+class FiveLevels(nn.Module):
+    """Five nested selections: each level selects from the rows of the one before."""
+
+    def forward(self, x):
+        for k in range(5):
+            x = x[x[:, k] > -0.5]
+        return (x ** 2).mean()
+
+
+def test_a_call_that_outgrows_five_nested_levels_runs_again_until_all_fit():
+    # a level above one that was cut off counts rows of a cut-off set (zero too): only the
+    # lowest short level grows each time, so this call needs five runs again, none of them
+    # an empty selection
+    loss = FiveLevels().double()
+    fast = optimize(loss, passes=[SelectRows(min_bucket=4)])
+    rows = lambda n, seed: [torch.randn(n, 6, dtype=torch.float64,  # noqa: E731
+                                        generator=torch.Generator().manual_seed(seed))]
+    def grown():
+        return sum(n for k, n in fast.stats.abandoned.items() if k.startswith("selection-capacity"))
+
+    assert_same(loss, fast, rows(64, 0))
+    assert fast.stats.optimized == 1
+    before = grown()
+    assert_same(loss, fast, rows(4096, 1))  # every level's count above its capacity
+    stats = fast.stats
+    assert stats.optimized == 2 and not stats.native, stats.render()
+    assert grown() - before == 5
+    assert not [k for k in stats.abandoned if k.startswith("selection-empty")]
+
+
 def test_empty_selections_run_natively_without_new_traces():
     loss, fast = optimized("select")
     traced = len(fast.specializations)

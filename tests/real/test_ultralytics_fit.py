@@ -2,9 +2,11 @@
 
 One module fixture runs each arm once on the CPU (8 train and 4 val images of 320 px, batch 4,
 workers 0, plots off, val on, seed 0, deterministic): the schedule is two epochs, and a callback
-stops after the first, so that the checkpoint kept after it (``resume.pt``) is resumable. Augmentations that change the persons
-of an image (mosaic, scale, translate) are off, and five of the eight train images hold the most
-persons (3), so every batch of four pads its targets alike (a decision the trace takes).
+stops after the first, so that the checkpoint kept after it (``resume.pt``) is resumable.
+Augmentations that change the persons of an image (mosaic, scale, translate) are off, so the
+persons per image are the dataset's: they vary (one image holds 6, two none), so the two batches
+of an epoch differ in their most persons per image (the padded targets) and in their persons,
+and each batch holds other file names. One trace serves every batch of a fit.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ from fxpasses.integrations import ultralytics as fxu
 from fxpasses.workloads.pose_dataset import write_dataset
 from fxpasses.testing.torchvision_stand_in import ensure_torchvision
 
-pytestmark = pytest.mark.long  # whole fits: native about 40 s, optimized about 150 s here
+pytestmark = pytest.mark.long  # whole fits: both arms about 30 s here, the module about 50 s
 
-# persons per train image (five at the most, 3; one empty), then per val image
-COUNTS = [0, 3, 1, 3, 3, 2, 3, 3, 1, 0, 2, 1]
+# persons per train image (one holds the most, 6: the batch without it pads less; an odd
+# total: the batches' persons differ), then per val image
+COUNTS = [0, 2, 1, 6, 3, 0, 4, 1, 2, 0, 1, 3]
 FIT = dict(epochs=2, imgsz=320, batch=4, workers=0, plots=False, val=True, device="cpu", amp=False,
            exist_ok=True, seed=0, deterministic=True, mosaic=0.0, scale=0.0, translate=0.0,
            verbose=False)
@@ -111,6 +114,7 @@ def test_the_trained_criterion_is_wrapped_and_its_calls_ran_optimized(fits):
     stats = crit.optimized.stats
     assert stats.calls == 2 and stats.optimized == 2 and not stats.native, stats.render()
     assert not stats.exceptions
+    assert len(crit.optimized.specializations) == 1  # batches of other counts and file names
     assert crit.native.updates == 1  # the trainer's epoch-end update() reached the criterion
 
 
@@ -196,4 +200,5 @@ def test_resume_wraps_the_criterion_resume_built(fits):
     assert crit.native.o2m == crit.native.decay(2)
     stats = crit.optimized.stats
     assert stats.optimized == 2 and not stats.native and not stats.exceptions, stats.render()
+    assert len(crit.optimized.specializations) == 1
     assert len(list(csv.DictReader(open(yolo.trainer.save_dir / "results.csv")))) == 2
