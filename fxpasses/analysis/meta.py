@@ -235,8 +235,9 @@ def annotate_new(gm: fx.GraphModule) -> list[tuple[fx.Node, Exception]]:
 
     A node run again whose result is its old metadata (:func:`_same_allocation`: the same
     shapes, strides, dtypes and devices, new memory sharing none of its inputs', then as
-    before) keeps its old value, so its users are not run again: a pass that rewires one node
-    (a constant index, a folded number) re-propagates that node, not all the graph below it."""
+    before; no write, and no user that resizes it in place) keeps its old value, so its users
+    are not run again: a pass that rewires one node (a constant index, a folded number)
+    re-propagates that node, not all the graph below it."""
     mode = gm.meta[_FAKE_MODE]
     prop = _PartialFakeTensorProp(gm, mode)
     fresh: set[fx.Node] = set()
@@ -266,6 +267,7 @@ def annotate_new(gm: fx.GraphModule) -> list[tuple[fx.Node, Exception]]:
             node.meta[ANNOTATED] = _input_names(node)
             if node.op in ("call_function", "call_method") and "val" in old and "val" in node.meta \
                     and not {"unbacked_bindings"} & (old.keys() | node.meta.keys()) \
+                    and not any(_resizes_in_place(u) for u in node.users) \
                     and not _writes(old.get(NODE_FACTS)) and not _writes(node.meta.get(NODE_FACTS)) \
                     and _same_allocation(old["val"], node.meta["val"],
                                          lambda t: first_holder.get(storage_id(t)) is node,
@@ -275,6 +277,17 @@ def annotate_new(gm: fx.GraphModule) -> list[tuple[fx.Node, Exception]]:
             prop.env[node] = result
             fresh.add(node)
     return prop.failures
+
+
+# in-place ops that change their tensor's sizes, strides or flags: run again on a value kept,
+# they would change the metadata of the node that made it
+_RESIZING = frozenset({"unsqueeze_", "squeeze_", "t_", "transpose_", "swapdims_", "swapaxes_",
+                       "resize_", "resize_as_", "as_strided_", "set_", "detach_", "requires_grad_"})
+
+
+def _resizes_in_place(user: fx.Node) -> bool:
+    name = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", "")
+    return user.op in ("call_method", "call_function") and name in _RESIZING
 
 
 def _writes(facts: NodeFacts | None) -> bool:

@@ -78,3 +78,25 @@ def test_a_view_turned_into_a_copy_holds_memory_of_its_own():
     gm.recompile()
     assert annotate_new(gm) == []
     assert tuple(value(view).shape) == (12,) and not storages_of(view) & storages_of(mul)
+
+
+class UnsqueezedInPlace(nn.Module):
+    def forward(self, x):
+        y = x * 2
+        y.unsqueeze_(0)  # changes y's sizes in place
+        return y.sum(1) + 1
+
+
+def test_a_node_whose_sizes_a_user_changes_in_place_is_not_kept():
+    x = torch.randn(4, 3)
+    gm = trace(UnsqueezedInPlace(), (x,))
+    assert annotate(gm, [x]) == []
+    mul = _rewire_mul(gm, {}, lambda g, x: g.call_function(operator.add, (x, 0.5)))
+    (unsqueeze,) = [n for n in gm.graph.nodes if n.target == "unsqueeze_"]
+    with gm.graph.inserting_before(unsqueeze):  # its dim now computed: it is run again
+        dim = gm.graph.call_function(operator.floordiv, (unsqueeze.args[1], 2))
+    unsqueeze.args = (unsqueeze.args[0], dim)
+    gm.recompile()
+    assert annotate_new(gm) == []
+    assert tuple(value(mul).shape) == (4, 3)  # as it was made, before the user's unsqueeze_
+    assert tuple(value(unsqueeze).shape) == (1, 4, 3)
