@@ -102,14 +102,21 @@ def _frame_site(frame: FrameType) -> str | None:
 
 
 def _innermost_site(frame: FrameType | None, stop_at_engine: bool) -> str | None:
+    """The innermost relevant frame's site; for fxpasses code a generated graph called (a
+    runtime op), the graph's node too: ``fxpasses/...:70: ... [in graph node ...]``."""
+    found = None
     while frame is not None:
         if stop_at_engine and frame.f_code.co_filename == _ENGINE:
-            return None  # the rest is the caller of backward()
+            break  # the rest is the caller of backward()
         site = _frame_site(frame)
-        if site is not None:
-            return site
+        if site is not None and site.startswith("graph "):
+            return f"{found} [in {site}]" if found else site
+        if site is not None and found is None:
+            if is_user_file(frame.f_code.co_filename):
+                return site  # the loss's own line
+            found = site
         frame = frame.f_back
-    return None
+    return found
 
 
 def _cpu_only(frame: FrameType | None) -> bool:
