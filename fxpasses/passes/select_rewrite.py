@@ -24,8 +24,9 @@ other than through an integer gather (cleaned as above) or its views, or the out
 zero leaves no real row: the padding then copies the first position, and those first rows (and
 an integer row of 0) must only reach the read, where the call is abandoned; ``rows_of`` (a
 :class:`~fxpasses.runtime.select.NonEmptyRows`) gives an empty batch one zero row to gather.
-Reads that go to the same place are one, the counts' copy to the host queued as soon as they are
-computed (:func:`place_reads`).
+Reads that go to the same place are one, and so are reads whose counts are all computed before
+an earlier read's place (the later ones move up to it), the counts' copy to the host queued as
+soon as they are computed (:func:`place_reads`).
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def place_reads(gm: fx.GraphModule, levels: list[Rewritten]) -> tuple[dict[str, 
         placement[space.mask] = {"before": before.name, "reason": why}
     order = {n: i for i, n in enumerate(graph.nodes)}
     reads = []
-    for number, (before, members) in enumerate(groups.items()):
+    for number, (before, members) in enumerate(_merged(groups, order).items()):
         counts = [s.count for s in members]
         with graph.inserting_after(max(counts, key=order.__getitem__)):
             started = _made(graph.call_function(StartCounts(f"start_counts_{number}"), tuple(counts)),
@@ -150,6 +151,20 @@ def place_reads(gm: fx.GraphModule, levels: list[Rewritten]) -> tuple[dict[str, 
                     host_count = graph.call_function(operator.getitem, (check, k))
                 _slice_exits(graph, space.exits, host_count)
     return placement, reads
+
+
+def _merged(groups: dict[fx.Node, list[SpaceRewrite]],
+            order: dict[fx.Node, int]) -> dict[fx.Node, list[SpaceRewrite]]:
+    """``groups`` (check point -> spaces read there) with each group joined to the earliest one
+    whose check point comes after all of its counts: a read earlier than its check point is as
+    safe (nothing before that point shows or suffers from its counts), and one wait replaces
+    two. Each space is still placed (reported) at its own check point."""
+    merged: dict[fx.Node, list[SpaceRewrite]] = {}
+    for before in sorted(groups, key=order.__getitem__):
+        last = max(order[s.count] for s in groups[before])
+        into = next((b for b in merged if order[b] > last), before)
+        merged.setdefault(into, []).extend(groups[before])
+    return merged
 
 
 def _made(node: fx.Node, like: fx.Node, made: set[fx.Node]) -> fx.Node:

@@ -175,3 +175,27 @@ def test_a_write_before_the_mask_refuses_the_rewrite():
     fast = _same_over_calls(loss, _growing(), state=lambda m: (m.calls.clone(),))
     (cert,) = [c for c in fast.certificates if c.pass_name == "SelectRows"]
     assert not cert.applied and "select-effect-before-read" in cert.codes
+
+
+class ReadsTwoMasks(nn.Module):
+    """Two masks known from the start: the first selection's rows decide on the host (its read
+    goes before that), the second's reach the output only."""
+
+    def forward(self, x, mask):
+        other = x[:, 1] > 0.5
+        rows = x[mask]
+        if rows[:, 0].sum() > 0:
+            first = rows.sin().sum()
+        else:
+            first = rows.cos().sum()
+        return first + x[other].pow(2).sum()
+
+
+def test_counts_computed_before_an_earlier_read_are_read_with_it_in_one_wait():
+    calls = [(*_rows(12, n, seed), ) for seed, n in enumerate((3, 4, 9, 5))]
+    fast = _same_over_calls(ReadsTwoMasks(), calls)
+    certs = [c for c in fast.certificates if c.pass_name == "SelectRows"]
+    assert len(certs) >= 2 and all(c.applied for c in certs), certs
+    by_reason = {c.effect["host_read"]["because"] for c in certs}
+    assert by_reason == {"a host read of values downstream of the gathers", "the output"}
+    assert {len(c.effect["host_read"]["reads"]) for c in certs} == {1}  # one read for both
