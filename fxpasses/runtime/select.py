@@ -72,7 +72,7 @@ class PendingCounts:
     that says it arrived (None on the CPU: the values are there)."""
 
     def __init__(self, counts: Sequence[torch.Tensor]):
-        stacked = torch.stack(list(counts))
+        stacked = torch.stack([c.reshape(()).to(torch.int64) for c in counts])  # truths: 0 or 1
         if stacked.is_cuda:
             self.host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
             self.host.copy_(stacked, non_blocking=True)
@@ -106,19 +106,33 @@ class CheckCounts(RuntimeOp):
     """``check(C_1, ..., C_k, pending) -> (n_1, ..., n_k)``: the counts of some selections,
     started by :class:`StartCounts`, as Python ints, each against the capacity ``C_i`` its
     selection used in this call (see the module docstring). Where counts do not fit, those of
-    the lowest level grow: a higher level's count is then unreliable."""
+    the lowest level grow: a higher level's count is then unreliable. ``guards``: (guard, the
+    truth it expects) of guards on a value's truth read here too, after the counts (in
+    ``pending`` after them): once the counts fit, a truth that differs abandons the call as the
+    guard would have (``guard-failed``)."""
 
     pure = True
     capturable = False
 
-    def __init__(self, op_id: str, selections: Sequence[Capacities]):
+    def __init__(self, op_id: str, selections: Sequence[Capacities], guards: Sequence[tuple[Any, bool]] = ()):
         super().__init__(op_id)
         self.selections = tuple(selections)
+        self.guards = tuple(guards)
 
     def __call__(self, *args: Any) -> tuple[int, ...]:
         caps, pending = args[:-1], args[-1]
         self.count_event("read")
-        counts = pending.values()  # the one synchronisation
+        values = pending.values()  # the one synchronisation
+        counts, truths = values[:len(self.selections)], values[len(self.selections):]
+        self._check_counts(caps, counts)
+        for (guard, expected), seen in zip(self.guards, truths):
+            if bool(seen) != expected:
+                self.count_code("guard-failed")
+                raise Abandon("guard-failed", guard.location,
+                              f"{guard.op_id}: traced {expected!r}, now {bool(seen)!r} (read with the counts)")
+        return tuple(counts)
+
+    def _check_counts(self, caps: Sequence[int], counts: Sequence[int]) -> None:
         short = []
         for selection, cap, count in zip(self.selections, caps, counts):
             if count == 0:
@@ -137,7 +151,6 @@ class CheckCounts(RuntimeOp):
             raise Abandon(FITS.code, selection.site,
                           f"{count} rows selected, capacity {cap}: grown to {selection.value}",
                           retrace=False, retry=True)
-        return tuple(counts)
 
     def propagate(self, *args: Any) -> tuple[torch.SymInt, ...]:
         """Fresh unbacked counts in ``[1, capacity]``."""
