@@ -420,9 +420,10 @@ def check_point(gm: fx.GraphModule, planned: fx.Node | None, start: fx.Node, mad
     docstring). ``made``: the rewrite's own nodes (safe by construction); ``cleaned``: its
     integer gathers, zero when empty."""
     graph = gm.graph
-    # what the capacity shapes; for a deferred guard (no capacity), all that follows it
-    padded = downstream(to_digraph(graph), [planned]) if planned is not None else \
-        set(list(graph.nodes)[list(graph.nodes).index(start) + 1:])
+    # what the capacity shapes; for a deferred guard (no capacity) every node: what follows it
+    # computes on a decision that may not hold, and an index made before it may be one that
+    # decision protected (if (idx >= 0).all(): table[idx])
+    padded = downstream(to_digraph(graph), [planned]) if planned is not None else set(graph.nodes)
     external = external_storages(gm)
     cleaned = set(cleaned)
     seen = False

@@ -217,3 +217,29 @@ def test_counts_computed_before_an_earlier_read_are_read_with_it_in_one_wait():
     by_reason = {c.effect["host_read"]["because"] for c in certs}
     assert by_reason == {"a host read of values downstream of the gathers", "the output"}
     assert {len(c.effect["host_read"]["reads"]) for c in certs} == {1}  # one read for both
+
+
+class IndexesIfValid(nn.Module):
+    """An index made before a decision that protects it: read before the index op, never after."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.linspace(0, 1, 5, dtype=torch.float64))
+
+    def forward(self, x, mask, slot):
+        rows = x[mask]
+        if (slot >= 0).all():
+            return (self.table[slot].sum() + rows.pow(2).sum())
+        return rows.pow(2).sum()
+
+
+def test_a_decision_that_protects_an_index_is_read_before_the_index_op():
+    fast = _same_over_calls(IndexesIfValid(), _growing((torch.arange(12) % 5,)))
+    (gm,) = [s.graph_module for s in fast.specializations][:1]
+    nodes = list(gm.graph.nodes)
+    guards = [i for i, n in enumerate(nodes) if type(n.target).__name__ == "ExpectTruth" or
+              (type(n.target).__name__ == "CheckCounts" and n.target.guards)]
+    indexing = [i for i, n in enumerate(nodes) if "table" in n.name or n.target is torch.ops.aten.index.Tensor
+                or (n.op == "call_function" and getattr(n.target, "__name__", "") == "getitem"
+                    and any("table" in getattr(a, "name", "") for a in n.args))]
+    assert guards and indexing and max(guards) < max(indexing), (guards, indexing)
