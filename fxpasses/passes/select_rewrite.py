@@ -47,6 +47,7 @@ from ..analysis.selection import SpaceAnalysis, is_coordinates
 from ..ir.proofs import BucketedSizes, prove
 from ..locations import node_location
 from ..runtime.select import Capacities, CheckCounts, NonEmptyRows, StartCounts
+from .fold_state import reads_state_element
 from ..ir.trace_ops import ExpectTruth, GuardOp
 
 # aten ops that read memory at positions given by a tensor (a bad index fails the device)
@@ -228,18 +229,18 @@ def _read_with_its_counts(gm: fx.GraphModule, truth: DeferredTruth,
     return all(order[read_at[id(s)]] <= order[read_at[id(truth)]] for s in needs)
 
 
-def _merged(groups: dict[fx.Node, list[SpaceRewrite]],
-            order: dict[fx.Node, int]) -> dict[fx.Node, list[SpaceRewrite]]:
-    """``groups`` (check point -> spaces read there) with each group joined to the earliest one
-    whose check point comes after all of its counts: a read earlier than its check point is as
-    safe (nothing before that point shows or suffers from its counts), and one wait replaces
-    two. Each space is still placed (reported) at its own check point."""
-    merged: dict[fx.Node, list[SpaceRewrite]] = {}
-    for before in sorted(groups, key=order.__getitem__):
-        last = max(order[s.count] for s in groups[before])
-        into = next((b for b in merged if order[b] > last), before)
-        merged.setdefault(into, []).extend(groups[before])
-    return merged
+def _merged(groups: dict[fx.Node, list[Any]], order: dict[fx.Node, int]) -> dict[fx.Node, list[Any]]:
+    """``groups`` (check point -> what is read there) with each member moved to the earliest
+    check point that comes after its count: a read earlier than its check point is as safe
+    (nothing before that point shows or suffers from its count), and one wait replaces two. Each
+    space is still placed (reported) at its own check point."""
+    points = sorted(groups, key=order.__getitem__)
+    merged: dict[fx.Node, list[Any]] = {}
+    for before in points:
+        for member in groups[before]:
+            into = next(p for p in points if order[p] > order[member.count])
+            merged.setdefault(into, []).append(member)
+    return {p: merged[p] for p in points if p in merged}
 
 
 def _made(node: fx.Node, like: fx.Node, made: set[fx.Node]) -> fx.Node:
@@ -435,7 +436,9 @@ def check_point(gm: fx.GraphModule, planned: fx.Node | None, start: fx.Node, mad
             continue
         if node.op == "output":
             return node, "the output"
-        why = _shows(node, external) or (_suffers(node, padded, cleaned) if node in padded else None)
+        state_read = planned is None and reads_state_element(node)  # the same on any branch
+        why = _shows(node, external) or (
+            _suffers(node, padded, cleaned) if node in padded and not state_read else None)
         if why:
             return node, why
         if node in padded and _keeps_cleaned(node, cleaned):
