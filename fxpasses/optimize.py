@@ -86,7 +86,8 @@ from .stats import RecordedException, RunStats
 from .trace import LeafPolicy
 
 _RETRACE_AFTER = 2  # the 2nd call since the last trace that every trace abandons is traced
-_RETRIES = 3  # runs again of a call whose run-time op adjusted itself (a selection level each)
+_RETRIES = 6  # runs again of a call whose run-time op adjusted itself (a selection level each:
+# three nested levels in each branch of a two-branch loss, a level learning its need once its parent fits)
 _MAX_EXCEPTIONS = 64  # failures kept in stats.exceptions (all are counted in stats.native)
 
 

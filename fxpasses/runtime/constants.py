@@ -7,20 +7,18 @@ Each such copy is blocking: the host waits for the device at every call, for a t
 depends on nothing but Python numbers (sizes, a stride list) and on the dtype and device of the
 tensor it takes them from. :class:`DeviceConstant` computes it once per distinct inputs (the
 numbers, and that tensor's dtype, device and layout) and hands the same tensor to every later
-call; the graph never writes it (:mod:`fxpasses.passes.fold_constants` checks that).
+call; the graph never writes it (:mod:`fxpasses.passes.fold_constants` checks that). Inside a
+captured region the first call per inputs runs eagerly (a recording warms up first), and replays
+read the kept tensor in place: none is ever dropped (one per distinct sizes and device).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
 
 from ..ir.runtime_op import RuntimeOp
-
-MAX_KEPT = 64  # distinct inputs kept (the least recently used goes first)
-
 
 def _key(value: Any) -> Any:
     """A hashable key of one input: a tensor by its dtype, device and layout (what a move to it
@@ -38,11 +36,12 @@ class DeviceConstant(RuntimeOp):
 
     pure = True
     grad_free = True
+    capturable = True  # made in the eager warm-up before a recording; read in place by replays
 
     def __init__(self, op_id: str, compute: Callable[..., torch.Tensor]):
         super().__init__(op_id)
         self.compute = compute
-        self.kept: OrderedDict[Any, torch.Tensor] = OrderedDict()
+        self.kept: dict[Any, torch.Tensor] = {}  # never evicted: a recording may read one
 
     def __call__(self, *inputs: Any) -> torch.Tensor:
         key = tuple(map(_key, inputs))
@@ -50,10 +49,6 @@ class DeviceConstant(RuntimeOp):
         if found is None:
             with torch.no_grad():
                 found = self.kept[key] = self.compute(*inputs)
-            if len(self.kept) > MAX_KEPT:
-                self.kept.popitem(last=False)
-        else:
-            self.kept.move_to_end(key)
         return found
 
     def propagate(self, *inputs: Any) -> torch.Tensor:

@@ -13,8 +13,9 @@ visible. It abandons the call (:class:`~fxpasses.ir.abandon.Abandon`)
 
 * ``selection-capacity``: a count exceeds its capacity (rows were cut off, the results are
   wrong): the capacity grows to the count's bucket, and the call runs again at once with it
-  (``retry``); a selection over the rows of one that did not fit has an unreliable count, so
-  only the lowest level that does not fit grows;
+  (``retry``); every selection that does not fit grows at once: over the rows of one that did
+  not fit, a count sees only real rows among those gathered (a child mask is and-ed with its
+  parent's validity), so it is at most the true count and never grows a capacity past need;
 * ``selection-empty``: a count is zero: there is no real row to pad with, so the call runs
   natively, counted (and never traced again for it: a new trace would abandon it too).
 """
@@ -105,11 +106,11 @@ class StartCounts(RuntimeOp):
 class CheckCounts(RuntimeOp):
     """``check(C_1, ..., C_k, pending) -> (n_1, ..., n_k)``: the counts of some selections,
     started by :class:`StartCounts`, as Python ints, each against the capacity ``C_i`` its
-    selection used in this call (see the module docstring). Where counts do not fit, those of
-    the lowest level grow: a higher level's count is then unreliable. ``guards``: (guard, the
-    truth it expects) of guards on a value's truth read here too, after the counts (in
-    ``pending`` after them): once the counts fit, a truth that differs abandons the call as the
-    guard would have (``guard-failed``)."""
+    selection used in this call (see the module docstring). In order: counts that do not fit
+    grow their capacities (a count over rows cut off may be 0); ``guards``, (guard, the truth it
+    expects) of guards on a value's truth read here too (in ``pending`` after the counts), abandon
+    the call as the guard would have where the truth differs (``guard-failed``: traced again);
+    then an empty selection runs the call natively."""
 
     pure = True
     capturable = False
@@ -124,30 +125,26 @@ class CheckCounts(RuntimeOp):
         self.count_event("read")
         values = pending.values()  # the one synchronisation
         counts, truths = values[:len(self.selections)], values[len(self.selections):]
-        self._check_counts(caps, counts)
-        for (guard, expected), seen in zip(self.guards, truths):
+        self._fit(caps, counts)
+        for (guard, expected), seen in zip(self.guards, truths):  # as the guard would have, first
             if bool(seen) != expected:
                 self.count_code("guard-failed")
                 raise Abandon("guard-failed", guard.location,
                               f"{guard.op_id}: traced {expected!r}, now {bool(seen)!r} (read with the counts)")
-        return tuple(counts)
-
-    def _check_counts(self, caps: Sequence[int], counts: Sequence[int]) -> None:
-        short = []
-        for selection, cap, count in zip(self.selections, caps, counts):
+        for selection, count in zip(self.selections, counts):
             if count == 0:
                 self.count_code(NOT_EMPTY.code)
                 raise Abandon(NOT_EMPTY.code, selection.site, "a selection is empty: no real "
                               "row to pad with", retrace=False)  # any trace's read abandons it again
-            if count > cap:
-                short.append((selection, cap, count))
-        if short:
-            lowest = min(s.level for s, _, _ in short)
-            grown = [(s, cap, count) for s, cap, count in short if s.level == lowest]
-            for selection, _, count in grown:
+        return tuple(counts)
+
+    def _fit(self, caps: Sequence[int], counts: Sequence[int]) -> None:
+        short = [(s, cap, count) for s, cap, count in zip(self.selections, caps, counts) if count > cap]
+        if short:  # fits first: a count over rows cut off is no proof of an empty selection
+            for selection, _, count in short:
                 selection.grow(count)
             self.count_code(FITS.code)
-            selection, cap, count = grown[0]
+            selection, cap, count = min(short, key=lambda found: found[0].level)
             raise Abandon(FITS.code, selection.site,
                           f"{count} rows selected, capacity {cap}: grown to {selection.value}",
                           retrace=False, retry=True)
