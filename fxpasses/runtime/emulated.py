@@ -70,6 +70,12 @@ class _Forward:
             for static, value in zip(self.recording.outputs, fresh):
                 if isinstance(static, torch.Tensor):
                     _overwrite(static, value)
+        if self.recording.backward is not None:
+            # and what the kept autograd graph saved (views of static inputs): the uses of
+            # static memory this replay added, the caller holding none yet (admission checked)
+            del fresh
+            self.held_uses = Counter({ref.cdata: used for ref, own in self.recording._storages
+                                      if (used := torch._C._storage_Use_Count(ref.cdata) - own) > 0})
 
 
 class _Backward:

@@ -68,8 +68,4 @@ def test_the_real_criterion_captured_with_folds_and_copies_equals_native(pose_mo
     regions = [c for c in certificates if c.applied and "region" in c.effect]
     assert len(regions) >= 4
     replayed = {k: v.get("replayed", 0) for k, v in fast.stats.sites.items() if "capture_region" in k}
-    # open (h3): since the host-made grids are made once, two regions run eagerly on the later
-    # calls, counted outputs-alive (views of their static inputs held past the emulated replay);
-    # their values are checked above like every other's
-    eager = {k for k, v in fast.stats.sites.items() if "capture_region" in k and v.get("outputs-alive")}
-    assert replayed and len(eager) <= 2 and all(n >= 2 for k, n in replayed.items() if k not in eager)
+    assert replayed and all(n >= 2 for n in replayed.values())
