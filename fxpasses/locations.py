@@ -9,7 +9,8 @@ their certificates name their lines). One rule, used everywhere:
   ``nn.Sequential``'s layer call, the innermost ``forward`` frame: the module's line);
 * :func:`exception_location` — the user's line of an exception's traceback;
 * :func:`failing_node` — the node of a GraphModule whose generated line raised, through the line
-  map torch.fx keeps for its generated code (``GraphModule._lineno_map``).
+  map torch.fx keeps for its generated code (``GraphModule._lineno_map``); :func:`node_at_line`
+  the node of any generated line.
 """
 
 from __future__ import annotations
@@ -114,10 +115,16 @@ def failing_node(gm: fx.GraphModule, exc: BaseException) -> fx.Node | None:
     """
     filename = gm.forward.__code__.co_filename
     lines = [f.lineno for f in traceback.extract_tb(exc.__traceback__) if f.filename == filename]
+    return node_at_line(gm, lines[-1]) if lines else None
+
+
+def node_at_line(gm: fx.GraphModule, line: int) -> fx.Node | None:
+    """The node of ``gm`` whose generated line of ``gm.forward`` is ``line`` (a frame's
+    ``f_lineno``), through the line map torch.fx keeps for its generated code."""
     line_map = getattr(gm, "_lineno_map", None)
-    if not lines or not line_map:
+    if not line_map:
         return None
-    index = line_map.get(lines[-1] - _prologue_start(gm))
+    index = line_map.get(line - _prologue_start(gm))
     nodes = list(gm.graph.nodes)
     return nodes[index] if index is not None and 0 <= index < len(nodes) else None
 

@@ -18,8 +18,8 @@ Each call of an OptimizedLoss:
    specialization of their own, within ``max_specializations``), unless an abandon says no trace
    would decide differently (an empty selection). An abandon whose op adjusted itself (a
    selection's count above its capacity, which grew) runs the call again at once, as many times
-   as the graph's run-time ops can adjust themselves in one call (each capacity grows at most
-   once: ``RuntimeOp.adjustments``), at least ``_RETRIES``. Any other exception: the call's
+   as the graph's run-time ops can adjust themselves in one call (each run again grows at least
+   one capacity: ``RuntimeOp.adjustments``), at least ``_RETRIES``. Any other exception: the call's
    attribute writes are undone and it is recomputed natively. If native raises too, the error was the call's (a wrong input shape):
    native's exception propagates, as natively (no optimized traceback chained to it), and the
    specialization stays (``native-raised``). If native survives, the failure was the optimized
@@ -87,7 +87,8 @@ from .stats import RecordedException, RunStats
 from .trace import LeafPolicy
 
 _RETRACE_AFTER = 2  # the 2nd call since the last trace that every trace abandons is traced
-_RETRIES = 3  # runs again at least of a call whose run-time op adjusted itself
+_RETRIES = 6  # runs again at least of a call whose run-time op adjusted itself (three nested
+# selection levels in each branch of a two-branch loss, a level learning its need once its parent fits)
 _MAX_EXCEPTIONS = 64  # failures kept in stats.exceptions (all are counted in stats.native)
 
 

@@ -288,6 +288,11 @@ _CODES = (
          "A path leaves the planned region and comes back into it: fused into one call, the graph "
          "would be cyclic, so the region is not captured (the planner should never propose it).",
          "Report it: the region planner proposed a region it cannot fuse."),
+    Code("device-constant-written", "refusal",
+         "A tensor the loss makes on the host from numbers and copies to the device (a grid, "
+         "an image-size tensor) is written, or handed out by the output, downstream: one tensor "
+         "made once cannot stand for a fresh one each call, so the copy (a wait) stays.",
+         "Nothing to do; clone it before writing it in the loss to let it be made once."),
     Code("region-too-small", "refusal",
          "The capturable region launches too few kernels for a replay to pay off: fewer than "
          "min_region_ops, or fewer than the tensors a replay would copy in and out.",

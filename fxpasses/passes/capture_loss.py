@@ -43,6 +43,7 @@ from ..runtime.ownership import OwnedOutputs
 from ..runtime.paired_capture import PADDED_GUARDS, CapturedPairedCall
 from ..locations import node_location
 from .copy_writes import plan_with_copies
+from .fold_constants import device_constants
 from .fold_state import device_indices, fold_constant_reads
 
 _PREFIX = "capture_region_"
@@ -154,7 +155,8 @@ class CaptureLoss:
                             None if cuda_ok else "cuda-unavailable")]
             return PassResult(gm, False, [Certificate.from_checks(self.name, Site((), (), "whole loss"),
                                                                   checks)])
-        folded = fold_constant_reads(gm, self.name) + device_indices(gm, self.name, self.devices)
+        folded = fold_constant_reads(gm, self.name) + device_indices(gm, self.name, self.devices) + \
+            device_constants(gm, self.name, self.devices)
         unfolded_copies = copy_graph_module(gm)
         plan, writes = plan_with_copies(gm, self.name, self.devices, self.min_region_ops, self.count_copies)
         if not plan.regions and any(c.applied for c in writes):  # copies that gain nothing: undone

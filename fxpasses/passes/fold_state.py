@@ -89,6 +89,13 @@ def fold_constant_reads(gm: fx.GraphModule, pass_name: str) -> list[Certificate]
     return certificates
 
 
+def reads_state_element(node: fx.Node) -> bool:
+    """``node`` reads an element of the loss's state as a number (``x.new_full(size,
+    self.stride[i])``): a host read of no value the graph computes."""
+    found = _scalar_argument(node)
+    return found is not None and _state_chain(found[0]) is not None
+
+
 def _scalar_argument(node: fx.Node) -> tuple[fx.Node, tuple] | None:
     """The state element ``node`` reads as a number, and where it sits in its arguments."""
     where = SCALAR_ARGUMENTS.get((node.op, node.target))

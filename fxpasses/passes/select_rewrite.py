@@ -24,8 +24,9 @@ other than through an integer gather (cleaned as above) or its views, or the out
 zero leaves no real row: the padding then copies the first position, and those first rows (and
 an integer row of 0) must only reach the read, where the call is abandoned; ``rows_of`` (a
 :class:`~fxpasses.runtime.select.NonEmptyRows`) gives an empty batch one zero row to gather.
-Reads that go to the same place are one, the counts' copy to the host queued as soon as they are
-computed (:func:`place_reads`).
+Reads that go to the same place are one, and so are reads whose counts are all computed before
+an earlier read's place (the later ones move up to it), the counts' copy to the host queued as
+soon as they are computed (:func:`place_reads`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ from ..analysis.selection import SpaceAnalysis, is_coordinates
 from ..ir.proofs import BucketedSizes, prove
 from ..locations import node_location
 from ..runtime.select import Capacities, CheckCounts, NonEmptyRows, StartCounts
-from ..ir.trace_ops import GuardOp
+from .fold_state import reads_state_element
+from ..ir.trace_ops import ExpectTruth, GuardOp
 
 # aten ops that read memory at positions given by a tensor (a bad index fails the device)
 _INDEXING = ("aten.index", "aten.gather", "aten.scatter", "aten.take", "aten.embedding",
@@ -116,40 +118,129 @@ def rewrite_level(gm: fx.GraphModule, analyses: list[SpaceAnalysis], level_id: s
     return result
 
 
-def place_reads(gm: fx.GraphModule, levels: list[Rewritten]) -> tuple[dict[str, dict], list[str]]:
+@dataclass
+class DeferredTruth:
+    """A guard on a value's truth (``if mask.any():``), read with the counts instead of where
+    the loss read it: ``count`` is its truth on the device (``value != 0``), computed where the
+    guard was; ``node`` the guard node it replaced, kept aside to put back."""
+
+    guard: ExpectTruth
+    count: fx.Node
+    node: fx.Node
+
+
+def place_reads(gm: fx.GraphModule, levels: list[Rewritten], *, defer_truths: bool = False
+                ) -> tuple[dict[str, dict], list[str]]:
     """The reads of the rewritten spaces: each space's goes where :func:`check_point` says, the
-    spaces whose reads go to the same place share one (a call waits once), its counts' copy to
-    the host queued right after the last of them is computed
+    spaces whose reads go to the same place share one (a call waits once), and so do those whose
+    counts are computed before an earlier read's place (:func:`_merged`); its counts' copy to the
+    host queued right after the last of them is computed
     (:class:`~fxpasses.runtime.select.StartCounts`); the rows that leave are sliced to their
-    counts. Returns, by mask, the node its read went before and why; and the reads' names."""
+    counts. ``defer_truths``: the guards on a value's truth after the first count join the reads
+    too (:func:`_defer_truths`). Returns, by mask, the node its read went before and why; and the
+    reads' names."""
     graph = gm.graph
     made = set().union(*(level.made for level in levels))
     cleaned = set().union(*(level.cleaned for level in levels))
-    groups: dict[fx.Node, list[SpaceRewrite]] = {}
-    placement = {}
-    for space in (s for level in levels for s in level.spaces):  # lower levels first
-        before, why = check_point(gm, space.planned, space.start, made, cleaned)
-        groups.setdefault(before, []).append(space)
-        placement[space.mask] = {"before": before.name, "reason": why}
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    spaces = [s for level in levels for s in level.spaces]  # lower levels first
+    truths = _defer_truths(gm, spaces, made) if defer_truths else []
+    while True:
+        groups: dict[fx.Node, list[Any]] = {}
+        placement = {}
+        for space in spaces:
+            before, why = check_point(gm, space.planned, space.start, made, cleaned)
+            groups.setdefault(before, []).append(space)
+            placement[space.mask] = {"before": before.name, "reason": why}
+        for truth in truths:
+            before, _ = check_point(gm, None, truth.count, made, cleaned)
+            groups.setdefault(before, []).append(truth)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        merged = _merged(groups, order)
+        early = [t for t in truths if not _read_with_its_counts(gm, t, merged)]
+        if not early:
+            break
+        for truth in early:  # its value needs counts read later: the guard stays where it was
+            _restore(graph, truth, made)
+            truths.remove(truth)
     reads = []
-    for number, (before, members) in enumerate(groups.items()):
-        counts = [s.count for s in members]
+    for number, (before, members) in enumerate(merged.items()):
+        selections = [m for m in members if isinstance(m, SpaceRewrite)]
+        guards = [m for m in members if isinstance(m, DeferredTruth)]
+        counts = [m.count for m in (*selections, *guards)]
         with graph.inserting_after(max(counts, key=order.__getitem__)):
             started = _made(graph.call_function(StartCounts(f"start_counts_{number}"), tuple(counts)),
                             counts[-1], made)
         with graph.inserting_before(before):
-            check = _made(graph.call_function(CheckCounts(f"check_counts_{number}",
-                                                          [s.capacities for s in members]),
-                                              (*(s.capacity for s in members), started)),
-                          counts[-1], made)
+            check = _made(graph.call_function(CheckCounts(
+                f"check_counts_{number}", [s.capacities for s in selections],
+                [(g.guard, g.guard.expected) for g in guards]),
+                (*(s.capacity for s in selections), started)), counts[-1], made)
         reads.append(check.name)
-        for k, space in enumerate(members):
+        for k, space in enumerate(selections):
             if space.exits:
                 with graph.inserting_after(check):
                     host_count = graph.call_function(operator.getitem, (check, k))
                 _slice_exits(graph, space.exits, host_count)
     return placement, reads
+
+
+def _defer_truths(gm: fx.GraphModule, spaces: list[SpaceRewrite], made: set[fx.Node]) -> list[DeferredTruth]:
+    """The guards on a tensor's truth after the first space's count, each replaced by its truth
+    on the device (``value != 0``, computed where the guard read it): no longer a host read, it
+    is checked with the counts. Sound where the counts' read is: nothing before it shows, and
+    nothing computed on a decision that did not hold may index memory or decide on the host
+    (:func:`check_point` over every node after the guard); a guard whose value depends on counts
+    read later than it is put back (its value is reliable only once they fit: they are read
+    first, in the same read, or earlier)."""
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first = min((order[s.start] for s in spaces), default=None)
+    found = []
+    for node in list(graph.nodes):
+        if first is None or order[node] <= first or node.op != "call_function" or \
+                type(node.target) is not ExpectTruth or node.users or \
+                not isinstance(node.args[0], fx.Node) or \
+                not isinstance(value(node.args[0]), torch.Tensor):
+            continue
+        with graph.inserting_before(node):
+            truth = _made(graph.call_function(torch.ne, (node.args[0], 0)), node, made)
+        found.append(DeferredTruth(node.target, truth, node))
+        graph.erase_node(node)
+    return found
+
+
+def _restore(graph: fx.Graph, truth: DeferredTruth, made: set[fx.Node]) -> None:
+    with graph.inserting_before(truth.count):
+        guard = graph.call_function(truth.guard, (truth.count.args[0],))
+    guard.meta = dict(truth.node.meta)
+    graph.erase_node(truth.count)
+    made.discard(truth.count)
+
+
+def _read_with_its_counts(gm: fx.GraphModule, truth: DeferredTruth,
+                          merged: dict[fx.Node, list[Any]]) -> bool:
+    """Every space whose capacity ``truth``'s value depends on is read with it or earlier (a
+    count that does not fit abandons the call first, so the truth is read from rows that fit)."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    read_at = {id(m): before for before, members in merged.items() for m in members}
+    dag = to_digraph(gm.graph)
+    needs = [s for members in merged.values() for s in members if isinstance(s, SpaceRewrite)
+             and truth.count in downstream(dag, [s.planned])]
+    return all(order[read_at[id(s)]] <= order[read_at[id(truth)]] for s in needs)
+
+
+def _merged(groups: dict[fx.Node, list[Any]], order: dict[fx.Node, int]) -> dict[fx.Node, list[Any]]:
+    """``groups`` (check point -> what is read there) with each member moved to the earliest
+    check point that comes after its count: a read earlier than its check point is as safe
+    (nothing before that point shows or suffers from its count), and one wait replaces two. Each
+    space is still placed (reported) at its own check point."""
+    points = sorted(groups, key=order.__getitem__)
+    merged: dict[fx.Node, list[Any]] = {}
+    for before in points:
+        for member in groups[before]:
+            into = next(p for p in points if order[p] > order[member.count])
+            merged.setdefault(into, []).append(member)
+    return {p: merged[p] for p in points if p in merged}
 
 
 def _made(node: fx.Node, like: fx.Node, made: set[fx.Node]) -> fx.Node:
@@ -323,14 +414,17 @@ def _mask_reduction(graph: fx.Graph, named: dict[str, fx.Node], r: Any, invalid:
 
 # -- where the read goes ---------------------------------------------------------------------
 
-def check_point(gm: fx.GraphModule, planned: fx.Node, start: fx.Node, made: set[fx.Node],
+def check_point(gm: fx.GraphModule, planned: fx.Node | None, start: fx.Node, made: set[fx.Node],
                 cleaned: set[fx.Node]) -> tuple[fx.Node, str]:
     """The node a space's read goes before, and why: the first after ``start`` (its count and
     capacity) that could show or suffer from a count that did not fit (see the module
     docstring). ``made``: the rewrite's own nodes (safe by construction); ``cleaned``: its
     integer gathers, zero when empty."""
     graph = gm.graph
-    padded = downstream(to_digraph(graph), [planned])  # what the capacity shapes
+    # what the capacity shapes; for a deferred guard (no capacity) every node: what follows it
+    # computes on a decision that may not hold, and an index made before it may be one that
+    # decision protected (if (idx >= 0).all(): table[idx])
+    padded = downstream(to_digraph(graph), [planned]) if planned is not None else set(graph.nodes)
     external = external_storages(gm)
     cleaned = set(cleaned)
     seen = False
@@ -342,7 +436,9 @@ def check_point(gm: fx.GraphModule, planned: fx.Node, start: fx.Node, made: set[
             continue
         if node.op == "output":
             return node, "the output"
-        why = _shows(node, external) or (_suffers(node, padded, cleaned) if node in padded else None)
+        state_read = planned is None and reads_state_element(node)  # the same on any branch
+        why = _shows(node, external) or (
+            _suffers(node, padded, cleaned) if node in padded and not state_read else None)
         if why:
             return node, why
         if node in padded and _keeps_cleaned(node, cleaned):

@@ -129,7 +129,7 @@ class SelectRows:
             members = [a for a in applied.values() if a.space.level == level]
             proof = certificates[members[0].space.mask].id
             levels.append(rewrite_level(gm, members, f"level{level}", self.min_bucket, masks, proof))
-        placements, reads = place_reads(gm, levels)
+        placements, reads = place_reads(gm, levels, defer_truths=True)
         for mask, placement in placements.items():
             cert = certificates[mask]
             certificates[mask] = dataclasses.replace(cert, effect={

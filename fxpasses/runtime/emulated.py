@@ -13,7 +13,6 @@ from collections import Counter
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
 from .capture import GraphRecorder, Recording
@@ -62,14 +61,16 @@ class _Forward:
             fresh = pytree.tree_leaves(self.fn(*self.inputs))
         if self.recording.backward is not None:
             self.activations = (fresh, self.inputs)
-            own = {id(t) for t in (*self.recording.inputs, *self.recording.outputs)}
-            self.held_uses = Counter(StorageWeakRef(t.untyped_storage()).cdata for t in
-                                     {id(t): t for t in fresh if isinstance(t, torch.Tensor)
-                                      and id(t) not in own}.values())
         with torch.no_grad():
             for static, value in zip(self.recording.outputs, fresh):
                 if isinstance(static, torch.Tensor):
                     _overwrite(static, value)
+        if self.recording.backward is not None:
+            # and what the kept autograd graph saved (views of static inputs): the uses of
+            # static memory this replay added, the caller holding none yet (admission checked)
+            del fresh
+            self.held_uses = Counter({ref.cdata: used for ref, own in self.recording._storages
+                                      if (used := torch._C._storage_Use_Count(ref.cdata) - own) > 0})
 
 
 class _Backward:

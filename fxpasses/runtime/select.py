@@ -13,11 +13,11 @@ visible. It abandons the call (:class:`~fxpasses.ir.abandon.Abandon`)
 
 * ``selection-capacity``: a count exceeds its capacity (rows were cut off, the results are
   wrong): the capacity grows to the count's bucket, and the call runs again at once with it
-  (``retry``); a selection over the rows of one that did not fit has an unreliable count, so
-  only the lowest level that does not fit grows;
-* ``selection-empty``: a count is zero (and no lower level was cut off: then it is unreliable,
-  and that level grows first): there is no real row to pad with, so the call runs natively,
-  counted (and never traced again for it: a new trace would abandon it too).
+  (``retry``); every selection that does not fit grows at once: over the rows of one that did
+  not fit, a count sees only real rows among those gathered (a child mask is and-ed with its
+  parent's validity), so it is at most the true count and never grows a capacity past need;
+* ``selection-empty``: a count is zero: there is no real row to pad with, so the call runs
+  natively, counted (and never traced again for it: a new trace would abandon it too).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class PendingCounts:
     that says it arrived (None on the CPU: the values are there)."""
 
     def __init__(self, counts: Sequence[torch.Tensor]):
-        stacked = torch.stack(list(counts))
+        stacked = torch.stack([c.reshape(()).to(torch.int64) for c in counts])  # truths: 0 or 1
         if stacked.is_cuda:
             self.host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
             self.host.copy_(stacked, non_blocking=True)
@@ -106,42 +106,50 @@ class StartCounts(RuntimeOp):
 class CheckCounts(RuntimeOp):
     """``check(C_1, ..., C_k, pending) -> (n_1, ..., n_k)``: the counts of some selections,
     started by :class:`StartCounts`, as Python ints, each against the capacity ``C_i`` its
-    selection used in this call (see the module docstring). Where counts do not fit, those of
-    the lowest level grow: a higher level's count is then unreliable."""
+    selection used in this call (see the module docstring). In order: counts that do not fit
+    grow their capacities (a count over rows cut off may be 0); ``guards``, (guard, the truth it
+    expects) of guards on a value's truth read here too (in ``pending`` after the counts), abandon
+    the call as the guard would have where the truth differs (``guard-failed``: traced again);
+    then an empty selection runs the call natively."""
 
     pure = True
     capturable = False
 
-    def __init__(self, op_id: str, selections: Sequence[Capacities]):
+    def __init__(self, op_id: str, selections: Sequence[Capacities], guards: Sequence[tuple[Any, bool]] = ()):
         super().__init__(op_id)
         self.selections = tuple(selections)
-        # a call's counts are its own: each capacity grows to fit its count at most once (a
-        # higher level grows only once every lower one fits, so from a reliable count)
+        self.guards = tuple(guards)
+        # each run again grows at least one capacity (see the module docstring)
         self.adjustments = len(self.selections)
 
     def __call__(self, *args: Any) -> tuple[int, ...]:
         caps, pending = args[:-1], args[-1]
         self.count_event("read")
-        counts = pending.values()  # the one synchronisation
-        short = [(s, cap, count) for s, cap, count in zip(self.selections, caps, counts)
-                 if count > cap]
-        lowest = min((s.level for s, _, _ in short), default=None)
+        values = pending.values()  # the one synchronisation
+        counts, truths = values[:len(self.selections)], values[len(self.selections):]
+        self._fit(caps, counts)
+        for (guard, expected), seen in zip(self.guards, truths):  # as the guard would have, first
+            if bool(seen) != expected:
+                self.count_code("guard-failed")
+                raise Abandon("guard-failed", guard.location,
+                              f"{guard.op_id}: traced {expected!r}, now {bool(seen)!r} (read with the counts)")
         for selection, count in zip(self.selections, counts):
-            # above a level that did not fit, a count (zero too) is unreliable: not an empty one
-            if count == 0 and (lowest is None or selection.level <= lowest):
+            if count == 0:
                 self.count_code(NOT_EMPTY.code)
                 raise Abandon(NOT_EMPTY.code, selection.site, "a selection is empty: no real "
                               "row to pad with", retrace=False)  # any trace's read abandons it again
-        if short:
-            grown = [(s, cap, count) for s, cap, count in short if s.level == lowest]
-            for selection, _, count in grown:
+        return tuple(counts)
+
+    def _fit(self, caps: Sequence[int], counts: Sequence[int]) -> None:
+        short = [(s, cap, count) for s, cap, count in zip(self.selections, caps, counts) if count > cap]
+        if short:  # fits first: a count over rows cut off is no proof of an empty selection
+            for selection, _, count in short:
                 selection.grow(count)
             self.count_code(FITS.code)
-            selection, cap, count = grown[0]
+            selection, cap, count = min(short, key=lambda found: found[0].level)
             raise Abandon(FITS.code, selection.site,
                           f"{count} rows selected, capacity {cap}: grown to {selection.value}",
                           retrace=False, retry=True)
-        return tuple(counts)
 
     def propagate(self, *args: Any) -> tuple[torch.SymInt, ...]:
         """Fresh unbacked counts in ``[1, capacity]``."""

@@ -49,6 +49,15 @@ class DecidesOnRows(nn.Module):
         return rows.cos().sum()
 
 
+class ComputesWithRows(nn.Module):
+    """A value of the selected rows taken to the host and computed with (a host read)."""
+
+    def forward(self, x, mask):
+        rows = x[mask]
+        scale = float(rows[:, 0].detach().abs().sum())
+        return rows.sin().sum() * scale
+
+
 class IndexesByRows(nn.Module):
     """An index made from the selected rows' values, and one gathered as it is."""
 
@@ -117,8 +126,20 @@ def test_the_read_comes_before_a_write_to_state_so_a_call_run_again_writes_once(
 
 
 def test_the_read_comes_before_a_host_read_of_the_rows():
-    fast = _same_over_calls(DecidesOnRows(), _growing())
+    fast = _same_over_calls(ComputesWithRows(), _growing())
     assert _read(fast)["because"] == "a host read of values downstream of the gathers"
+
+
+def test_a_decision_on_the_rows_is_read_with_the_count():
+    """``if rows[:, 0].sum() > 0``: its truth joins the count's read (one wait, at the output);
+    a call whose count did not fit grows first, and one that decided otherwise runs natively."""
+    fast = _same_over_calls(DecidesOnRows(), _growing())
+    assert _read(fast)["because"] == "the output"
+    assert fast.stats.native["guard-failed"] >= 1  # the seeds take both branches
+    (gm,) = [s.graph_module for s in fast.specializations][:1]
+    checks = [n.target for n in gm.graph.nodes if type(n.target).__name__ == "CheckCounts"]
+    assert len(checks) == 1 and len(checks[0].guards) == 1
+    assert not [n for n in gm.graph.nodes if type(n.target).__name__ == "ExpectTruth"]
 
 
 def test_the_read_comes_before_an_index_made_from_the_rows():
@@ -175,3 +196,50 @@ def test_a_write_before_the_mask_refuses_the_rewrite():
     fast = _same_over_calls(loss, _growing(), state=lambda m: (m.calls.clone(),))
     (cert,) = [c for c in fast.certificates if c.pass_name == "SelectRows"]
     assert not cert.applied and "select-effect-before-read" in cert.codes
+
+
+class ReadsTwoMasks(nn.Module):
+    """Two masks known from the start: a value of the first selection's rows is taken to the
+    host (its read goes before that), the second's rows reach the output only."""
+
+    def forward(self, x, mask):
+        other = x[:, 1] > 0.5
+        rows = x[mask]
+        scale = float(rows[:, 0].detach().abs().sum())
+        return rows.sin().sum() * scale + x[other].pow(2).sum()
+
+
+def test_counts_computed_before_an_earlier_read_are_read_with_it_in_one_wait():
+    calls = [(*_rows(12, n, seed), ) for seed, n in enumerate((3, 4, 9, 5))]
+    fast = _same_over_calls(ReadsTwoMasks(), calls)
+    certs = [c for c in fast.certificates if c.pass_name == "SelectRows"]
+    assert len(certs) >= 2 and all(c.applied for c in certs), certs
+    by_reason = {c.effect["host_read"]["because"] for c in certs}
+    assert by_reason == {"a host read of values downstream of the gathers", "the output"}
+    assert {len(c.effect["host_read"]["reads"]) for c in certs} == {1}  # one read for both
+
+
+class IndexesIfValid(nn.Module):
+    """An index made before a decision that protects it: read before the index op, never after."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.linspace(0, 1, 5, dtype=torch.float64))
+
+    def forward(self, x, mask, slot):
+        rows = x[mask]
+        if (slot >= 0).all():
+            return (self.table[slot].sum() + rows.pow(2).sum())
+        return rows.pow(2).sum()
+
+
+def test_a_decision_that_protects_an_index_is_read_before_the_index_op():
+    fast = _same_over_calls(IndexesIfValid(), _growing((torch.arange(12) % 5,)))
+    (gm,) = [s.graph_module for s in fast.specializations][:1]
+    nodes = list(gm.graph.nodes)
+    guards = [i for i, n in enumerate(nodes) if type(n.target).__name__ == "ExpectTruth" or
+              (type(n.target).__name__ == "CheckCounts" and n.target.guards)]
+    indexing = [i for i, n in enumerate(nodes) if "table" in n.name or n.target is torch.ops.aten.index.Tensor
+                or (n.op == "call_function" and getattr(n.target, "__name__", "") == "getitem"
+                    and any("table" in getattr(a, "name", "") for a in n.args))]
+    assert guards and indexing and max(guards) < max(indexing), (guards, indexing)

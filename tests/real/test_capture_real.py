@@ -1,7 +1,8 @@
 """CaptureLoss on the real Ultralytics criterion, unmodified, with the emulated recorder (CUDA
 graphs' static-buffer semantics on a CPU): the stride table of ``make_anchors`` is folded (tal.py,
 ``new_full`` of ``strides[i]``), and so are list indices (``imgsz[[1, 0]]``: index tensors kept on
-the device), the loss-item writes (``loss[1] = ...; loss[1] *= self.hyp.pose``)
+the device) and the tensors made on the host and copied over (``torch.arange(w).type_as(feats)``,
+``torch.tensor(shape, device=...)``: made once), the loss-item writes (``loss[1] = ...; loss[1] *= self.hyp.pose``)
 run on copies inside regions, no local write is kept for a read of its old memory, and values,
 every prediction gradient and the flow's parameter gradients equal native over calls that replay
 the regions; the items a call returned are not overwritten by the next call."""
@@ -54,7 +55,11 @@ def test_the_real_criterion_captured_with_folds_and_copies_equals_native(pose_mo
     folds = [c for c in certificates if c.applied and "folded" in c.effect]
     strides = [c for c in folds if "host read" in c.effect["folded"]]
     assert len(strides) == 12 and all("ultralytics/utils/tal.py:" in c.site.locations[0] for c in strides)
-    indices = {c.site.locations[0].rsplit("/", 1)[-1] for c in folds if c not in strides}
+    constants = [c for c in folds if "copied to the device" in c.site.description]
+    made_once = {c.site.locations[0].rsplit("/", 1)[-1] for c in constants}  # made on the host
+    assert made_once == {"tal.py:560", "tal.py:561", "loss.py:441", "loss.py:873", "tal.py:349"}
+    indices = {c.site.locations[0].rsplit("/", 1)[-1] for c in folds
+               if c not in strides and c not in constants}
     assert indices == {"loss.py:445", "loss.py:793", "loss.py:920", "loss.py:921"}  # x[[1, 0]]
     copies = [c for c in certificates if c.applied and "copy_elements" in c.effect]
     lines = {c.site.locations[0].rsplit("/", 1)[-1] for c in copies}
