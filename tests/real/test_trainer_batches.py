@@ -24,7 +24,7 @@ from fxpasses.testing.torchvision_stand_in import ensure_torchvision
 from fxpasses.workloads.pose_dataset import write_dataset
 from fxpasses.workloads.ultralytics_pose import model_preds, trainer_batches
 
-pytestmark = pytest.mark.long  # an epoch of 44 batches at 160 px: about 90 s here
+pytestmark = pytest.mark.long  # an epoch of 44 batches at 160 px: about 35 s here
 
 IMAGES, BATCH = 176, 4
 
