@@ -17,8 +17,9 @@ pytree flattening) or writes (``pop``, ``setdefault``, ``d[k] = v``...: every ke
 structure, matched on every call. The stand-in is not a plain dict: where the loss's own code
 names the builtin ``type`` or reads ``__class__`` (it could tell them apart and take another
 path), the trace runs again with the dicts as they are (:func:`fxpasses.trace.trace`), and no
-value is free. Not seen: a loss calling ``dict``'s own methods on the batch unbound
-(``dict.__getitem__(batch, k)``), or library code that tests ``type(batch)``.
+value is free. ``dict``'s own methods called on the batch unbound (``dict.__getitem__(batch, k)``,
+``dict.values(batch)``: the profile hook sees them as C calls bound to it) take every value. Not
+seen: library code that tests ``type(batch)``.
 """
 
 from __future__ import annotations
@@ -150,6 +151,8 @@ def _holds_constant(node: Any) -> bool:
     return is_constant(node)
 
 
+_KEYS_ONLY = {"keys", "__len__", "__contains__", "__iter__", "__sizeof__", "fromkeys"}
+
 _TYPE_READS = {("LOAD_GLOBAL", "type"), ("LOAD_NAME", "type"), ("LOAD_DEREF", "type"),
                ("LOAD_ATTR", "__class__"), ("LOAD_METHOD", "__class__")}
 
@@ -189,6 +192,15 @@ class InputReads:
         if type(node) in (tuple, list):
             return type(node)(self.wrap(v, (*path, pytree.SequenceKey(i))) for i, v in enumerate(node))
         return node
+
+    def c_called(self, fn: Any, frame: Any) -> None:
+        """The traced code called the C function ``fn``: dict's own methods called on a stand-in
+        from outside its overrides (``dict.values(batch)``, ``dict.__getitem__(batch, k)``:
+        profiled as bound to it) may take values unseen, so every value of it counts as taken."""
+        stand_in = getattr(fn, "__self__", None)
+        if type(stand_in) is ReadDict and getattr(fn, "__name__", None) not in _KEYS_ONLY \
+                and frame.f_code.co_filename != __file__:
+            stand_in._all()
 
     def unread(self) -> list[KeyPath]:
         """The key paths whose values the loss never took (outermost only: a dict under an

@@ -191,6 +191,8 @@ def patched(rec: Recorder, tracker: ObjectTracker, patcher: ModulePatcher,
                     reads.ran(frame.f_code)
             elif rec.kept_whole is not None:  # the code of a call kept whole
                 tracker.frame_state_inside(frame)
+        elif event == "c_call" and reads is not None:
+            reads.c_called(arg, frame)
 
     collecting = gc.isenabled()
     gc.disable()  # a collection's callbacks (a test framework's, a profiler's) are not the loss

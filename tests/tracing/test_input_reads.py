@@ -96,6 +96,26 @@ def test_code_that_can_tell_the_dict_type_leaves_no_value_free():
     assert fast.stats.optimized == 3
 
 
+def _reads_mode_unbound(pred, batch):
+    scale = 2.0 if dict.__getitem__(batch, "mode") == "train" else 3.0  # past the stand-in's override
+    return scale * ((pred - dict.get(batch, "x").sum(0)) ** 2).sum()
+
+
+def _reads_values_unbound(pred, batch):
+    mode = list(dict.values(batch))[-1]
+    return (2.0 if mode == "train" else 3.0) * ((pred - batch["x"].sum(0)) ** 2).sum()
+
+
+@pytest.mark.parametrize("loss", [_reads_mode_unbound, _reads_values_unbound])
+def test_dict_methods_called_unbound_on_the_batch_take_every_value(loss):
+    fast = optimize(loss, passes=[])
+    pred = torch.randn(3, dtype=torch.float64)
+    for seed, mode in enumerate(("train", "val", "train")):
+        _run(fast, loss, pred, _batch(seed, mode=mode))  # 3.0 for val: a stale 2.0 before
+    assert not fast.specializations[0].info.unread_inputs
+    assert fast.stats.optimized == 3
+
+
 def test_a_call_missing_a_free_key_or_with_another_structure_is_not_matched():
     fast = optimize(_reads_x, passes=[])
     pred = torch.randn(3, dtype=torch.float64)
