@@ -324,10 +324,15 @@ def test_rows_selected_in_two_levels_are_paired():
     assert fast.stats.sites == {"0:pair_flow_log_prob": {"paired": 1}}
 
 
-# Shape propagation fails at these flows' calls on selected rows (batch norm guards on the row
-# count, cummax has no kernel for a data-dependent one): with nothing known of what their
-# results feed, whether a gradient reaches each branch cannot be told, a refusal of its own.
+# On recent torch, shape propagation fails at these flows' calls on selected rows (batch norm
+# guards on the row count, cummax has no kernel for a data-dependent one): with nothing known of
+# what their results feed, whether a gradient reaches each branch cannot be told, a refusal of
+# its own beside the row check's. Torch 2.4's propagation gets through them: the row check alone.
 _UNPROPAGATED = "pair-gradient-undecided"
+
+
+def _refused_by_rows(cert, code: str) -> bool:
+    return cert.codes[-1] == code and set(cert.codes) <= {_UNPROPAGATED, code}
 
 
 def test_batchnorm_in_training_inside_the_flow_is_refused_naming_the_op():
@@ -335,7 +340,7 @@ def test_batchnorm_in_training_inside_the_flow_is_refused_naming_the_op():
     fast = optimize(loss, passes=[PairRLE()])
     fast(*make_inputs(40, 3, 0.5, 0.5, False, dtype=torch.float32))
     cert = _only_cert(fast)
-    assert cert.codes == (_UNPROPAGATED, "rows-mixed")
+    assert _refused_by_rows(cert, "rows-mixed"), cert.codes
     evidence = next(c.evidence for c in cert.checks if c.id == "row-independent")
     assert "batch_norm" in str(evidence)
 
@@ -356,7 +361,7 @@ def test_an_op_without_a_row_rule_is_refused_naming_it():
     fast = optimize(loss, passes=[PairRLE()])
     fast(*make_inputs(40, 3, 0.5, 0.5, False, dtype=torch.float32))
     cert = _only_cert(fast)
-    assert cert.codes == (_UNPROPAGATED, "rows-op-unknown")
+    assert _refused_by_rows(cert, "rows-op-unknown"), cert.codes
     evidence = next(c.evidence for c in cert.checks if c.id == "row-independent")
     assert evidence["op"].startswith("aten.cummax")
 
