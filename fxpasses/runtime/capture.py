@@ -569,6 +569,13 @@ class CapturedRegion(RuntimeOp):
         self._clock = itertools.count()  # a recording's ``used``: when it was last replayed
 
     # -- the call ---------------------------------------------------------------------------
+    @property
+    def _run_fn(self) -> Callable:
+        """``fn`` as the region runs it: a graph module's ``forward`` itself, not its ``__call__``,
+        which prints its generated code to stderr when it raises (an input of a wrong shape:
+        native raises it too, and propagates it once)."""
+        return self.fn.forward if isinstance(self.fn, fx.GraphModule) else self.fn
+
     def propagate(self, *args: Any) -> Any:
         if isinstance(self.fn, fx.GraphModule):
             return Propagator(self.fn).run(*args)
@@ -673,7 +680,7 @@ class CapturedRegion(RuntimeOp):
             self._pool = self.recorder.new_pool()
         n_args = starts[-1]
         modules = [m for m in (self.fn, *flat[:n_args]) if isinstance(m, nn.Module)]
-        fn = self.fn
+        fn = self._run_fn
 
         def call(*leaves: Any) -> Any:
             return fn(*(leaves[a] if spec is None else pytree.tree_unflatten(list(leaves[a:b]), spec)
@@ -690,7 +697,7 @@ class CapturedRegion(RuntimeOp):
 
     def _eager(self, reason: str, args: Sequence[Any]) -> Any:
         self.count_code(reason)
-        return self.fn(*args)
+        return self._run_fn(*args)
 
     # -- replay bookkeeping (called by _Replay) -----------------------------------------------
     def began(self, ctx: Any) -> int:

@@ -62,6 +62,31 @@ def test_an_error_native_raises_too_propagates_as_natives_and_later_calls_run_op
     assert stats.optimized == 3 and all(fast.disabled(s) is None for s in fast.specializations)
 
 
+class _Swapped(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return (y * y).sum() + y.swapaxes(0, 1).sum()
+
+
+def test_an_error_inside_a_captured_region_is_not_printed_before_natives_propagates(capfd):
+    from fxpasses.passes import CaptureLoss
+    from fxpasses.runtime.emulated import EmulatedRecorder
+
+    fast = optimize(_Swapped(), passes=[CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder(),
+                                                    record_after=1)])
+    for _ in range(3):
+        fast(torch.randn(5, 2, requires_grad=True)).backward()
+    capfd.readouterr()
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        fast(torch.randn(5, 3, requires_grad=True))  # the linear takes 2 columns: natively too
+    assert "FX-traced" not in capfd.readouterr().err  # torch.fx's print of its generated code
+    assert fast.stats.native == {"native-raised": 1}, fast.stats.render()
+
+
 class Scaled(flows.MaskedWithTotal):
     """The same with an int setting the trace reads (an exponent): a change traces again."""
 
