@@ -25,6 +25,7 @@ seen: library code that tests ``type(batch)``.
 from __future__ import annotations
 
 import dis
+import functools
 import types
 from typing import Any, Hashable
 
@@ -157,8 +158,10 @@ _TYPE_READS = {("LOAD_GLOBAL", "type"), ("LOAD_NAME", "type"), ("LOAD_DEREF", "t
                ("LOAD_ATTR", "__class__"), ("LOAD_METHOD", "__class__")}
 
 
+@functools.lru_cache(maxsize=4096)
 def _reads_types(code: types.CodeType) -> bool:
-    """Whether ``code`` names the builtin ``type`` or reads ``__class__``."""
+    """Whether ``code`` names the builtin ``type`` or reads ``__class__`` (remembered per code
+    object, as shadows' bytecode verdicts are: every trace runs the same functions)."""
     return any((i.opname, i.argval) in _TYPE_READS for i in dis.get_instructions(code))
 
 
