@@ -1,0 +1,105 @@
+"""On a CUDA device: the real Ultralytics criterion, all three passes, against native, call by call.
+
+Realistic batches (persons per image vary, some images empty, unlabelled keypoints), each batch
+fed three times in a row so that CaptureLoss records (on a signature's second call) and replays
+(third), then fresh ones. Per call: the relative difference of each loss component and the
+relative L2 difference of every prediction's gradient. In float32 they must be rounding-small;
+under float16 autocast (the trainer's AMP) the optimized loss must stay as close to native AMP as
+native AMP itself is to native float32 (the *control*, measured on the same call), so AMP's own
+rounding is the yardstick, not a hand-picked tolerance. Everything measured goes to
+``$FXPASSES_MEASURE_DIR/real_cuda_differences.json`` when that variable is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+from fxpasses import optimize
+from fxpasses.passes import CaptureLoss, PairRLE, SelectRows
+
+pytestmark = [pytest.mark.cuda, pytest.mark.ultralytics,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytest.importorskip("ultralytics", minversion="8.4")
+
+DEVICE, BATCH, IMAGE = "cuda", 8, 320
+SEEDS = [0, 0, 0, 1, 1, 1, 2, 2, 2, 10, 11, 12]  # record on the second call, replay on the third
+FP32_LIMIT = (1e-4, 1e-3)  # loss components, gradients (relative)
+AMP_FLOOR = 1e-3  # below this, an AMP difference is accepted whatever the control
+CONTROL_FACTOR = 2.0
+MEASURED: dict[str, dict] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _write_measurements():
+    yield
+    folder = os.environ.get("FXPASSES_MEASURE_DIR")
+    if folder and MEASURED:
+        with open(os.path.join(folder, "real_cuda_differences.json"), "w") as f:
+            json.dump(MEASURED, f, indent=1, sort_keys=True)
+
+
+def _inputs(seed: int, dtype: torch.dtype):
+    from fxpasses.workloads.ultralytics_pose import pose_batch, pose_preds
+    return (pose_preds(BATCH, seed=seed, image_size=IMAGE, dtype=dtype, device=DEVICE),
+            pose_batch(BATCH, seed=seed, image_size=IMAGE, device=DEVICE))
+
+
+def _call(fn, preds, batch, autocast: bool):
+    """Loss components and the gradients of every prediction, in float64."""
+    preds = pytree.tree_map(lambda t: t.detach().requires_grad_(t.requires_grad)
+                            if isinstance(t, torch.Tensor) else t, preds)
+    with torch.autocast(DEVICE, dtype=torch.float16, enabled=autocast):
+        out = fn(preds, batch)
+    leaves = [t for t in pytree.tree_leaves(preds) if isinstance(t, torch.Tensor) and t.requires_grad]
+    grads = torch.autograd.grad(out[0].sum(), leaves)
+    return out[0].detach().double(), [g.double() for g in grads]
+
+
+def _differences(got, want) -> tuple[float, float]:
+    """Worst relative difference over the loss components, worst relative L2 over the gradients."""
+    (value, grads), (ref, ref_grads) = got, want
+    assert torch.isfinite(value).all() and all(torch.isfinite(g).all() for g in grads)
+    scale = ref.abs().clamp(min=1e-6 * ref.abs().sum().item() + 1e-30)
+    loss = ((value - ref).abs() / scale).max().item()
+    grad = max(((g - r).norm() / r.norm().clamp(min=1e-30)).item() for g, r in zip(grads, ref_grads))
+    return loss, grad
+
+
+def _fast(loss):
+    return optimize(loss, passes=[PairRLE(), SelectRows(), CaptureLoss()])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16-autocast"])
+def test_the_real_criterion_against_native_call_by_call(precision):
+    from fxpasses.workloads.ultralytics_pose import pose_model
+
+    torch.manual_seed(0)
+    loss = pose_model(device=DEVICE).init_criterion()
+    fast = _fast(loss)
+    autocast = precision != "fp32"
+    rows = []
+    for seed in SEEDS:
+        preds, batch = _inputs(seed, torch.float16 if autocast else torch.float32)
+        want = _call(loss, preds, batch, autocast)
+        got = _call(fast, preds, batch, autocast)
+        row = dict(zip(("loss_rel_diff", "grad_rel_l2_diff"), _differences(got, want)), seed=seed)
+        if autocast:  # the control: native AMP against native float32 on the same call
+            full = pytree.tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) else t, preds)
+            control = _differences(want, _call(loss, full, batch, autocast=False))
+            row.update(control_loss_rel_diff=control[0], control_grad_rel_l2_diff=control[1])
+        rows.append(row)
+    replays = {k: v.get("replayed", 0) for k, v in fast.stats.sites.items() if "capture_region" in k}
+    MEASURED[precision] = {"per_call": rows, "replays": replays, "native": dict(fast.stats.native)}
+    assert not fast.stats.native and not fast.stats.exceptions, fast.stats.render()
+    assert replays and max(replays.values()) >= 3, fast.stats.render()  # replays were compared
+    for row in rows:
+        if not autocast:
+            assert row["loss_rel_diff"] < FP32_LIMIT[0] and row["grad_rel_l2_diff"] < FP32_LIMIT[1], rows
+            continue
+        for key in ("loss_rel_diff", "grad_rel_l2_diff"):
+            assert row[key] <= max(AMP_FLOOR, CONTROL_FACTOR * row[f"control_{key}"]), (key, rows)
