@@ -2,6 +2,9 @@
 
 * factories: ``torch.zeros(batch, n, k)`` has no tensor argument, so ``__torch_function__`` never
   sees it; the torch-namespace factories are wrapped so each call is a node (sizes stay traced);
+  so are the torch functions whose int arguments torch's argument parser reads with
+  ``__index__`` before any ``__torch_function__`` runs (``torch.bincount(idx, minlength=batch)``:
+  the minimum length stays the traced size, not an exact guard on it);
 * grad-mode switches (``torch.no_grad()``, ``@torch.no_grad()``, ``set_grad_enabled``) become
   ``_set_grad_enabled`` nodes in place; an autocast switch inside the loss is refused;
 * density methods (``flow.log_prob``), leaf modules and leaf functions become one node each:
@@ -34,6 +37,7 @@ from .values import TracedScalar, TracedTensor, active_recorder
 
 FACTORIES = ("zeros ones empty full rand randn randint randperm arange linspace logspace eye tensor "
              "as_tensor scalar_tensor empty_strided tril_indices triu_indices normal").split()
+SIZE_ARGUMENTS = ("bincount",)  # torch functions with a tensor and an int argument that may be traced
 
 
 def _traced_in(values: Any) -> bool:
@@ -168,7 +172,7 @@ def patched(rec: Recorder, tracker: ObjectTracker, patcher: ModulePatcher,
     """Everything the trace changes (see the module docstring), restored on every exit."""
     thread = threading.get_ident()
     patches = patcher.patches
-    for name in FACTORIES:
+    for name in (*FACTORIES, *SIZE_ARGUMENTS):
         original = getattr(torch, name, None)
         if original is not None:
             patches.set(torch, name, _factory(original, thread))

@@ -63,3 +63,17 @@ def test_one_trace_serves_fresh_realistic_batches(pose_model):
     assert "ultralytics.utils.loss" in trace["len_int_symbolic_in"]
     assert f"{BATCHES} calls, {BATCHES} optimized, 0 native, 1 specialization (5.0 per 100 calls)" \
         in fast.explain(verbose=False)
+
+
+def test_a_short_last_batch_shares_the_trace(pose_model):
+    """The trainer's last batch of an epoch is short (``drop_last=False``): the batch size reaches
+    ``torch.bincount(batch_idx, minlength=batch_size)`` (loss.py ``_batch_keypoints``) as a size
+    computed on every call, so the short batch runs the same specialization, optimized."""
+    crit = pose_model.init_criterion()
+    fast = optimize(crit, passes=[PairRLE(), SelectRows()])
+    for seed, size in enumerate([BATCH_SIZE, BATCH_SIZE, 2, BATCH_SIZE, 1]):
+        batch = pose_batch(size, seed=200 + seed, image_size=IMAGE_SIZE)
+        preds = pose_preds(size, seed=200 + seed, image_size=IMAGE_SIZE)
+        _assert_same(_call(fast, preds, batch), _call(crit, preds, batch))
+    assert len(fast.specializations) == 1
+    assert fast.stats.optimized == 5 and not fast.stats.native and not fast.stats.abandoned

@@ -26,16 +26,20 @@ def pack(keypoints: torch.Tensor, batch_idx: torch.Tensor, batch_size: int) -> t
 
 class PackedLoss(nn.Module):
     """Every idiom at once: padded targets scored against each anchor, per-keypoint weights
-    repeated per row, a mean over the visible keypoints divided by their count."""
+    repeated per row, a mean over the visible keypoints divided by their count. With
+    ``batch_from_predictions`` the batch size is ``pred.shape[0]``, as the real criterion reads it
+    (a loader's short last batch packs fewer images)."""
 
-    def __init__(self, keypoints: int = 4, batch_size: int = 3):
+    def __init__(self, keypoints: int = 4, batch_size: int = 3, batch_from_predictions: bool = False):
         super().__init__()
         g = torch.Generator().manual_seed(0)
         self.weights = nn.Parameter(torch.rand(keypoints, generator=g, dtype=torch.float64) + 0.5)
         self.batch_size = batch_size
+        self.batch_from_predictions = batch_from_predictions
 
     def forward(self, pred: torch.Tensor, keypoints: torch.Tensor, batch_idx: torch.Tensor) -> torch.Tensor:
-        targets = pack(keypoints, batch_idx, self.batch_size)  # (b, m, k, 3)
+        batch_size = pred.shape[0] if self.batch_from_predictions else self.batch_size
+        targets = pack(keypoints, batch_idx, batch_size)  # (b, m, k, 3)
         labelled = targets[..., 2] > 0  # (b, m, k); padding rows are zero
         distance = (pred[:, :, None, :, :2] - targets[:, None, :, :, :2]).pow(2).sum(-1)  # (b, a, m, k)
         placed = (distance * labelled[:, None]).sum((-1, -2)).mean()

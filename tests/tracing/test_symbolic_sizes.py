@@ -74,6 +74,23 @@ def test_packed_targets_trace_once_for_every_count():
     assert fast.stats.optimized == len(COUNTS) and not fast.stats.native
 
 
+def test_a_short_last_batch_shares_the_trace():
+    """The batch size read from the predictions reaches ``torch.bincount(minlength=...)``, an int
+    argument torch's argument parser takes by ``__index__`` before any ``__torch_function__``:
+    it stays a node computed on every call, not an exact guard (the trainer's last batch of an
+    epoch is short)."""
+    native = programs.PackedLoss(KEYPOINTS, BATCH, batch_from_predictions=True)
+    fast = optimize(native)
+    for seed, counts in enumerate([[1, 3, 0], [2, 2, 2], [0, 4], [3, 1, 2], [5], [0, 0, 1, 2]]):
+        batch = _batch(counts, seed)
+        _assert_same(_call(fast, *batch), _call(native, *batch))
+    assert len(fast.specializations) == 1
+    assert fast.stats.optimized == 6 and not fast.stats.native and not fast.stats.abandoned
+    bincount = next(n for n in fast.specializations[0].graph_module.graph.nodes
+                    if n.target is torch.bincount)
+    assert isinstance(bincount.kwargs["minlength"], torch.fx.Node)
+
+
 def test_a_size_used_as_a_size_is_no_value_guard_but_a_node():
     gm = trace(programs.PackedLoss(KEYPOINTS, BATCH), _batch([1, 3, 0]))
     lines = {g.location.rsplit(":", 1)[-1] for g in _guards(gm) if isinstance(g, ExpectValue)}
