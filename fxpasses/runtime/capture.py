@@ -431,7 +431,8 @@ class GraphRecorder:
 def _sources(outputs: list[Any], grad_output_index: list[int], inputs: list[Any],
              grad_input_index: list[int], grad_inputs: list[Any]) -> dict[int, frozenset[int]] | None:
     """For each input that receives a gradient, the outputs whose autograd graph reaches it (a
-    walk of the recorded forward's graph to the inputs' ``AccumulateGrad`` nodes). None when it
+    walk of the recorded forward's graph to the inputs' ``AccumulateGrad`` nodes; an output that is
+    an input itself reaches that input). None when it
     cannot be told: an input with a history of its own, or a walk that disagrees with the recorded
     backward (an input it finds no path to, yet given a gradient)."""
     if not grad_inputs or any(inputs[i].grad_fn is not None for i in grad_input_index):
@@ -439,6 +440,8 @@ def _sources(outputs: list[Any], grad_output_index: list[int], inputs: list[Any]
     position = {id(inputs[i]): i for i in grad_input_index}
     found: dict[int, set[int]] = {i: set() for i in grad_input_index}
     for j in grad_output_index:
+        if outputs[j].grad_fn is None and id(outputs[j]) in position:  # an input handed on as
+            found[position[id(outputs[j])]].add(j)  # it is (``torch.atleast_1d`` of a row tensor)
         stack, seen = [outputs[j].grad_fn], set()
         while stack:
             node = stack.pop()

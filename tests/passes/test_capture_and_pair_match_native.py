@@ -385,6 +385,32 @@ def test_region_inputs_whose_outputs_get_no_gradient_get_none():
     assert_equivalent(HalfLogged(), fast, (_rows(4, 9), _rows(3, 10)), rtol=RTOL, atol=ATOL)
 
 
+class HandedOn(nn.Module):
+    """A region hands its input on as it is (``atleast_1d`` of rows); what uses it downstream is
+    only returned detached."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flow = Flow()
+
+    def forward(self, a, b):
+        return (b * 2).sum(), self.flow.log_prob(torch.atleast_1d(a)).detach()
+
+
+def test_an_input_a_region_hands_on_unchanged_gets_no_gradient_where_native_gives_none():
+    """Found by the census (seed 901, case 1025): a region whose output *is* its input (no
+    autograd node between them) had no known gradient sources, so its replayed backward handed
+    that input a zero gradient where native leaves None."""
+    loss = _float64(HandedOn)
+    fast = optimize(_float64(HandedOn), passes=[_capture(min_region_ops=1)])
+    for seed in range(3):  # record, then replay
+        a, b = _rows(4, seed), _rows(3, seed + 5)
+        fast(a, b)[0].backward()
+        assert a.grad is None and b.grad is not None
+    assert _applied(fast, "CaptureLoss") >= 1
+    assert_equivalent(loss, fast, (_rows(4, 9), _rows(3, 10)), rtol=RTOL, atol=ATOL)
+
+
 class SelectedRows(nn.Module):
     """The flow on the rows a boolean mask selects."""
 
