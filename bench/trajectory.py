@@ -25,36 +25,22 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from first_call import passes  # bench/first_call.py, beside this script
 from fxpasses import optimize
-from fxpasses.passes import CaptureLoss, PairRLE, SelectRows
-from fxpasses.runtime.emulated import EmulatedRecorder
 from fxpasses.workloads.ultralytics_pose import pose_batch, pose_model
 
 ARMS = ("native", "native-again", "native-rounded", "fxpasses")
 ROUNDING = 1 + 2 ** -20  # native-rounded's objective scale: only roundings change (AdamW is scale-free)
 
 
-def deterministic() -> None:
-    """What the Ultralytics trainer's ``deterministic=True`` sets (``utils.torch_utils.init_seeds``)."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cudnn.benchmark = False
-
-
 def criterion(arm: str, model: Any, device: str) -> Callable:
     crit = model.init_criterion()
-    if arm != "fxpasses":
-        return crit
-    capture = (CaptureLoss() if device.startswith("cuda")
-               else CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder()))
-    return optimize(crit, passes=[PairRLE(), SelectRows(), capture])
+    return optimize(crit, passes=passes("all", device)) if arm == "fxpasses" else crit
 
 
 def flat_parameters(model: torch.nn.Module) -> torch.Tensor:
@@ -74,8 +60,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 1 or args.batch < 1:
         parser.error("--steps and --batch must be at least 1")
-    deterministic()
-    torch.manual_seed(0)
+    from ultralytics.utils.torch_utils import init_seeds
+    init_seeds(0, deterministic=True)  # what the trainer's deterministic=True (its default) sets
     base = pose_model(device=args.device).train()
     models = {arm: copy.deepcopy(base) for arm in ARMS}
     crits = {arm: criterion(arm, models[arm], args.device) for arm in ARMS}
