@@ -51,6 +51,7 @@ from ..ir.runtime_op import RuntimeOp
 from ..ir.trace_ops import ReadSource, ReadState
 from .capture_rules import Verdict, launches_kernels, verdict
 from .meta import storages_of, tensors_in, value
+from .varying_rows import NONE as NO_VARYING_ROWS, VaryingRows, varying_rows
 from .ops import node_facts
 
 
@@ -64,9 +65,9 @@ def is_state(arg: object) -> bool:
 
 def classify(node: fx.Node, devices: Sequence[str] = ("cuda",), static: frozenset = frozenset(),
              absorbed: frozenset = frozenset(), local_writes: frozenset = frozenset(),
-             eager_views: frozenset = frozenset()) -> Verdict:
+             eager_views: frozenset = frozenset(), varying: VaryingRows = NO_VARYING_ROWS) -> Verdict:
     """Whether ``node`` can be captured, and if not, the reason code (see module docstring)."""
-    return verdict(node, devices, static, absorbed, local_writes, eager_views)[0]
+    return verdict(node, devices, static, absorbed, local_writes, eager_views, varying)[0]
 
 
 def local_write_candidates(graph: fx.Graph) -> dict[fx.Node, frozenset[int]]:
@@ -193,6 +194,7 @@ class CapturePlan:
     # writes of the loss's own memory that no region holds with all that touches it: barriers
     barrier_writes: dict[fx.Node, frozenset[int]] = field(default_factory=dict)
     static: frozenset = frozenset()  # data-dependent sizes static per recording (bucketed)
+    varying: VaryingRows = NO_VARYING_ROWS  # nodes following the per-call row count of an input table
 
     def blocks_in(self, region: list[fx.Node]) -> list[NoGradBlock]:
         inside = set(region)
@@ -222,32 +224,35 @@ def plan_regions(gm: fx.GraphModule, devices: Sequence[str] = ("cuda",),
                  min_region_ops: int = 4, count_copies: bool = True) -> CapturePlan:
     """Classify every node and group the capturable ones into regions (see module docstring)."""
     static = bucketed_symbols(gm)
+    varying = varying_rows(gm)
     local = candidates = local_write_candidates(gm.graph)
     eager_views: set[fx.Node] = set()
     while True:  # local writes whose regions do not hold what touches their memory: barriers;
         # outputs that would leave the memory a later write changes: eager
         plan = _plan(gm, devices, min_region_ops, count_copies, static, frozenset(candidates),
-                     frozenset(eager_views))
+                     frozenset(eager_views), varying)
         region_of = {n: i for i, region in enumerate(plan.regions) for n in region}
         broken = _broken_local_writes(gm.graph, candidates, region_of)
         apart = _handed_apart(gm.graph, plan.regions + plan.too_small) - eager_views
         if not broken and not apart:
             plan.barrier_writes = {w: s for w, s in local.items() if w not in candidates}
             plan.static = static
+            plan.varying = varying
             return plan
         candidates = {w: s for w, s in candidates.items() if w not in broken}
         eager_views |= apart
 
 
 def _plan(gm: fx.GraphModule, devices: Sequence[str], min_region_ops: int, count_copies: bool,
-          static: frozenset, local_writes: frozenset, eager_views: frozenset = frozenset()) -> CapturePlan:
-    verdicts = {n: classify(n, devices, static, local_writes=local_writes, eager_views=eager_views)
-                for n in gm.graph.nodes}
+          static: frozenset, local_writes: frozenset, eager_views: frozenset = frozenset(),
+          varying: VaryingRows = NO_VARYING_ROWS) -> CapturePlan:
+    verdicts = {n: classify(n, devices, static, local_writes=local_writes, eager_views=eager_views,
+                            varying=varying) for n in gm.graph.nodes}
     blocks = [b for b in no_grad_blocks(gm.graph) if any(verdicts[n].capturable for n in b.inner)
               and all(verdicts[n].capturable or _outside_block_ok(n) for n in b.inner)]
     while True:  # a block whose capturable nodes fall into two regions keeps its barriers
         absorbed = frozenset(s for b in blocks for s in (b.off, b.on))
-        verdicts.update({s: classify(s, devices, static, absorbed, local_writes, eager_views)
+        verdicts.update({s: classify(s, devices, static, absorbed, local_writes, eager_views, varying)
                          for b in no_grad_blocks(gm.graph) for s in (b.off, b.on)})
         classes, split = _grow_regions(gm.graph, verdicts, blocks)
         if not split:

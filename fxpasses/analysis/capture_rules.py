@@ -9,7 +9,7 @@ region never spans one. To change what is captured, change a row; nothing else d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -44,6 +44,7 @@ class Probe:
     absorbed: frozenset = frozenset()  # grad-mode switches of blocks a region holds whole
     local_writes: frozenset = frozenset()  # in-place writes one region holds with every alias
     eager_views: frozenset = frozenset()  # views a region would hand out apart from their memory
+    varying: Any = frozenset()  # nodes following the per-call row count of an input table (or reading one)
 
     @property
     def runtime_op(self) -> RuntimeOp | None:
@@ -121,6 +122,10 @@ def _off_device(p: Probe) -> bool:
     return any(t.device.type not in p.devices for v in vals for t in tensors_in(v))
 
 
+def _varying_rows(p: Probe) -> bool:
+    return p.node in p.varying
+
+
 ROWS: tuple[Row, ...] = (
     Row("graph structure", _structural, False, None),
     Row("grad-mode switch bounding a no_grad block of capturable nodes", _absorbed_switch, True, None),
@@ -138,21 +143,25 @@ ROWS: tuple[Row, ...] = (
     Row("tensor off the capture devices", _off_device, False, "device-not-captured"),
     Row("shares memory written in place later with a value outside its region", _eager_view, False,
         "view-of-written-memory"),
+    Row("follows the per-call row count of an input table, or reads what does", _varying_rows, False,
+        "rows-vary-per-call"),
     Row("capturable", lambda p: True, True, None),
 )
 
 
 def verdict(node: fx.Node, devices: Sequence[str] = ("cuda",), static: frozenset = frozenset(),
             absorbed: frozenset = frozenset(), local_writes: frozenset = frozenset(),
-            eager_views: frozenset = frozenset()) -> tuple[Verdict, Row]:
+            eager_views: frozenset = frozenset(), varying: Any = frozenset()) -> tuple[Verdict, Row]:
     """The verdict of the first row of :data:`ROWS` that holds for ``node``, and that row.
     ``static``: data-dependent sizes to treat as static (bucketed capacities); ``absorbed``:
     grad-mode switches whose no_grad block a region may hold whole; ``local_writes``: in-place
     writes a region may hold, with every node that touches the memory they write;
     ``eager_views``: nodes a region would hand out as a copy of memory that another value outside
     it shares and a later write changes (:func:`fxpasses.analysis.capture.plan_regions` decides
-    the last three)."""
-    probe = Probe(node, node_facts(node), tuple(devices), static, absorbed, local_writes, eager_views)
+    the last three); ``varying``: nodes following the per-call row count of an input table
+    (:func:`fxpasses.analysis.varying_rows.varying_rows`)."""
+    probe = Probe(node, node_facts(node), tuple(devices), static, absorbed, local_writes, eager_views,
+                  varying)
     row = next(r for r in ROWS if r.when(probe))
     detail = "" if row.capturable or row.code is None else row.name
     return Verdict(row.capturable, row.code, op_name(node), row.barrier, detail), row

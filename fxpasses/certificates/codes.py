@@ -284,6 +284,13 @@ _CODES = (
     Code("dynamic-shape", "refusal",
          "The node's shape depends on data (downstream of a data-dependent op); it runs eagerly.",
          "Reduce to a static shape (sum/mean) before the next region, or use static selections."),
+    Code("rows-vary-per-call", "refusal",
+         "The node's value follows the row count of an input table (one row per labelled object: "
+         "batch_idx, boxes, keypoints), which changes with every batch, or it reads such a value; "
+         "a region holding it would record again for nearly every call, so it runs eagerly, in "
+         "front of the regions that read what it builds. Measured by propagating the tables at "
+         "another row count (fxpasses.analysis.varying_rows).",
+         "Nothing to do: these are the cheap steps that pack targets per image."),
     Code("region-not-convex", "refusal",
          "A path leaves the planned region and comes back into it: fused into one call, the graph "
          "would be cyclic, so the region is not captured (the planner should never propose it).",

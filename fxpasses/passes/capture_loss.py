@@ -36,6 +36,7 @@ from ..guards import HOOKS, SiteGuard
 from ..ir.proofs import RowIndependentCall, proven
 from ..pipeline import PassResult, copy_graph_module
 from ..ir.runtime_op import RuntimeOp
+from ..ir.trace_ops import WriteAttribute
 from ..runtime.capture import REGION_GUARDS, SIGNATURE, CaptureRecorder, CapturedRegion
 from ..runtime.copy_on_write import OnACopy
 from ..runtime.grad_mode import GradOff, GradRestore
@@ -212,7 +213,18 @@ class CaptureLoss:
 
     @staticmethod
     def _own_outputs(gm: fx.GraphModule, regions: list[CapturedRegion]) -> None:
-        """Route the graph's outputs through one OwnedOutputs (see fxpasses.runtime.ownership)."""
+        """Route the graph's outputs through one OwnedOutputs (see fxpasses.runtime.ownership),
+        and each tensor the loss stores in its own state (``self.anc_strides = ...``) through
+        another: the loss keeps it past the call, as a caller keeps an output, so a later
+        replay must not write it (nor would the region replay while it holds the memory)."""
+        for write in [n for n in gm.graph.nodes if isinstance(n.target, WriteAttribute)]:
+            stored = write.args[1]
+            if not isinstance(stored, fx.Node) or not tensors_in(value(stored)):
+                continue
+            with gm.graph.inserting_before(write):
+                owned = gm.graph.call_function(OwnedOutputs(f"own_{write.name}", regions), (stored,))
+                first = gm.graph.call_function(operator.getitem, (owned, 0))
+            write.args = (write.args[0], first, *write.args[2:])
         output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
         leaves = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
         with gm.graph.inserting_before(output):

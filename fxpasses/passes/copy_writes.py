@@ -39,7 +39,7 @@ def plan_with_copies(gm: fx.GraphModule, pass_name: str, devices: Sequence[str],
     while True:
         storages: dict = {}
         decided = [(w, *copy_on_write(gm.graph, w, s, storages), classify(
-            w, devices, plan.static, local_writes=frozenset({w}))) for w, s in plan.barrier_writes.items()]
+            w, devices, plan.static, local_writes=frozenset({w}), varying=plan.varying)) for w, s in plan.barrier_writes.items()]
         safe = [(w, evidence) for w, ok, evidence, alone in decided if ok and alone.capturable]
         if not safe:
             break

@@ -69,3 +69,40 @@ def test_the_real_criterion_captured_with_folds_and_copies_equals_native(pose_mo
     assert len(regions) >= 4
     replayed = {k: v.get("replayed", 0) for k, v in fast.stats.sites.items() if "capture_region" in k}
     assert replayed and all(n >= 2 for n in replayed.values())
+
+
+def test_fresh_batches_replay_every_region_and_no_region_takes_the_target_rows(pose_model):
+    """Batches whose persons per image vary: no region receives a tensor as long as the batch's
+    targets (those pack per image eagerly, ``rows-vary-per-call``), so each region records once
+    and replays on the later calls (again only where a selection's capacity grew), even after a call whose stored stride table
+    (``self.anc_strides``, tal.py:415) the loss keeps: that tensor is the loss's own copy."""
+    from fxpasses.runtime.capture import CapturedRegion
+
+    crit = pose_model.init_criterion()
+    flow = pose_model.model[-1].flow_model
+    fast = optimize(crit, passes=[PairRLE(), SelectRows(), CaptureLoss(
+        devices=("cpu",), recorder=EmulatedRecorder())])
+    rows = set()
+    for seed, counts in enumerate(([5, 8], [2, 5], [4, 0], [3, 3], [6, 1], [1, 1])):
+        counts = torch.tensor(counts)
+        rows.add(int(counts.sum()))
+        got, want = _call(fast, flow, seed, counts), _call(crit, flow, seed, counts)
+        torch.testing.assert_close(got[0], want[0])
+        for g, w in zip(got[2] + got[3], want[2] + want[3]):
+            torch.testing.assert_close(g, w)
+    gm = fast.specializations[0].graph_module
+    regions = [n for n in gm.graph.nodes if isinstance(n.target, CapturedRegion)]
+    assert len(regions) >= 4
+    for node in regions:
+        shapes = {d for a in node.all_input_nodes for t in tree_leaves(a.meta.get("val"))
+                  if isinstance(t, torch.Tensor) for d in t.shape[:1] if type(d) is int}
+        assert 13 not in shapes, (node.name, shapes)  # the trace's rows: 5 + 8 targets
+        counters = node.target.counters
+        # a new signature only where a selection's capacity grew (a retried call runs twice)
+        assert counters["recorded"] <= 2 and counters["replayed"] >= 4, (node.name, dict(counters))
+        assert not counters["outputs-alive"], (node.name, dict(counters))
+    eager = [c for c in fast.certificates if c.pass_name == "CaptureLoss" and "rows-vary-per-call" in c.codes]
+    lines = {c.site.locations[0].rsplit("/", 1)[-1] for c in eager}
+    assert {"loss.py:785", "loss.py:791", "loss.py:444"} <= lines  # keypoints, arange, targets
+    owned = {k: v for k, v in fast.stats.sites.items() if "own_write_anc_strides" in k}
+    assert len(owned) == 2 and all(v["outputs-copied"] >= 5 for v in owned.values())  # both branches
