@@ -21,7 +21,7 @@ import difflib
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.fx as fx
@@ -93,6 +93,9 @@ class PipelineRun:
         return "".join(difflib.unified_diff(
             first.code.splitlines(keepends=True), last.code.splitlines(keepends=True),
             fromfile=f"before ({first.step})", tofile=f"after ({last.step})"))
+
+
+EXAMPLE_INPUTS = "fxpasses.example_inputs"  # gm.meta key, while the pipeline runs
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -174,6 +177,24 @@ def run_pipeline(gm: fx.GraphModule, passes: Sequence[Pass],
         failures = annotate(gm, example_tensors)
         if failures:
             certificates.append(_metadata_failure(failures, snapshots[0].fingerprint))
+        gm.meta[EXAMPLE_INPUTS] = tuple(example_tensors)
+    try:
+        current = _run_passes(gm, passes, example_tensors, snapshots, certificates)
+    finally:  # the call's tensors are not kept with the graph
+        for module in (gm, current):
+            module.meta.pop(EXAMPLE_INPUTS, None)
+    return PipelineRun(current, certificates, snapshots)
+
+
+def example_inputs(gm: fx.GraphModule) -> tuple[Any, ...] | None:
+    """The real inputs of the call being specialized (while its pipeline runs), for witnesses
+    that run the loss itself; None when the pipeline was given none."""
+    return gm.meta.get(EXAMPLE_INPUTS)
+
+
+def _run_passes(gm: fx.GraphModule, passes: Sequence[Pass], example_tensors: Sequence[torch.Tensor] | None,
+                snapshots: list[Snapshot], certificates: list[Certificate]) -> fx.GraphModule:
+    current = gm
     for p in passes:
         before = snapshots[-1].fingerprint
         start = time.perf_counter()
@@ -211,4 +232,4 @@ def run_pipeline(gm: fx.GraphModule, passes: Sequence[Pass],
                      len(result.certificates), time.perf_counter() - start)
         current = result.graph_module
         snapshots.append(_snapshot(p.name, current, result.modified, time.perf_counter() - start))
-    return PipelineRun(current, certificates, snapshots)
+    return current

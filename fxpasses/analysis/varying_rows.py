@@ -22,6 +22,7 @@ result). This is a cost decision only: a replay is still keyed on its inputs' sh
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,6 +140,9 @@ def varying_rows(gm: fx.GraphModule) -> VaryingRows:
     follow: set[fx.Node] = set()
     readers: set[fx.Node] = set()
     saved: dict[fx.Node, dict] = {}
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)  # an op failing at the probe count is a finding, not an error
     try:
         with mode, _quiet_shape_env():
             for node in gm.graph.nodes:
@@ -164,6 +168,7 @@ def varying_rows(gm: fx.GraphModule) -> VaryingRows:
                 else:
                     readers.add(node)
     finally:
+        fake_log.setLevel(level)
         for node, meta in saved.items():
             for key in _PROPAGATED:
                 node.meta.pop(key, None)

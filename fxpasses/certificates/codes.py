@@ -291,6 +291,17 @@ _CODES = (
          "front of the regions that read what it builds. Measured by propagating the tables at "
          "another row count (fxpasses.analysis.varying_rows).",
          "Nothing to do: these are the cheap steps that pack targets per image."),
+    Code("padding-not-inert", "refusal",
+         "A zero buffer sized from data (the most objects in an image) was not rounded up to a "
+         "capacity: run on the traced call with extra zero slots, the loss gave other values or "
+         "gradients (the witness's differences are in the certificate); its nodes stay one "
+         "recording per size, or eager.",
+         "Nothing to do; the loss reads its padding slots (a mean over them, a count of them)."),
+    Code("padding-witness-unavailable", "refusal",
+         "A zero buffer sized from data was not rounded up to a capacity: the witness that runs "
+         "the loss at both sizes could not run (no example call, or the run was abandoned or "
+         "raised; the certificate names it).",
+         "Report it with the certificate if the loss runs natively on the same call."),
     Code("region-not-convex", "refusal",
          "A path leaves the planned region and comes back into it: fused into one call, the graph "
          "would be cyclic, so the region is not captured (the planner should never propose it).",

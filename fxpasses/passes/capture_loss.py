@@ -46,6 +46,7 @@ from ..locations import node_location
 from .copy_writes import plan_with_copies
 from .fold_constants import device_constants
 from .fold_state import device_indices, fold_constant_reads
+from .pad_capacity import pad_capacities
 
 _PREFIX = "capture_region_"
 def _histogram(nodes: Sequence[fx.Node], verdicts: dict[fx.Node, Verdict]) -> dict[str, int]:
@@ -158,13 +159,14 @@ class CaptureLoss:
                                                                   checks)])
         folded = fold_constant_reads(gm, self.name) + device_indices(gm, self.name, self.devices) + \
             device_constants(gm, self.name, self.devices)
+        padded = pad_capacities(gm, self.name)
         unfolded_copies = copy_graph_module(gm)
         plan, writes = plan_with_copies(gm, self.name, self.devices, self.min_region_ops, self.count_copies)
         if not plan.regions and any(c.applied for c in writes):  # copies that gain nothing: undone
             gm = unfolded_copies
             plan = plan_regions(gm, self.devices, self.min_region_ops, self.count_copies)
             writes = [c for c in writes if not c.applied]
-        certificates = folded + writes + self._refusals(plan) + self._too_small(plan)
+        certificates = folded + padded + writes + self._refusals(plan) + self._too_small(plan)
         region_certs = [self._region_certificate(gm, i, nodes, plan) for i, nodes in enumerate(plan.regions)]
         names = [f"{_PREFIX}{i}" for i, cert in enumerate(region_certs) if cert.applied]
         plan.regions = [nodes for nodes, cert in zip(plan.regions, region_certs) if cert.applied]
@@ -177,7 +179,8 @@ class CaptureLoss:
             regions += self._fuse(gm, plan, names)
         if regions:
             self._own_outputs(gm, regions)
-        return PassResult(gm, bool(regions or folded), region_certs + paired + certificates)
+        return PassResult(gm, bool(regions or folded or any(c.applied for c in padded)),
+                          region_certs + paired + certificates)
 
     def _capture_padded(self, gm: fx.GraphModule, node: fx.Node, fact: RowIndependentCall) -> CapturedRegion:
         """Replace a row-independent call by one that replays it per row bucket (the node keeps

@@ -1,0 +1,230 @@
+"""Zero buffers sized from data become capacities, where a witness shows the extra slots inert.
+
+    # torch.zeros(b, int(counts.max()), k)  ->  torch.zeros(b, capacity(counts.max()), k)
+
+A loss that packs its targets per image (Ultralytics' ``preprocess`` and ``_batch_keypoints``,
+loss.py:405 and :790) makes a zero buffer as long as the most objects in one image, a size read
+from the data each call; everything over that buffer (the assigner's (images, objects, anchors)
+tensors) then has a shape of its own per batch, and CaptureLoss cannot record it. The images with
+fewer objects already keep zero slots that the loss treats as padding; so the size may be
+rounded up to a power-of-two capacity (:class:`~fxpasses.runtime.padded_size.PaddedSize`; zero
+stays zero) *if* the extra zero slots change nothing. That is not assumed: the loss itself runs on
+the call being traced twice, at the exact sizes and padded to four times their bucket, values
+and the gradients of every input and parameter compared (:func:`padding_inert`). Where they differ,
+or the witness cannot run, the sizes stay exact (a certificate says why). A site is a zero factory
+(``torch.zeros``, ``Tensor.new_zeros``) with one size that is a data-dependent integer (a
+``.item()`` read, or a 0-dim integer tensor read by the factory).
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.utils import _pytree as pytree
+
+from ..analysis.capture import bucketed_symbols
+from ..analysis.meta import annotate_new, value
+from ..certificates import Certificate, Check, Site, Witness
+from ..ir.abandon import Abandon
+from ..ir.proofs import BucketedSizes, prove
+from ..ir.runtime_op import runtime_ops as _runtime_ops
+from ..ir.trace_ops import undone_on_failure
+from ..locations import node_location
+from ..pipeline import copy_graph_module, example_inputs
+from ..runtime.padded_size import PaddedSize
+
+MIN_BUCKET = 4
+WITNESS_BUCKET = 4  # the witness pads to this many times the bucket: more slots than any call
+_RETRIES = 8  # runs of the witness a capacity growth of SelectRows may ask for
+# relative differences that are rounding of the dtype the loss computed in (another reduction
+# length may take another kernel), far below what a slot leaking into the loss changes
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 5e-2}
+
+
+def _sizes(node: fx.Node) -> tuple[int, Sequence[Any]] | None:
+    """(position of the size tuple in ``node.args`` or -1 for varargs, the sizes) of a zero factory."""
+    if node.op == "call_function" and node.target is torch.zeros:
+        first = 0
+    elif node.op == "call_method" and node.target == "new_zeros":
+        first = 1
+    else:
+        return None
+    if len(node.args) == first + 1 and isinstance(node.args[first], (tuple, list)):
+        return first, node.args[first]
+    return -1, node.args[first:]
+
+
+def _data_size(arg: Any, static: frozenset) -> bool:
+    if not isinstance(arg, fx.Node):
+        return False
+    val = value(arg)
+    if isinstance(val, torch.SymInt):
+        return bool(set(free_unbacked_symbols(val)) - static)
+    return isinstance(val, torch.Tensor) and val.dim() == 0 and not val.is_floating_point() \
+        and val.dtype is not torch.bool
+
+
+def padding_sites(gm: fx.GraphModule) -> list[tuple[fx.Node, int]]:
+    """(zero factory, index of its one data-dependent size among its sizes) of ``gm``."""
+    static = bucketed_symbols(gm)
+    found = []
+    for node in gm.graph.nodes:
+        sizes = _sizes(node)
+        if sizes is None:
+            continue
+        data = [i for i, s in enumerate(sizes[1]) if _data_size(s, static)]
+        if len(data) == 1:
+            found.append((node, data[0]))
+    return found
+
+
+def _insert(gm: fx.GraphModule, factory: fx.Node, index: int, op: PaddedSize) -> fx.Node:
+    """``factory`` with its size at ``index`` read through ``op``; the op's node."""
+    where, sizes = _sizes(factory)
+    with gm.graph.inserting_before(factory):
+        capacity = gm.graph.call_function(op, (sizes[index],))
+        first = gm.graph.call_function(operator.getitem, (capacity, 0))
+    new_sizes = (*sizes[:index], first, *sizes[index + 1:])
+    if where == -1:
+        start = 1 if factory.op == "call_method" else 0
+        factory.args = (*factory.args[:start], *new_sizes)
+    else:
+        factory.args = (*factory.args[:where], type(sizes)(new_sizes), *factory.args[where + 1:])
+    return capacity
+
+
+def _run(gm: fx.GraphModule, inputs: tuple) -> Any:
+    """``gm`` on the call's inputs, run again where a run-time op grew (as a call would be)."""
+    for attempt in itertools.count():
+        try:
+            with torch.enable_grad(), undone_on_failure():
+                return gm.forward(*inputs)
+        except Abandon as stop:
+            if not stop.retry or attempt == _RETRIES:
+                raise
+
+
+def _floating(values: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(values) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _evaluate(gm: fx.GraphModule, inputs: tuple, wrt: list[torch.Tensor]) -> tuple[list, list]:
+    out = _floating(_run(gm, inputs))
+    total = sum(t.float().sum() for t in out if t.requires_grad)
+    grads = torch.autograd.grad(total, wrt, allow_unused=True) if wrt and torch.is_tensor(total) \
+        and total.requires_grad else [None] * len(wrt)
+    return [t.detach() for t in out], list(grads)
+
+
+def _difference(a: list, b: list) -> float:
+    """Largest relative difference (to 1 + |a|); inf where shapes, presence or NaN/inf differ."""
+    worst = 0.0
+    for x, y in zip(a, b, strict=True):
+        if x is None or y is None:
+            if (x is None) != (y is None):
+                return float("inf")
+            continue
+        if x.shape != y.shape or not torch.equal(torch.isfinite(x), torch.isfinite(y)):
+            return float("inf")
+        finite = torch.isfinite(x)
+        if not torch.equal(x[~finite].nan_to_num(), y[~finite].nan_to_num()):
+            return float("inf")
+        if finite.any():
+            x64, y64 = x[finite].double(), y[finite].double()
+            worst = max(worst, float(((x64 - y64).abs() / (1 + x64.abs())).max()))
+    return worst
+
+
+def padding_inert(gm: fx.GraphModule, sites: list[tuple[fx.Node, int]], inputs: tuple) -> Witness:
+    """The loss on the traced call at exact sizes and with every site padded to
+    ``WITNESS_BUCKET`` times its bucket: the largest relative difference of values and of the
+    gradients of the floating inputs that require them and of every parameter."""
+    trial = copy_graph_module(gm)
+    by_name = {n.name: n for n in trial.graph.nodes}
+    ops = [PaddedSize(f"witness_{f.name}", node_location(f), MIN_BUCKET * WITNESS_BUCKET) for f, _ in sites]
+    for (factory, index), op in zip(sites, ops):
+        _insert(trial, by_name[factory.name], index, op)
+    trial.recompile()
+    wrt = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad] + \
+        [p for p in gm.parameters() if p.requires_grad]
+    counters = {id(op): dict(op.counters) for op in _runtime_ops(trial)}
+    try:
+        for op in ops:
+            op.padded = False
+        exact = _evaluate(trial, inputs, wrt)
+        for op in ops:
+            op.padded = True
+        padded = _evaluate(trial, inputs, wrt)
+    finally:  # the witness's runs are not the loss's calls
+        for op in _runtime_ops(trial):
+            op.counters.clear()
+            op.counters.update(counters.get(id(op), {}))
+    dtypes = sorted({str(t.dtype) for t in exact[0]})
+    return Witness(seed=0, dtype=",".join(dtypes), shapes={"padded_to": MIN_BUCKET * WITNESS_BUCKET,
+                                                           "outputs": len(exact[0]), "gradients": len(wrt)},
+                   max_abs_value_diff=_difference(exact[0], padded[0]),
+                   max_abs_grad_diff=_difference(exact[1], padded[1]),
+                   compared=("values (relative to 1 + |exact|)", "input gradients", "parameter gradients",
+                             "NaN/inf positions"))
+
+
+def _tolerance(inputs: tuple, witness: Witness) -> float:
+    """The rounding tolerance of the least precise dtype the loss computed in (autocast's too)."""
+    dtypes = {t.dtype for t in inputs if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    dtypes |= {getattr(torch, d.removeprefix("torch.")) for d in witness.dtype.split(",") if d}
+    for device in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device):
+            dtypes.add(torch.get_autocast_dtype(device))
+    return max((TOLERANCE.get(d, 5e-2) for d in dtypes), default=TOLERANCE[torch.float32])
+
+
+def pad_capacities(gm: fx.GraphModule, pass_name: str) -> list[Certificate]:
+    """Round the data-dependent sizes of ``gm``'s zero buffers up to capacities, in place, where
+    the witness holds (see the module docstring); a certificate per site, applied or refused."""
+    sites = padding_sites(gm)
+    inputs = example_inputs(gm)
+    if not sites:
+        return []
+    checks: list[Check] = []
+    witness = None
+    if inputs is None:
+        checks.append(Check("padding-witnessed", False, {"reason": "no example call to run the loss on"},
+                            "padding-witness-unavailable"))
+    else:
+        try:
+            witness = padding_inert(gm, sites, inputs)
+        except Exception as exc:  # an abandoned or failing run: no evidence, no padding
+            checks.append(Check("padding-witnessed", False, {"error": f"{type(exc).__name__}: {exc}"[:300]},
+                                "padding-witness-unavailable"))
+        else:
+            tolerance = _tolerance(inputs, witness)
+            holds = max(witness.max_abs_value_diff, witness.max_abs_grad_diff) <= tolerance
+            checks.append(Check("zero-slots-inert", holds, {
+                "max_rel_value_diff": witness.max_abs_value_diff,
+                "max_rel_grad_diff": witness.max_abs_grad_diff, "tolerance": tolerance,
+                "run": "the loss on the traced call, exact sizes against every site padded to "
+                       f"{MIN_BUCKET * WITNESS_BUCKET} slots"}, None if holds else "padding-not-inert"))
+    applied = all(c.ok for c in checks)
+    certificates = []
+    for factory, index in sites:
+        location = node_location(factory)
+        size = _sizes(factory)[1][index]
+        effect = {"capacity": f"the power-of-two bucket of {size.name}, at least {MIN_BUCKET}; 0 stays 0",
+                  "licence": "the loss pads images with fewer objects with the same zero slots",
+                  "records": "one recording per bucket instead of one per count"} if applied else {}
+        site = Site((factory.name,), (location,) if location else (), f"zero buffer {factory.name}")
+        if applied:
+            capacity = _insert(gm, factory, index, PaddedSize(f"capacity_{factory.name}", location, MIN_BUCKET))
+            cert = Certificate.from_checks(pass_name, site, checks, effect=effect, witness=witness)
+            prove(capacity, BucketedSizes(cert.id, 1))
+        else:
+            cert = Certificate.from_checks(pass_name, site, checks, witness=witness)
+        certificates.append(cert)
+    if applied:
+        annotate_new(gm)
+    return certificates

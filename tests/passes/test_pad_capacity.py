@@ -1,0 +1,76 @@
+"""Zero buffers sized from data (the most objects in an image) become power-of-two capacities in
+CaptureLoss where the witness, the loss run on the traced call at both sizes, shows the extra zero
+slots change nothing; a loss that reads its padding (a mean over the slots) keeps exact sizes."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fxpasses import optimize
+from fxpasses.passes import CaptureLoss
+from fxpasses.runtime.emulated import EmulatedRecorder
+from fxpasses.runtime.padded_size import PaddedSize
+from fxpasses.cli import import_file
+
+Packed = import_file(Path(__file__).parents[1] / "helpers" / "packed_targets.py").Packed
+
+
+def _call(counts, seed, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    preds = torch.randn(len(counts), 11, generator=g, dtype=dtype, requires_grad=True)
+    batch_idx = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    values = torch.rand(len(batch_idx), 1, generator=g, dtype=dtype) + 0.5
+    return preds, batch_idx, values
+
+
+def _capture():
+    return CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder(), min_region_ops=1, count_copies=False)
+
+
+def _padding(fast):
+    return [c for c in fast.certificates if c.site.description.startswith("zero buffer")]
+
+
+@pytest.mark.parametrize("counts_seq", [
+    [(2, 1, 3), (5, 0, 1), (1, 1, 1), (0, 7, 2), (3, 3, 3)],   # the largest count exceeded, an empty image
+    [(1, 0, 0), (0, 0, 1), (9, 0, 0)],                          # one person, all in one image
+])
+def test_padded_buffers_match_native_in_float64(counts_seq):
+    loss = Packed()
+    fast = optimize(loss, passes=[_capture()])
+    for seed, counts in enumerate(counts_seq):
+        inputs, reference = _call(counts, seed), _call(counts, seed)
+        got, want = fast(*inputs), loss(*reference)
+        got.backward()
+        want.backward()
+        assert abs(float(got) - float(want)) <= 1e-10 * (1 + abs(float(want)))
+        torch.testing.assert_close(inputs[0].grad, reference[0].grad, rtol=1e-10, atol=1e-12)
+    (cert,) = _padding(fast)
+    assert cert.applied and cert.witness.max_abs_value_diff <= 1e-10 and cert.witness.max_abs_grad_diff <= 1e-10
+    gm = fast.specializations[0].graph_module
+    ops = [n.target for n in gm.graph.nodes if isinstance(n.target, PaddedSize)]
+    assert len(ops) == 1 and ops[0].min_bucket == 4
+    assert fast.stats.optimized == len(counts_seq) and not fast.stats.native
+
+
+def test_a_loss_that_reads_its_padding_keeps_exact_sizes():
+    loss = Packed(mean_over_slots=True)
+    fast = optimize(loss, passes=[_capture()])
+    for seed, counts in enumerate([(2, 1, 3), (5, 0, 1)]):
+        inputs, reference = _call(counts, seed), _call(counts, seed)
+        got, want = fast(*inputs), loss(*reference)
+        assert abs(float(got) - float(want)) <= 1e-10 * (1 + abs(float(want)))
+    (cert,) = _padding(fast)
+    assert not cert.applied and cert.codes == ("padding-not-inert",)
+    assert cert.witness.max_abs_value_diff > 1e-3  # the mean over 16 slots, not over 3
+    gm = fast.specializations[0].graph_module
+    assert not any(isinstance(n.target, PaddedSize) for n in gm.graph.nodes)
+
+
+def test_capacity_buckets_and_zero_stays_zero():
+    op = PaddedSize("p", "here", 4)
+    assert [op(n)[0] for n in (0, 1, 3, 4, 5, 9, 16, 17)] == [0, 4, 4, 4, 8, 16, 16, 32]
+    assert op(torch.tensor(5))[0] == 8
+    op.padded = False
+    assert op(5) == (5,)
