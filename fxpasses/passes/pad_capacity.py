@@ -38,8 +38,8 @@ from ..locations import node_location
 from ..pipeline import copy_graph_module, example_inputs
 from ..runtime.padded_size import PaddedSize
 
-MIN_BUCKET = 4
-WITNESS_BUCKET = 4  # the witness pads to this many times the bucket: more slots than any call
+MIN_BUCKET = 16  # most images hold fewer objects: one recording serves nearly every batch
+WITNESS_BUCKET = 2  # the witness pads to this many times the bucket: more slots than a call
 _RETRIES = 8  # runs of the witness a capacity growth of SelectRows may ask for
 # relative differences that are rounding of the dtype the loss computed in (another reduction
 # length may take another kernel), far below what a slot leaking into the loss changes

@@ -50,7 +50,7 @@ def test_padded_buffers_match_native_in_float64(counts_seq):
     assert cert.applied and cert.witness.max_abs_value_diff <= 1e-10 and cert.witness.max_abs_grad_diff <= 1e-10
     gm = fast.specializations[0].graph_module
     ops = [n.target for n in gm.graph.nodes if isinstance(n.target, PaddedSize)]
-    assert len(ops) == 1 and ops[0].min_bucket == 4
+    assert len(ops) == 1 and ops[0].min_bucket == 16
     assert fast.stats.optimized == len(counts_seq) and not fast.stats.native
 
 
@@ -63,7 +63,7 @@ def test_a_loss_that_reads_its_padding_keeps_exact_sizes():
         assert abs(float(got) - float(want)) <= 1e-10 * (1 + abs(float(want)))
     (cert,) = _padding(fast)
     assert not cert.applied and cert.codes == ("padding-not-inert",)
-    assert cert.witness.max_abs_value_diff > 1e-3  # the mean over 16 slots, not over 3
+    assert cert.witness.max_abs_value_diff > 1e-3  # the mean over 32 slots, not over 3
     gm = fast.specializations[0].graph_module
     assert not any(isinstance(n.target, PaddedSize) for n in gm.graph.nodes)
 

@@ -105,4 +105,4 @@ def test_fresh_batches_replay_every_region_and_no_region_takes_the_target_rows(p
     lines = {c.site.locations[0].rsplit("/", 1)[-1] for c in eager}
     assert {"loss.py:785", "loss.py:791", "loss.py:444"} <= lines  # keypoints, arange, targets
     owned = {k: v for k, v in fast.stats.sites.items() if "own_write_anc_strides" in k}
-    assert len(owned) == 2 and all(v["outputs-copied"] >= 5 for v in owned.values())  # both branches
+    assert len(owned) == 2 and all(v["outputs-copied"] >= 4 for v in owned.values())  # both branches, replayed calls
