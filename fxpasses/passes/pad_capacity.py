@@ -98,6 +98,19 @@ def _insert(gm: fx.GraphModule, factory: fx.Node, index: int, op: PaddedSize) ->
     return capacity
 
 
+def _sole_symbol(factory: fx.Node, index: int) -> torch.SymInt | None:
+    """The buffer's size symbol where only the buffer (and what is computed from it) holds it:
+    made by the factory itself from a 0-dim tensor it reads. (A ``.item()`` read's symbol is its
+    read's too: standing for the capacity there, the read would look static and join a region,
+    which would then record per count.)"""
+    out = value(factory)
+    symbol = out.shape[index] if isinstance(out, torch.Tensor) else None
+    size = _sizes(factory)[1][index]
+    if isinstance(symbol, torch.SymInt) and isinstance(value(size), torch.Tensor):
+        return symbol
+    return None
+
+
 def _run(gm: fx.GraphModule, inputs: tuple) -> Any:
     """``gm`` on the call's inputs, run again where a run-time op grew (as a call would be)."""
     for attempt in itertools.count():
@@ -219,7 +232,8 @@ def pad_capacities(gm: fx.GraphModule, pass_name: str) -> list[Certificate]:
                   "records": "one recording per bucket instead of one per count"} if applied else {}
         site = Site((factory.name,), (location,) if location else (), f"zero buffer {factory.name}")
         if applied:
-            capacity = _insert(gm, factory, index, PaddedSize(f"capacity_{factory.name}", location, MIN_BUCKET))
+            op = PaddedSize(f"capacity_{factory.name}", location, MIN_BUCKET, _sole_symbol(factory, index))
+            capacity = _insert(gm, factory, index, op)
             cert = Certificate.from_checks(pass_name, site, checks, effect=effect, witness=witness)
             prove(capacity, BucketedSizes(cert.id, 1))
         else:

@@ -30,18 +30,25 @@ class PaddedSize(RuntimeOp):
     pure = True
     grad_free = True
 
-    def __init__(self, op_id: str, site: str, min_bucket: int):
+    def __init__(self, op_id: str, site: str, min_bucket: int, traced: torch.SymInt | None = None):
         super().__init__(op_id)
         self.site = site
         self.min_bucket = min_bucket
         self.padded = True
+        # the size symbol the buffer was propagated with, where nothing but the buffer holds it:
+        # it then stands for the capacity, and the metadata below the buffer stays as it was
+        self.traced = traced
 
     def __call__(self, size: Any) -> tuple[int]:
         count = int(size)  # a tensor: the host read torch.zeros(b, tensor) makes natively
         return (bucket(count, self.min_bucket) if self.padded and count > 0 else count,)
 
     def propagate(self, size: Any) -> tuple[torch.SymInt]:
-        """A fresh unbacked size (0, or at least ``min_bucket``: one recording per bucket)."""
-        capacity = detect_fake_mode().shape_env.create_unbacked_symint()
+        """The traced symbol in its own shape environment; else a fresh unbacked size (0, or at
+        least ``min_bucket``: one recording per bucket)."""
+        shape_env = detect_fake_mode().shape_env
+        if self.traced is not None and self.traced.node.shape_env is shape_env:
+            return (self.traced,)
+        capacity = shape_env.create_unbacked_symint()
         torch._check(capacity >= 0)
         return (capacity,)
