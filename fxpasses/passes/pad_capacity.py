@@ -36,6 +36,7 @@ from ..ir.runtime_op import runtime_ops as _runtime_ops
 from ..ir.trace_ops import undone_on_failure
 from ..locations import node_location
 from ..pipeline import copy_graph_module, example_inputs
+from ..runtime.capture import no_autocast_cache
 from ..runtime.padded_size import PaddedSize
 
 MIN_BUCKET = 16  # most images hold fewer objects: one recording serves nearly every batch
@@ -163,16 +164,21 @@ def padding_inert(gm: fx.GraphModule, sites: list[tuple[fx.Node, int]], inputs: 
     for (factory, index), op in zip(sites, ops):
         _insert(trial, by_name[factory.name], index, op)
     trial.recompile()
+    # the call's tensors cut from the caller's graph: the witness's backward must not run (and
+    # free) the network's graph that made the predictions, whose backward the caller runs later
+    inputs = tuple(t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+                   for t in inputs)
     wrt = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad] + \
         [p for p in gm.parameters() if p.requires_grad]
     counters = {id(op): dict(op.counters) for op in _runtime_ops(trial)}
-    try:
-        for op in ops:
-            op.padded = False
-        exact = _evaluate(trial, inputs, wrt)
-        for op in ops:
-            op.padded = True
-        padded = _evaluate(trial, inputs, wrt)
+    try:  # autocast's cache off: a cast weight cached here would carry this run's graph into the call's
+        with no_autocast_cache():
+            for op in ops:
+                op.padded = False
+            exact = _evaluate(trial, inputs, wrt)
+            for op in ops:
+                op.padded = True
+            padded = _evaluate(trial, inputs, wrt)
     finally:  # the witness's runs are not the loss's calls
         for op in _runtime_ops(trial):
             op.counters.clear()

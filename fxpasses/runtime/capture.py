@@ -476,7 +476,7 @@ class CudaGraphRecorder(GraphRecorder):
     def _warm_up(self, fn: Callable, inputs: list[Any], grad_input_index: list[int]) -> None:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), _no_autocast_cache():
+        with torch.cuda.stream(stream), no_autocast_cache():
             super()._warm_up(fn, inputs, grad_input_index)
         torch.cuda.current_stream().wait_stream(stream)
 
@@ -486,7 +486,7 @@ class CudaGraphRecorder(GraphRecorder):
         a recording pay for ``cudaMalloc`` again, and the captures allocate from the region's own
         pool anyway. ``thread_local``: other threads' CUDA work does not invalidate the capture."""
         torch.cuda.synchronize()
-        with _no_autocast_cache(), torch.cuda.stream(_capture_stream()):
+        with no_autocast_cache(), torch.cuda.stream(_capture_stream()):
             graph.capture_begin(pool, capture_error_mode="thread_local")
             try:
                 return run()
@@ -531,8 +531,8 @@ def _reading_state(fn: Callable, n_args: int, modules: Sequence[nn.Module],
     return call
 
 
-def _no_autocast_cache():
-    """Autocast's weight-cast cache must not leak tensors across capture boundaries."""
+def no_autocast_cache():
+    """Autocast's weight-cast cache must not leak tensors across capture (or witness) boundaries."""
     if torch.is_autocast_enabled("cuda"):
         return torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
     return contextlib.nullcontext()

@@ -13,6 +13,7 @@ class Packed(nn.Module):
     def __init__(self, mean_over_slots: bool = False):
         super().__init__()
         self.mean_over_slots = mean_over_slots
+        self.head = nn.Linear(1, 1, dtype=torch.float64)  # a module a network may share
 
     def forward(self, preds, batch_idx, values):
         images = preds.shape[0]
@@ -22,6 +23,7 @@ class Packed(nn.Module):
         packed[batch_idx, within] = values
         present = (packed != 0).float()
         error = ((preds.unsqueeze(1) - packed).square() * present).sigmoid()
+        error = self.head(error.unsqueeze(-1)).squeeze(-1)
         if self.mean_over_slots:
             return error.mean() + preds.tanh().sum()
         return (error * present).sum() / present.sum().clamp_min(1) + preds.tanh().sum()

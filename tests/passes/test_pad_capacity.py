@@ -74,3 +74,22 @@ def test_capacity_buckets_and_zero_stays_zero():
     assert op(torch.tensor(5))[0] == 8
     op.padded = False
     assert op(5) == (5,)
+
+
+def test_the_witness_leaves_the_graph_that_made_the_predictions_to_the_caller():
+    """Predictions computed by a network that shares a parameter with the loss (as the YOLO26
+    head shares its flow): the witness runs the loss on detached copies, so its backward never
+    runs (and frees) the network's graph, whose backward the caller runs on the traced call."""
+    loss = Packed()
+    fast = optimize(loss, passes=[_capture()])
+    weight = loss.head.weight
+    for seed, counts in enumerate([(2, 1, 3), (0, 4, 1)]):
+        preds, batch_idx, values = _call(counts, seed)
+        got = fast((preds * weight[0, 0]).exp(), batch_idx, values)
+        got.backward()  # raised "backward through the graph a second time" before
+        got_grad, weight.grad = weight.grad, None
+        want = loss((preds * weight[0, 0]).exp(), batch_idx, values)
+        want.backward()
+        torch.testing.assert_close(got_grad, weight.grad, rtol=1e-10, atol=1e-12)
+        weight.grad = None
+    assert _padding(fast)[0].applied
