@@ -48,11 +48,6 @@ class VaryingRows:
     def __contains__(self, node: object) -> bool:
         return node in self.follow or node in self.readers
 
-    def why(self, node: fx.Node) -> str:
-        tables = ", ".join(f"{name} ({rows} rows here)" for name, (rows, _) in self.tables.items())
-        how = "its value follows" if node in self.follow else "it reads a value that follows"
-        return f"{how} the per-call row count of {tables}"
-
 
 NONE = VaryingRows()
 

@@ -9,8 +9,8 @@ tensors) then has a shape of its own per batch, and CaptureLoss cannot record it
 fewer objects already keep zero slots that the loss treats as padding; so the size may be
 rounded up to a power-of-two capacity (:class:`~fxpasses.runtime.padded_size.PaddedSize`; zero
 stays zero) *if* the extra zero slots change nothing. That is not assumed: the loss itself runs on
-the call being traced twice, at the exact sizes and padded to four times their bucket, values
-and the gradients of every input and parameter compared (:func:`padding_inert`). Where they differ,
+the call being traced twice, at the exact sizes and padded to at least twice the smallest
+capacity, values and the gradients of every input and parameter compared (:func:`padding_inert`). Where they differ,
 or the witness cannot run, the sizes stay exact (a certificate says why). A site is a zero factory
 (``torch.zeros``, ``Tensor.new_zeros``) with one size that is a data-dependent integer (a
 ``.item()`` read, or a 0-dim integer tensor read by the factory).
@@ -32,7 +32,7 @@ from ..analysis.meta import annotate_new, value
 from ..certificates import Certificate, Check, Site, Witness
 from ..ir.abandon import Abandon
 from ..ir.proofs import BucketedSizes, prove
-from ..ir.runtime_op import runtime_ops as _runtime_ops
+from ..ir.runtime_op import runtime_ops
 from ..ir.trace_ops import undone_on_failure
 from ..locations import node_location
 from ..pipeline import copy_graph_module, example_inputs
@@ -40,7 +40,7 @@ from ..runtime.capture import no_autocast_cache
 from ..runtime.padded_size import PaddedSize
 
 MIN_BUCKET = 16  # most images hold fewer objects: one recording serves nearly every batch
-WITNESS_BUCKET = 2  # the witness pads to this many times the bucket: more slots than a call
+WITNESS_SLOTS = 2 * MIN_BUCKET  # the witness pads to at least this: more slots than a call takes
 _RETRIES = 8  # runs of the witness a capacity growth of SelectRows may ask for
 # relative differences that are rounding of the dtype the loss computed in (another reduction
 # length may take another kernel), far below what a slot leaking into the loss changes
@@ -154,13 +154,15 @@ def _difference(a: list, b: list) -> float:
     return worst
 
 
-def padding_inert(gm: fx.GraphModule, sites: list[tuple[fx.Node, int]], inputs: tuple) -> Witness:
-    """The loss on the traced call at exact sizes and with every site padded to
-    ``WITNESS_BUCKET`` times its bucket: the largest relative difference of values and of the
-    gradients of the floating inputs that require them and of every parameter."""
+def padding_inert(gm: fx.GraphModule, sites: list[tuple[fx.Node, int]],
+                  inputs: tuple) -> tuple[Witness, float]:
+    """The loss on the traced call at exact sizes and with every site padded to at least
+    ``WITNESS_SLOTS``: the largest relative difference of values and of the gradients of the
+    floating inputs that require them and of every parameter; and the rounding tolerance of the
+    dtypes it computed in."""
     trial = copy_graph_module(gm)
     by_name = {n.name: n for n in trial.graph.nodes}
-    ops = [PaddedSize(f"witness_{f.name}", node_location(f), MIN_BUCKET * WITNESS_BUCKET) for f, _ in sites]
+    ops = [PaddedSize(f"witness_{f.name}", node_location(f), WITNESS_SLOTS) for f, _ in sites]
     for (factory, index), op in zip(sites, ops):
         _insert(trial, by_name[factory.name], index, op)
     trial.recompile()
@@ -170,7 +172,7 @@ def padding_inert(gm: fx.GraphModule, sites: list[tuple[fx.Node, int]], inputs: 
                    for t in inputs)
     wrt = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad] + \
         [p for p in gm.parameters() if p.requires_grad]
-    counters = {id(op): dict(op.counters) for op in _runtime_ops(trial)}
+    counters = {id(op): dict(op.counters) for op in runtime_ops(trial)}
     try:  # autocast's cache off: a cast weight cached here would carry this run's graph into the call's
         with no_autocast_cache():
             for op in ops:
@@ -180,25 +182,23 @@ def padding_inert(gm: fx.GraphModule, sites: list[tuple[fx.Node, int]], inputs: 
                 op.padded = True
             padded = _evaluate(trial, inputs, wrt)
     finally:  # the witness's runs are not the loss's calls
-        for op in _runtime_ops(trial):
+        for op in runtime_ops(trial):
             op.counters.clear()
             op.counters.update(counters.get(id(op), {}))
+    tensors = [t for t in (*inputs, *exact[0]) if isinstance(t, torch.Tensor)]
     dtypes = sorted({str(t.dtype) for t in exact[0]})
-    return Witness(seed=0, dtype=",".join(dtypes), shapes={"padded_to": MIN_BUCKET * WITNESS_BUCKET,
+    return Witness(seed=0, dtype=",".join(dtypes), shapes={"padded_to": WITNESS_SLOTS,
                                                            "outputs": len(exact[0]), "gradients": len(wrt)},
                    max_abs_value_diff=_difference(exact[0], padded[0]),
                    max_abs_grad_diff=_difference(exact[1], padded[1]),
                    compared=("values (relative to 1 + |exact|)", "input gradients", "parameter gradients",
-                             "NaN/inf positions"))
+                             "NaN/inf positions")), _tolerance(tensors)
 
 
-def _tolerance(inputs: tuple, witness: Witness) -> float:
+def _tolerance(tensors: Sequence[torch.Tensor]) -> float:
     """The rounding tolerance of the least precise dtype the loss computed in (autocast's too)."""
-    dtypes = {t.dtype for t in inputs if isinstance(t, torch.Tensor) and t.is_floating_point()}
-    dtypes |= {getattr(torch, d.removeprefix("torch.")) for d in witness.dtype.split(",") if d}
-    for device in ("cuda", "cpu"):
-        if torch.is_autocast_enabled(device):
-            dtypes.add(torch.get_autocast_dtype(device))
+    dtypes = {t.dtype for t in tensors if t.is_floating_point()}
+    dtypes |= {torch.get_autocast_dtype(d) for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)}
     return max((TOLERANCE.get(d, 5e-2) for d in dtypes), default=TOLERANCE[torch.float32])
 
 
@@ -216,18 +216,17 @@ def pad_capacities(gm: fx.GraphModule, pass_name: str) -> list[Certificate]:
                             "padding-witness-unavailable"))
     else:
         try:
-            witness = padding_inert(gm, sites, inputs)
+            witness, tolerance = padding_inert(gm, sites, inputs)
         except Exception as exc:  # an abandoned or failing run: no evidence, no padding
             checks.append(Check("padding-witnessed", False, {"error": f"{type(exc).__name__}: {exc}"[:300]},
                                 "padding-witness-unavailable"))
         else:
-            tolerance = _tolerance(inputs, witness)
             holds = max(witness.max_abs_value_diff, witness.max_abs_grad_diff) <= tolerance
             checks.append(Check("zero-slots-inert", holds, {
                 "max_rel_value_diff": witness.max_abs_value_diff,
                 "max_rel_grad_diff": witness.max_abs_grad_diff, "tolerance": tolerance,
                 "run": "the loss on the traced call, exact sizes against every site padded to "
-                       f"{MIN_BUCKET * WITNESS_BUCKET} slots"}, None if holds else "padding-not-inert"))
+                       f"{WITNESS_SLOTS} slots"}, None if holds else "padding-not-inert"))
     applied = all(c.ok for c in checks)
     certificates = []
     for factory, index in sites:
