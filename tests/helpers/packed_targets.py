@@ -8,11 +8,14 @@ from torch import nn
 
 class Packed(nn.Module):
     """Targets packed per image (as Ultralytics' ``_batch_keypoints``), then a loss over
-    (images, slots, anchors) that masks the empty slots; ``mean_over_slots`` reads them."""
+    (images, slots, anchors) that masks the empty slots; ``mean_over_slots`` reads them;
+    ``exact_slot_weights`` multiplies by weights built at the exact count (padded, the shapes
+    do not broadcast)."""
 
-    def __init__(self, mean_over_slots: bool = False):
+    def __init__(self, mean_over_slots: bool = False, exact_slot_weights: bool = False):
         super().__init__()
         self.mean_over_slots = mean_over_slots
+        self.exact_slot_weights = exact_slot_weights
         self.head = nn.Linear(1, 1, dtype=torch.float64)  # a module a network may share
 
     def forward(self, preds, batch_idx, values):
@@ -22,6 +25,8 @@ class Packed(nn.Module):
         within = torch.arange(len(batch_idx)) - (counts.cumsum(0) - counts)[batch_idx]
         packed[batch_idx, within] = values
         present = (packed != 0).float()
+        if self.exact_slot_weights:
+            present = present * values.new_ones((images, int(counts.max()), 1))
         error = ((preds.unsqueeze(1) - packed).square() * present).sigmoid()
         error = self.head(error.unsqueeze(-1)).squeeze(-1)
         if self.mean_over_slots:
