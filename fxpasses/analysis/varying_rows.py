@@ -153,8 +153,8 @@ def varying_rows(gm: fx.GraphModule) -> VaryingRows:
                 for arg in node.all_input_nodes:
                     if arg not in follow and arg not in prop.env:
                         prop.env[arg] = _old_value(gm, prop, arg, saved)
-                saved[node] = {k: node.meta[k] for k in _PROPAGATED if k in node.meta}
-                old = value(node)
+                saved[node] = {k: node.meta.pop(k) for k in _PROPAGATED if k in node.meta}
+                old = saved[node].get("val")
                 result = prop.run_node(node)
                 failed = "val" not in node.meta and node.op.startswith("call")
                 if failed or _differs(old, node.meta.get("val", result)):

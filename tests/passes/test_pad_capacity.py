@@ -13,6 +13,10 @@ from fxpasses.runtime.emulated import EmulatedRecorder
 from fxpasses.runtime.padded_size import PaddedSize
 from fxpasses.cli import import_file
 
+pytestmark = pytest.mark.skipif(torch.__version__ < "2.5", reason="torch 2.4 has no fake kernel for "
+                                "bincount: the packed buffer's size has no metadata, so no site is seen "
+                                "(the shape-propagation certificate says metadata-failed)")
+
 Packed = import_file(Path(__file__).parents[1] / "helpers" / "packed_targets.py").Packed
 
 
