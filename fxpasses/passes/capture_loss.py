@@ -205,7 +205,8 @@ class CaptureLoss:
             identity = frozenset(i for i, a in enumerate(node.args) if is_state(a))
             region = CapturedRegion(node.target, gm.get_submodule(node.target), identity=identity,
                                     max_recordings=self.max_recordings, record_after=self.record_after,
-                                    recorder=self.recorder)
+                                    recorder=self.recorder,
+                                    input_names=[a.name if isinstance(a, fx.Node) else repr(a) for a in node.args])
             with gm.graph.inserting_before(node):
                 call = gm.graph.call_function(region, node.args, node.kwargs)
             call.meta = dict(node.meta)

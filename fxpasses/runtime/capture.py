@@ -65,6 +65,7 @@ from ..guards import SiteGuard, ambient_state
 from ..ir.runtime_op import Propagator, RuntimeOp
 from .call_reads import StateChangedError, current
 from .module_state import MODULE_STATE
+from .recording_change import PREFIX, describe_change
 
 
 MAX_SIGHTINGS = 256  # unrecorded signatures a region remembers (see CapturedRegion._seen_enough)
@@ -551,8 +552,9 @@ class CapturedRegion(RuntimeOp):
 
     def __init__(self, op_id: str, fn: Callable, *, max_recordings: int = 4, record_after: int = 1,
                  recorder: CaptureRecorder | None = None, identity: frozenset[int] = frozenset(),
-                 counters: Any = None):
+                 counters: Any = None, input_names: Sequence[str] = ()):
         super().__init__(op_id)
+        self.input_names = tuple(input_names)  # the graph's names of its arguments (for reports)
         self.fn = fn
         self.identity = frozenset(identity)
         if counters is not None:  # report into the counters of the op that owns this region
@@ -638,6 +640,9 @@ class CapturedRegion(RuntimeOp):
                     self.failure = f"{type(exc).__name__}: {exc}"[:500]
                     return CAPTURE_OK.code, None, flat
             recording.used = next(self._clock)
+            if self.recordings:  # what moved: counted beside the events (recording_change)
+                held = sorted(self.recordings, key=lambda k: self.recordings[k].used)
+                self.counters[PREFIX + describe_change(key, held, self.input_names, starts)] += 1
             self.recordings[key] = recording
             self.count_event("recorded")
         if self._pending is not None:

@@ -45,7 +45,8 @@ class CapturedPairedCall(PairedCall):
         self.devices = tuple(devices)
         self.min_bucket = min_bucket
         self.region = CapturedRegion(f"{op_id}_graph", self._scored, max_recordings=max_recordings,
-                                     record_after=record_after, recorder=recorder, counters=self.counters)
+                                     record_after=record_after, recorder=recorder, counters=self.counters,
+                                     input_names=("flow", "padded rows"))
 
     def _scored(self, module: nn.Module, padded: torch.Tensor) -> Any:
         return self.bound(module)(padded)
