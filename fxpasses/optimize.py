@@ -406,13 +406,15 @@ class OptimizedLoss(nn.Module):
         another thread it waits for the call in progress."""
         mine = self._owner == threading.get_ident()
         with contextlib.nullcontext() if mine else self._lock, self._counting:
-            sites = {f"{special.index}:{op.op_id}": dict(op.counters)
-                     for special in self.specializations if special.graph_module is not None
-                     for op in runtime_ops(special.graph_module) if op.counters}
+            ops = [(f"{special.index}:{op.op_id}", op) for special in self.specializations
+                   if special.graph_module is not None for op in runtime_ops(special.graph_module)]
+            sites = {site: dict(op.counters) for site, op in ops if op.counters}
+            rerecorded = {site: dict(op.changes) for site, op in ops if getattr(op, "changes", None)}
             return dataclasses.replace(self._stats, native=Counter(self._stats.native),
                                        abandoned=Counter(self._stats.abandoned),
                                        retraced=Counter(self._stats.retraced),
-                                       exceptions=list(self._stats.exceptions), sites=sites)
+                                       exceptions=list(self._stats.exceptions), sites=sites,
+                                       rerecorded=rerecorded)
 
     @property
     def passes(self) -> tuple[Pass, ...]:

@@ -23,6 +23,7 @@ from .certificates.digest import content_digest
 from .certificates.io import REPORT_SCHEMA
 from .certificates.model import as_evidence, to_json_data
 from .locations import shown
+from .stats import rerecorded_lines
 from .version import __version__
 
 if TYPE_CHECKING:
@@ -100,6 +101,7 @@ def _render_runtime(report: dict[str, Any]) -> list[str]:
     for site, counters in stats["sites"].items():
         counts = ", ".join(f"{k}: {v}" for k, v in sorted(counters.items()))
         lines.append(f"  site {site}: {counts}")
+    lines += rerecorded_lines(stats["rerecorded"])
     for exc in stats["exceptions"]:
         lines.append(f"  exception at node {exc['node']}: {exc['type']}: {exc['message']}")
         if exc.get("statement"):

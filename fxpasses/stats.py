@@ -48,6 +48,8 @@ class RunStats:
     retraced: Counter = field(default_factory=Counter)  # "source (file:line)" of failed assumptions
     exceptions: list[RecordedException] = field(default_factory=list)
     sites: dict[str, dict[str, int]] = field(default_factory=dict)
+    # per captured region, what each recording after its first changed (runtime.recording_change)
+    rerecorded: dict[str, dict[str, int]] = field(default_factory=dict)
     guard_seconds: float = 0.0  # host time checking the whole-loss guards and assumptions
     # checks the generated functions could not answer (a state changed, a read raised), sent to
     # the exact, slower path: the whole-loss guards, a specialization's assumptions (a
@@ -67,7 +69,8 @@ class RunStats:
         return {"calls": self.calls, "optimized": self.optimized, "native": dict(self.native),
                 "abandoned": dict(self.abandoned), "retraced": dict(self.retraced),
                 "exceptions": [e.as_dict() for e in self.exceptions],
-                "sites": {k: dict(v) for k, v in self.sites.items()}}
+                "sites": {k: dict(v) for k, v in self.sites.items()},
+                "rerecorded": {k: dict(v) for k, v in self.rerecorded.items()}}
 
     def render(self) -> str:
         native = ", ".join(f"{code}: {n}" for code, n in self.native.most_common()) or "none"
@@ -84,9 +87,17 @@ class RunStats:
         for site, counters in self.sites.items():
             text = ", ".join(f"{k}: {v}" for k, v in sorted(counters.items()))
             lines.append(f"  site {site}: {text}")
+        lines += rerecorded_lines(self.rerecorded)
         for exc in self.exceptions:
             lines.append(f"  exception in specialization {exc.specialization} at node "
                          f"{exc.node}: {exc.type}: {exc.message}")
             if exc.statement:
                 lines.append(f"    while executing {exc.statement} ({exc.location or 'no source line'})")
         return "\n".join(lines)
+
+
+def rerecorded_lines(rerecorded: dict[str, dict[str, int]]) -> list[str]:
+    """One line per captured region that recorded again: what moved, most frequent first."""
+    return [f"  site {site} recorded again for: " + "; ".join(
+        f"{change} ({n})" for change, n in sorted(changes.items(), key=lambda kv: -kv[1]))
+        for site, changes in rerecorded.items()]

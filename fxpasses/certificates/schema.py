@@ -49,7 +49,7 @@ REPORT = {
               "abandoned": COUNTS, "retraced": COUNTS,
               "exceptions": [{"type": "str", "message": "str", "node": "str",
                               "specialization": "int", "statement": "str", "location": "str"}],
-              "sites": {"*": COUNTS}},
+              "sites": {"*": COUNTS}, "rerecorded": {"*": COUNTS}},
     "digest": "str",
 }
 

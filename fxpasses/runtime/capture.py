@@ -48,6 +48,7 @@ changed since the forward, it raises :class:`~.call_reads.StateChangedError` ins
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 import itertools
 import threading
 import weakref
@@ -65,7 +66,7 @@ from ..guards import SiteGuard, ambient_state
 from ..ir.runtime_op import Propagator, RuntimeOp
 from .call_reads import StateChangedError, current
 from .module_state import MODULE_STATE
-from .recording_change import PREFIX, describe_change
+from .recording_change import describe_change
 
 
 MAX_SIGHTINGS = 256  # unrecorded signatures a region remembers (see CapturedRegion._seen_enough)
@@ -555,6 +556,7 @@ class CapturedRegion(RuntimeOp):
                  counters: Any = None, input_names: Sequence[str] = ()):
         super().__init__(op_id)
         self.input_names = tuple(input_names)  # the graph's names of its arguments (for reports)
+        self.changes: Counter[str] = Counter()  # what a new recording changed from the nearest held
         self.fn = fn
         self.identity = frozenset(identity)
         if counters is not None:  # report into the counters of the op that owns this region
@@ -640,9 +642,9 @@ class CapturedRegion(RuntimeOp):
                     self.failure = f"{type(exc).__name__}: {exc}"[:500]
                     return CAPTURE_OK.code, None, flat
             recording.used = next(self._clock)
-            if self.recordings:  # what moved: counted beside the events (recording_change)
+            if self.recordings:  # what moved (recording_change)
                 held = sorted(self.recordings, key=lambda k: self.recordings[k].used)
-                self.counters[PREFIX + describe_change(key, held, self.input_names, starts)] += 1
+                self.changes[describe_change(key, held, self.input_names, starts)] += 1
             self.recordings[key] = recording
             self.count_event("recorded")
         if self._pending is not None:

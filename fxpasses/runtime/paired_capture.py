@@ -14,6 +14,8 @@ inputs that receive their gradients.
 
 from __future__ import annotations
 
+from collections import Counter
+
 from typing import Any, Sequence
 
 import torch
@@ -47,6 +49,11 @@ class CapturedPairedCall(PairedCall):
         self.region = CapturedRegion(f"{op_id}_graph", self._scored, max_recordings=max_recordings,
                                      record_after=record_after, recorder=recorder, counters=self.counters,
                                      input_names=("flow", "padded rows"))
+
+    @property
+    def changes(self) -> Counter:
+        """What each recording of its region after the first changed (see CapturedRegion)."""
+        return self.region.changes
 
     def _scored(self, module: nn.Module, padded: torch.Tensor) -> Any:
         return self.bound(module)(padded)

@@ -5,8 +5,8 @@ that keeps recording costs a warm-up and two captures each time, and the signatu
 say which input moved. :func:`describe_change` compares a new signature with the recordings the
 region holds and names, for the nearest of them (fewest differing parts), the first input that
 differs, the part of it that differs and both values: ``size_17 value: 17 -> 18``,
-``getitem_3 shape: (16, 8400) -> (16, 8401)``, ``grad mode / autocast: ...``. Counted per region in
-its counters (``recorded again: ...``), it reaches ``OptimizedLoss.stats`` and ``explain()``.
+``getitem_3 shape: (16, 8400) -> (16, 8401)``, ``grad mode / autocast: ...``. Counted per region
+(``CapturedRegion.changes``), it reaches ``OptimizedLoss.stats.rerecorded`` and ``explain()``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 _TENSOR_PARTS = ("shape", "stride", "dtype", "device", "requires_grad", "type", "address")
-PREFIX = "recorded again: "
 
 
 def _differences(new: tuple, old: tuple) -> int:

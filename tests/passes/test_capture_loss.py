@@ -16,7 +16,6 @@ from fxpasses import LeafPolicy, optimize, trace
 from fxpasses.analysis.capture import plan_regions
 from fxpasses.analysis.meta import annotate, fake_mode, is_dynamic, value
 from fxpasses.passes import CaptureLoss, PairRLE
-from fxpasses.runtime.recording_change import PREFIX
 from fxpasses.runtime.emulated import EmulatedRecorder
 from fxpasses.testing import assert_equivalent
 from fxpasses.workloads.pose import DualBranchPoseLoss, make_batch
@@ -283,12 +282,14 @@ def test_recordings_beyond_the_budget_replace_the_least_recently_replayed_then_s
         assert_equivalent(loss, fast, _args(rows=rows), rtol=1e-6, atol=1e-6, parameters=False)
         _step(loss, fast, _args(rows=rows))
     regions = _regions(fast).values()
-    events = [{k: n for k, n in v.items() if not k.startswith(PREFIX)} for v in regions]
-    assert regions and all(v == {"recorded": 5, "evicted": 3, "replayed": 6} for v in events)
-    for v in regions:  # each recording after the first says which input's shape moved, from what
-        again = {k[len(PREFIX):]: n for k, n in v.items() if k.startswith(PREFIX)}
+    assert regions and all(v == {"recorded": 5, "evicted": 3, "replayed": 6} for v in regions)
+    moved = fast.stats.rerecorded
+    assert set(moved) == set(_regions(fast))
+    for again in moved.values():  # each recording after the first says which input's shape moved
         assert sum(again.values()) == 4 and all(" shape: (" in k for k in again), again
         assert any(k.endswith(("(8,) -> (9,)", "(8, 3) -> (9, 3)")) for k in again), again
+    shown = [line for line in fast.explain().splitlines() if "recorded again for:" in line]
+    assert len(shown) == len(moved) and all(" shape: (" in line for line in shown), shown
     for rows in (11, 12, 13, 14):  # 4 x max_recordings made in all: no more recordings
         _step(loss, fast, _args(rows=rows))
     regions = _regions(fast).values()
@@ -454,10 +455,8 @@ def test_paired_flow_is_recorded_per_power_of_two_row_bucket():
         want = torch.autograd.grad(flow(a).sum() + 2 * flow(b).sum(), [a, b, *flow.parameters()])
         assert all(torch.allclose(g, w, atol=1e-6) for g, w in zip(got, want))
         del out_a, out_b, loss  # views of the recording's outputs: held, they force eager calls
-    assert {k: n for k, n in site.counters.items() if not k.startswith(PREFIX)} == \
-        {"paired": 4, "recorded": 3, "replayed": 4, "evicted": 1}
-    assert {k: n for k, n in site.counters.items() if k.startswith(PREFIX)} == {
-        PREFIX + "padded rows shape: (16, 2) -> (32, 2)": 1, PREFIX + "padded rows shape: (32, 2) -> (128, 2)": 1}
+    assert site.counters == {"paired": 4, "recorded": 3, "replayed": 4, "evicted": 1}
+    assert site.changes == {"padded rows shape: (16, 2) -> (32, 2)": 1, "padded rows shape: (32, 2) -> (128, 2)": 1}
 
 
 class LogAbsDensity(torch.nn.Module):

@@ -1,15 +1,14 @@
 """A region that records again names what moved: the input, the part of its signature, and both
-values (fxpasses.runtime.recording_change), counted in its counters and shown by stats."""
+values (fxpasses.runtime.recording_change), counted per region and shown by stats and explain()."""
 
 import torch
 
 from fxpasses.runtime.capture import CapturedRegion
 from fxpasses.runtime.emulated import EmulatedRecorder
-from fxpasses.runtime.recording_change import PREFIX
 
 
 def _again(region):
-    return {k[len(PREFIX):]: n for k, n in region.counters.items() if k.startswith(PREFIX)}
+    return dict(region.changes)
 
 
 def _region():
