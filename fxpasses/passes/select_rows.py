@@ -196,8 +196,8 @@ class SelectRows:
             not analysis.counts
         effect = {
             "level": space.level, "sites": len(sites), "region_nodes": len(analysis.region),
-            "capacity": f"chosen before the count is known: the next power of two of the largest "
-                        f"count seen, at least {self.min_bucket}",
+            "capacity": f"chosen before the count is known: {self.min_bucket} until a count exceeds "
+                        f"it, then the power of two above twice the largest count seen",
             "count_read": "once, as late as is safe (before any visible effect, host read or "
                           "index op that depends on the gathered rows): a count above the "
                           "capacity abandons the call, which runs again with the capacity grown",

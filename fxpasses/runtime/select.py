@@ -39,8 +39,9 @@ COUNT_GUARDS = (NOT_EMPTY, FITS)  # what CheckCounts checks; SelectRows's certif
 
 
 class Capacities(RuntimeOp):
-    """``capacity() -> (C,)``: the capacity of one selection (a Python int), the bucket of the
-    largest count it has had (``min_bucket`` before any). ``site``: its source location, named
+    """``capacity() -> (C,)``: the capacity of one selection (a Python int): ``min_bucket``, until a
+    count exceeds it; then the bucket of twice the largest count (room for a later batch with up
+    to twice as many rows: each growth re-runs a call). ``site``: its source location, named
     when it is empty or grows; ``level``: 1 for a mask over the loss's tensors, ``n + 1`` for a
     mask over the rows of a level-``n`` selection."""
 
@@ -58,7 +59,7 @@ class Capacities(RuntimeOp):
         return (self.value,)
 
     def grow(self, count: int) -> None:
-        self.value = max(self.value, bucket(count, self.min_bucket))
+        self.value = max(self.value, bucket(2 * count, self.min_bucket))
         self.count_event("grown")
 
     def propagate(self) -> tuple[torch.SymInt]:

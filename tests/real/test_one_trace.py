@@ -5,9 +5,10 @@ images, most 1-4, a tail), so the most persons in one image (``int(counts.max())
 targets), the persons in the batch (``len(batch_idx)``) and the visible keypoint rows
 (``loss /= len(loss)``) change nearly every batch. They are sizes computed on every call, not
 exact guards: one specialization serves every batch, every call runs the optimized graph with
-its rewrites (PairRLE pairs the branches' flow calls; SelectRows refuses its sites, as on the
-exact-guard trace), and values and gradients equal the native criterion's (float32: within
-rounding).
+its rewrites (PairRLE pairs the branches' flow calls; SelectRows gathers the foreground anchors,
+their visible keypoints and the finite ones into capacities, which grow in the first calls only:
+each growth runs that call again), and values and gradients equal the native criterion's
+(float32: within rounding).
 """
 
 from __future__ import annotations
@@ -52,13 +53,19 @@ def test_one_trace_serves_fresh_realistic_batches(pose_model):
         most.add(counts.max().item())
         persons.add(counts.sum().item())
         _assert_same(_call(fast, preds, batch), _call(crit, preds, batch))
+        if seed == BATCHES // 2 - 1:
+            early = sum(fast.stats.abandoned.values())
     assert len(most) >= 4 and len(persons) >= 6  # the sizes did change
     assert len(fast.specializations) == 1
-    assert fast.stats.optimized == BATCHES and not fast.stats.native and not fast.stats.abandoned
+    stats = fast.stats
+    assert stats.optimized == BATCHES and not stats.native
+    assert all(k.startswith("selection-capacity") for k in stats.abandoned), stats.abandoned
+    assert sum(stats.abandoned.values()) == early  # the capacities grew in the first half only
     special = fast.specializations[0]
     counters = pass_counters(special.certificates)
     assert "annotate" not in counters  # shape propagation read the symbolic sizes
     assert counters["PairRLE"]["applied"] == 1  # the two branches' flow calls, paired as before
+    assert counters["SelectRows"]["applied"] == 6  # levels 1-3 of both branches (level 0: refused)
     trace = special.certificates[0].checks[0].evidence["symbolic_sizes"]
     assert "ultralytics.utils.loss" in trace["len_int_symbolic_in"]
     assert f"{BATCHES} calls, {BATCHES} optimized, 0 native, 1 specialization (5.0 per 100 calls)" \
@@ -76,4 +83,6 @@ def test_a_short_last_batch_shares_the_trace(pose_model):
         preds = pose_preds(size, seed=200 + seed, image_size=IMAGE_SIZE)
         _assert_same(_call(fast, preds, batch), _call(crit, preds, batch))
     assert len(fast.specializations) == 1
-    assert fast.stats.optimized == 5 and not fast.stats.native and not fast.stats.abandoned
+    stats = fast.stats
+    assert stats.optimized == 5 and not stats.native
+    assert all(k.startswith("selection-capacity") for k in stats.abandoned), stats.abandoned
