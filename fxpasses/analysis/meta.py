@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..ir.runtime_op import propagating_call
 from ..ir.trace_ops import ReadSource, ReadState, set_item
-from .ops import NODE_FACTS, NodeFacts, aten_facts, is_torch_code, written_storages, storage_id
+from .ops import NODE_FACTS, NodeFacts, aten_facts, is_torch_code, node_facts, written_storages, storage_id
 
 
 def fake_mode() -> FakeTensorMode:
@@ -277,6 +277,39 @@ def annotate_new(gm: fx.GraphModule) -> list[tuple[fx.Node, Exception]]:
             prop.env[node] = result
             fresh.add(node)
     return prop.failures
+
+
+def carry_fused_metadata(call: fx.Node, inner: fx.GraphModule) -> bool:
+    """Give ``call`` (a fused region's node, running ``inner``) and the ``getitem`` nodes of its
+    outputs the metadata propagation would give them, from the nodes the region replaced (its
+    outputs' values, the union of its nodes' facts), so that :func:`annotate_new` runs none of
+    them, nor anything below them, again. False (nothing set) where a node of ``inner`` has
+    none: then they are propagated as any new node is."""
+    body = [n for n in inner.graph.nodes if n.op.startswith("call")]
+    returned = next(n for n in inner.graph.nodes if n.op == "output").args[0]
+    outputs = list(returned) if isinstance(returned, (tuple, list)) else [returned]
+    facts = [node_facts(n) for n in body]
+    if any(f is None for f in facts) or any(isinstance(o, fx.Node) and "val" not in o.meta for o in outputs):
+        return False
+    vals = [value(o) if isinstance(o, fx.Node) else o for o in outputs]
+    watched = set().union(*map(storages_of, call.all_input_nodes))
+    writes = frozenset(w for f in facts for w in f.writes) & watched
+    call.meta["val"] = tuple(vals) if isinstance(returned, (tuple, list)) else vals[0]
+    call.meta[NODE_FACTS] = NodeFacts(
+        tuple(dict.fromkeys(op for f in facts for op in f.ops)), bool(writes), writes,
+        any(f.host_read for f in facts), any(f.random for f in facts), any(f.computes for f in facts),
+        all(f.complete for f in facts), is_torch_code(call))
+    call.meta[ANNOTATED] = _input_names(call)
+    handed = [call]
+    for user in call.users if isinstance(returned, (tuple, list)) else ():  # an output each
+        if user.target is operator.getitem and isinstance(user.args[1], int) and "val" in user.meta:
+            user.meta[NODE_FACTS] = NodeFacts((), False, frozenset(), False, False, False, True,
+                                              is_torch_code(user))
+            user.meta[ANNOTATED] = _input_names(user)
+            handed.append(user)
+    for reader in {u for h in handed for u in h.users if u not in handed and ANNOTATED in u.meta}:
+        reader.meta[ANNOTATED] = _input_names(reader)  # rewired to a node holding the same value
+    return True
 
 
 # in-place ops that change their tensor's sizes, strides or flags: run again on a value kept,

@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from ..analysis.capture import CapturePlan, NoGradBlock, Verdict, bucketed_symbols, is_state, plan_regions
 from ..analysis.fusion import fuse_region
-from ..analysis.meta import is_dynamic, tensors_in, value
+from ..analysis.meta import carry_fused_metadata, is_dynamic, tensors_in, value
 from ..analysis.witness import padding_witness, witness_holds
 from .. import options
 from ..certificates import Certificate, Check, Guard, Site
@@ -212,6 +212,7 @@ class CaptureLoss:
             call.meta = dict(node.meta)
             node.replace_all_uses_with(call)
             gm.graph.erase_node(node)
+            carry_fused_metadata(call, gm.get_submodule(node.target))  # nothing to propagate again
             regions.append(region)
         return regions
 

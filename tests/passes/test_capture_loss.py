@@ -7,6 +7,7 @@ semantics (every replay overwrites the same output and gradient tensors) on a CP
 from __future__ import annotations
 
 import operator
+import re
 
 import pytest
 import torch
@@ -564,3 +565,42 @@ def test_region_checks_are_read_from_the_graph_and_fail_on_a_region_that_breaks_
     (opaque_call,) = [n for n in nodes if n.target is opaque]
     (plus_one,) = [u for u in opaque_call.users]
     assert _region_codes(capture, gm, plan, [tail, plus_one])["region-convex"] == "region-not-convex"
+
+
+def _described(val):
+    """Shapes, strides, dtypes; a data-dependent size as any such (each propagation names its own)."""
+    return [re.sub(r"\bu\d+\b", "u", str((tuple(t.shape), t.stride(), t.dtype)) if isinstance(t, torch.Tensor)
+                   else str(t)) for t in torch.utils._pytree.tree_leaves(val)]
+
+
+@pytest.mark.parametrize("loss", ["mixed", "pose"])
+def test_a_fused_regions_metadata_is_what_propagation_gives_it(loss):
+    """A region's node and its outputs' getitems carry the metadata of the nodes they replaced
+    (so the pipeline propagates nothing below them again): the same shapes, strides, dtypes and
+    facts as propagating the region itself gives."""
+    from fxpasses.analysis.meta import ANNOTATED, annotate_new
+    from fxpasses.analysis.ops import node_facts
+    from fxpasses.runtime.capture import CapturedRegion
+
+    if loss == "mixed":
+        fast, _ = _captured(Mixed())
+        fast(*_args())
+    else:
+        pose = DualBranchPoseLoss().double()
+        fast = optimize(pose, passes=[PairRLE(), CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder())])
+        fast(make_batch(2, seed=0, image_size=96, dtype=torch.float64))
+    gm = fast.specializations[0].graph_module
+    regions = [n for n in gm.graph.nodes if isinstance(n.target, CapturedRegion)]
+    carried = {n: (_described(value(n)), node_facts(n)) for r in regions
+               for n in (r, *[u for u in r.users if u.target is operator.getitem])}
+    assert regions and all(n.meta.get(ANNOTATED) is not None for n in carried)
+    for node in carried:
+        del node.meta[ANNOTATED]
+    annotate_new(gm)
+    for node, (described, facts) in carried.items():
+        again = node_facts(node)
+        assert _described(value(node)) == described, node.name
+        assert (set(again.ops), again.writes_input, again.host_read, again.random, again.computes,
+                again.complete, again.torch_code) == (set(facts.ops), facts.writes_input, facts.host_read,
+                                                      facts.random, facts.computes, facts.complete,
+                                                      facts.torch_code), node.name
