@@ -50,7 +50,7 @@ from ..ir.proofs import BucketedSizes, proven
 from ..ir.runtime_op import RuntimeOp
 from ..ir.trace_ops import ReadSource, ReadState
 from .capture_rules import Verdict, launches_kernels, verdict
-from .meta import storages_of, tensors_in, value
+from .meta import metadata_unchanged, storages_of, tensors_in, value
 from .varying_rows import NONE as NO_VARYING_ROWS, VaryingRows, varying_rows
 from .ops import node_facts
 
@@ -224,7 +224,13 @@ def plan_regions(gm: fx.GraphModule, devices: Sequence[str] = ("cuda",),
                  min_region_ops: int = 4, count_copies: bool = True) -> CapturePlan:
     """Classify every node and group the capturable ones into regions (see module docstring)."""
     static = bucketed_symbols(gm)
-    varying = varying_rows(gm)
+    varying = varying_rows(gm)  # (propagates again: before the metadata is taken as fixed)
+    with metadata_unchanged():
+        return _plan_regions(gm, devices, min_region_ops, count_copies, static, varying)
+
+
+def _plan_regions(gm: fx.GraphModule, devices: Sequence[str], min_region_ops: int,
+                  count_copies: bool, static: frozenset, varying: VaryingRows) -> CapturePlan:
     local = candidates = local_write_candidates(gm.graph)
     eager_views: set[fx.Node] = set()
     while True:  # local writes whose regions do not hold what touches their memory: barriers;

@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from ..certificates.codes import note
 from ..ir.runtime_op import RuntimeOp
-from .meta import is_dynamic, tensors_in, value
+from .meta import node_is_dynamic, tensors_in, value
 from .ops import NodeFacts, node_facts
 
 
@@ -110,7 +110,7 @@ def _random(p: Probe) -> bool:
 
 
 def _dynamic(p: Probe) -> bool:
-    return any(is_dynamic(value(n), p.static) for n in (p.node, *p.node.all_input_nodes))
+    return any(node_is_dynamic(n, p.static) for n in (p.node, *p.node.all_input_nodes))
 
 
 def _eager_view(p: Probe) -> bool:

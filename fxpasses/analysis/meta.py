@@ -11,6 +11,8 @@ no device memory is used, so CUDA graphs can be planned on a CPU machine.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import operator
 from typing import Any, Callable, Sequence
 
@@ -405,18 +407,53 @@ def value(node: fx.Node) -> Any:
     return node.meta.get("val")
 
 
-def storages_of(node: fx.Node) -> set[int]:
+_CACHE: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fxpasses_analysis_cache", default=None)
+
+
+@contextlib.contextmanager
+def metadata_unchanged():
+    """While inside, no node's metadata changes: :func:`storages_of` and :func:`node_is_dynamic`
+    answer each node once (an analysis asks them tens of thousands of times per graph)."""
+    token = _CACHE.set({})
+    try:
+        yield
+    finally:
+        _CACHE.reset(token)
+
+
+def node_is_dynamic(node: fx.Node, static: frozenset = frozenset()) -> bool:
+    """:func:`is_dynamic` of ``node``'s value."""
+    cache = _CACHE.get()
+    if cache is None:
+        return is_dynamic(value(node), static)
+    key = ("dynamic", node, static)
+    if key not in cache:
+        cache[key] = is_dynamic(value(node), static)
+    return cache[key]
+
+
+def storages_of(node: fx.Node) -> frozenset[int]:
     """The storage ids ``node``'s tensors have in its graph's metadata; for the loss's state (a
     parameter, a buffer, a tensor it holds: ``get_attr``, ``ReadState``, ``ReadSource``) also
     those of the live tensor and of the fake copy propagation's ops ran on and recorded as read
     or written (``meta['val']`` holds another copy)."""
+    cache = _CACHE.get()
+    if cache is None:
+        return _storages_of(node)
+    key = ("storages", node)
+    if key not in cache:
+        cache[key] = _storages_of(node)
+    return cache[key]
+
+
+def _storages_of(node: fx.Node) -> frozenset[int]:
     ids = {storage_id(t) for t in tensors_in(value(node))}
     gm = node.graph.owning_module
     mode = getattr(gm, "meta", {}).get(_FAKE_MODE)
     live = _live_state(gm, node)
     if isinstance(live, torch.Tensor) and not isinstance(live, FakeTensor) and mode is not None:
         ids |= {storage_id(live), storage_id(mode.from_tensor(live))}
-    return ids
+    return frozenset(ids)
 
 
 def _live_state(gm: Any, node: fx.Node) -> Any:
