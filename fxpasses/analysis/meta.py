@@ -102,7 +102,7 @@ def _has_empty_tensor(values: Any) -> bool:
                for t in pytree.tree_leaves(values))
 
 
-class _PartialFakeTensorProp(FakeTensorProp):
+class PartialFakeTensorProp(FakeTensorProp):
     """FakeTensorProp that keeps going past a node it cannot propagate, and records node facts.
 
     A node that raises (typically a data-dependent guard such as BatchNorm's batch-size check on
@@ -220,13 +220,13 @@ def annotate(gm: fx.GraphModule, example_tensors: Sequence[torch.Tensor]) -> lis
     mode = fake_mode()
     fakes = [mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t
              for t in example_tensors]
-    prop = _PartialFakeTensorProp(gm, mode)
-    with _quiet_shape_env():
+    prop = PartialFakeTensorProp(gm, mode)
+    with quiet_shape_env():
         prop.propagate_dont_convert_inputs(*fakes)
     for node in gm.graph.nodes:
         node.meta[ANNOTATED] = _input_names(node)
-    gm.meta[_FAKE_MODE] = mode
-    gm.meta[_INPUTS] = dict(zip((n.name for n in gm.graph.find_nodes(op="placeholder")), fakes))
+    gm.meta[FAKE_MODE] = mode
+    gm.meta[FAKE_INPUTS] = dict(zip((n.name for n in gm.graph.find_nodes(op="placeholder")), fakes))
     return prop.failures
 
 
@@ -240,18 +240,18 @@ def annotate_new(gm: fx.GraphModule) -> list[tuple[fx.Node, Exception]]:
     before; no write, and no user that resizes it in place) keeps its old value, so its users
     are not run again: a pass that rewires one node (a constant index, a folded number)
     re-propagates that node, not all the graph below it."""
-    mode = gm.meta[_FAKE_MODE]
-    prop = _PartialFakeTensorProp(gm, mode)
+    mode = gm.meta[FAKE_MODE]
+    prop = PartialFakeTensorProp(gm, mode)
     fresh: set[fx.Node] = set()
     first_holder: dict[int, fx.Node] = {}  # each storage's first node, as metadata was
     replaced: list[dict] = []  # old metadata kept alive: storage ids stay unique while this runs
     for node in gm.graph.nodes:
         for storage in storages_of(node):
             first_holder.setdefault(storage, node)
-    with mode, _quiet_shape_env():
+    with mode, quiet_shape_env():
         for node in gm.graph.nodes:
             if node.op == "placeholder":  # objects and floats too, not only what meta holds
-                prop.env[node] = gm.meta[_INPUTS][node.name]
+                prop.env[node] = gm.meta[FAKE_INPUTS][node.name]
                 continue
             if node.op == "get_attr":  # a module, a constant: what propagation fetched
                 prop.env[node] = prop.fetch_attr(node.target)
@@ -378,11 +378,11 @@ def _input_names(node: fx.Node) -> tuple[str, ...]:
 
 
 ANNOTATED = "fxpasses.annotated"
-_FAKE_MODE = "fxpasses.fake_mode"
-_INPUTS = "fxpasses.fake_inputs"  # what the placeholders were propagated with
+FAKE_MODE = "fxpasses.fake_mode"  # gm.meta key: the fake mode its metadata lives in
+FAKE_INPUTS = "fxpasses.fake_inputs"  # gm.meta key: what the placeholders were propagated with
 
 
-def _quiet_shape_env():
+def quiet_shape_env():
     """Shape propagation with real values logs each decision it takes from them, and (torch 2.4)
     each data-dependent guard it fails on, which the failure's certificate reports: keep it quiet."""
     import contextlib
@@ -449,7 +449,7 @@ def storages_of(node: fx.Node) -> frozenset[int]:
 def _storages_of(node: fx.Node) -> frozenset[int]:
     ids = {storage_id(t) for t in tensors_in(value(node))}
     gm = node.graph.owning_module
-    mode = getattr(gm, "meta", {}).get(_FAKE_MODE)
+    mode = getattr(gm, "meta", {}).get(FAKE_MODE)
     live = _live_state(gm, node)
     if isinstance(live, torch.Tensor) and not isinstance(live, FakeTensor) and mode is not None:
         ids |= {storage_id(live), storage_id(mode.from_tensor(live))}

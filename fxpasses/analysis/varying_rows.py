@@ -31,7 +31,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from .ops import NODE_FACTS
-from .meta import _FAKE_MODE, _INPUTS, _PartialFakeTensorProp, _quiet_shape_env, value
+from .meta import FAKE_MODE, FAKE_INPUTS, PartialFakeTensorProp, quiet_shape_env, value
 
 _PROPAGATED = ("val", "unbacked_bindings", NODE_FACTS)
 
@@ -53,7 +53,7 @@ NONE = VaryingRows()
 
 
 def _row_tables(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
-    inputs = gm.meta.get(_INPUTS, {})
+    inputs = gm.meta.get(FAKE_INPUTS, {})
     tensors = {name: t for name, t in inputs.items() if isinstance(t, torch.Tensor) and t.dim() > 0}
     fixed = {d for t in tensors.values() if t.requires_grad for d in t.shape}
     if not fixed:  # no predictions: nothing says which sizes are the model's
@@ -113,11 +113,11 @@ def _size_differs(a: Any, b: Any) -> bool:
         return False
 
 
-def _old_value(gm: fx.GraphModule, prop: _PartialFakeTensorProp, node: fx.Node,
+def _old_value(gm: fx.GraphModule, prop: PartialFakeTensorProp, node: fx.Node,
                saved: dict[fx.Node, dict]) -> Any:
     """What ``node`` was propagated to before the probe (its metadata as annotated)."""
     if node.op == "placeholder":
-        return gm.meta[_INPUTS][node.name]
+        return gm.meta[FAKE_INPUTS][node.name]
     if node.op == "get_attr":
         return prop.fetch_attr(node.target)
     return saved[node].get("val") if node in saved else value(node)
@@ -127,11 +127,11 @@ def varying_rows(gm: fx.GraphModule) -> VaryingRows:
     """The nodes of an annotated ``gm`` whose value follows the row count of its row tables, and
     their readers (see the module docstring); every node's metadata is left as it was."""
     tables = _row_tables(gm)
-    mode = gm.meta.get(_FAKE_MODE)
+    mode = gm.meta.get(FAKE_MODE)
     if not tables or mode is None:
         return NONE
     probes = _probe_counts({t.shape[0] for t in tables.values()}, _graph_sizes(gm))
-    prop = _PartialFakeTensorProp(gm, mode)
+    prop = PartialFakeTensorProp(gm, mode)
     follow: set[fx.Node] = set()
     readers: set[fx.Node] = set()
     saved: dict[fx.Node, dict] = {}
@@ -139,7 +139,7 @@ def varying_rows(gm: fx.GraphModule) -> VaryingRows:
     level = fake_log.level
     fake_log.setLevel(logging.CRITICAL)  # an op failing at the probe count is a finding, not an error
     try:
-        with mode, _quiet_shape_env():
+        with mode, quiet_shape_env():
             for node in gm.graph.nodes:
                 if node.op == "placeholder":
                     table = tables.get(node.name)
