@@ -309,8 +309,11 @@ def carry_fused_metadata(call: fx.Node, inner: fx.GraphModule) -> bool:
                                               is_torch_code(user))
             user.meta[ANNOTATED] = _input_names(user)
             handed.append(user)
+    names = {h.name for h in handed}
     for reader in {u for h in handed for u in h.users if u not in handed and ANNOTATED in u.meta}:
-        reader.meta[ANNOTATED] = _input_names(reader)  # rewired to a node holding the same value
+        old, now = reader.meta[ANNOTATED], _input_names(reader)
+        if len(old) == len(now) and all(a == b or b in names for a, b in zip(old, now)):
+            reader.meta[ANNOTATED] = now  # rewired to a node holding the same value, nothing else
     return True
 
 
