@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from ..locations import node_location
 from ..ir.trace_ops import set_item
-from .meta import storages_of as meta_storages_of, tensors_in, value
+from .meta import storages_of, tensors_in, value
 
 _SIZE_METHODS = frozenset({"size", "dim", "numel", "nelement"})
 _SIZE_ATTRIBUTES = frozenset({"shape", "dtype", "device", "ndim"})
@@ -44,12 +44,10 @@ def reads_sizes_only(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is builtins.len
 
 
-def copy_on_write(graph: fx.Graph, write: fx.Node, written: frozenset[int],
-                  storages: dict[fx.Node, set[int]] | None = None) -> tuple[bool, dict]:
+def copy_on_write(graph: fx.Graph, write: fx.Node, written: frozenset[int]) -> tuple[bool, dict]:
     """Whether ``write`` (writing the storages ``written``) may run on a copy of its first
-    argument (see the module docstring), and the evidence. ``storages``: each node's storages
-    (:func:`.meta.storages_of`), when the caller asks about many writes of one graph."""
-    storages_of = _storages(storages)
+    argument (see the module docstring), and the evidence. (A caller asking about many writes of
+    one graph does so inside :func:`.meta.metadata_unchanged`: each node's storages once.)"""
     target = write.args[0] if write.args else None
     if not isinstance(target, fx.Node) or storages_of(target) != set(written) \
             or storages_of(write) != set(written):
@@ -69,7 +67,7 @@ def copy_on_write(graph: fx.Graph, write: fx.Node, written: frozenset[int],
         if not reads_sizes_only(node):
             stale = node
             break
-    evidence = {"written_by": _named(write), "memory_made_by": _named(_maker(nodes, written, storages_of)),
+    evidence = {"written_by": _named(write), "memory_made_by": _named(_maker(nodes, written)),
                 "elements_copied": _count(sum(t.numel() for t in tensors_in(value(target))))}
     if stale is None:
         return True, evidence | {"old_memory_read_after": "never"}
@@ -105,14 +103,7 @@ def _same_index(a: object, b: object) -> bool:
     return type(a) is type(b) and a == b
 
 
-def _storages(known: dict[fx.Node, set[int]] | None):
-    """:func:`.meta.storages_of`, through ``known`` (filled on the way) when given."""
-    if known is None:
-        return meta_storages_of
-    return lambda node: known[node] if node in known else known.setdefault(node, meta_storages_of(node))
-
-
-def _maker(nodes: list[fx.Node], written: frozenset[int], storages_of) -> fx.Node | None:
+def _maker(nodes: list[fx.Node], written: frozenset[int]) -> fx.Node | None:
     return next((n for n in nodes if storages_of(n) & written), None)
 
 

@@ -21,7 +21,7 @@ import torch.fx as fx
 from ..analysis.capture import CapturePlan, classify, plan_regions
 from ..analysis.capture_rules import Verdict
 from ..analysis.copy_on_write import copy_on_write
-from ..analysis.meta import ANNOTATED, annotate_new
+from ..analysis.meta import ANNOTATED, annotate_new, metadata_unchanged
 from ..analysis.ops import NODE_FACTS
 from ..certificates import Certificate, Check, Site
 from ..locations import node_location
@@ -37,9 +37,10 @@ def plan_with_copies(gm: fx.GraphModule, pass_name: str, devices: Sequence[str],
     plan = plan_regions(gm, devices, min_region_ops, count_copies)
     copied: list[Certificate] = []
     while True:
-        storages: dict = {}
-        decided = [(w, *copy_on_write(gm.graph, w, s, storages), classify(
-            w, devices, plan.static, local_writes=frozenset({w}), varying=plan.varying)) for w, s in plan.barrier_writes.items()]
+        with metadata_unchanged():
+            decided = [(w, *copy_on_write(gm.graph, w, s), classify(
+                w, devices, plan.static, local_writes=frozenset({w}), varying=plan.varying))
+                for w, s in plan.barrier_writes.items()]
         safe = [(w, evidence) for w, ok, evidence, alone in decided if ok and alone.capturable]
         if not safe:
             break

@@ -48,10 +48,10 @@ changed since the forward, it raises :class:`~.call_reads.StateChangedError` ins
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
 import itertools
 import threading
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 

@@ -15,7 +15,6 @@ inputs that receive their gradients.
 from __future__ import annotations
 
 from collections import Counter
-
 from typing import Any, Sequence
 
 import torch
