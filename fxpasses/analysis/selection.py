@@ -16,7 +16,11 @@ space is its *child* (``x[fg][visible]``: ``visible`` has a row per foreground a
 * every value carrying the rows must leave the region through a *boundary*: a reduction over the
   rows that the rewrite knows how to mask (``aten`` sum or mean, or a loss with
   ``reduction="sum"|"mean"``), a child's mask or source, a row-independent call (a fact proved by
-  PairCalls), or a graph output (sliced back to the true count).
+  PairCalls), a *scatter* back to the mask's own positions (``buf[m.nonzero(as_tuple=True)] =
+  rows``, :class:`Scatter`), or a graph output (sliced back to the true count).
+
+A mask whose shape holds a size read from data that no selection made (the most objects in
+one image) is a root, as one of static shape is: that size is the same for every row.
 
 The analysis reads the graph; it never changes it.
 """
@@ -37,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..ir.proofs import RowIndependentCall, proven
 from ..locations import node_location
-from ..ir.trace_ops import WriteAttribute
+from ..ir.trace_ops import WriteAttribute, set_item
 from .meta import value
 from .ops import aten_facts, node_facts
 from .row_counts import CountUse, count_uses, size_decisions
@@ -88,6 +92,19 @@ class Reduction:
     per_row: int = 1  # elements reduced per row (a mean divides by count * per_row)
 
 
+@dataclass(frozen=True)
+class Scatter:
+    """``buf[m.nonzero(as_tuple=True)] = rows`` (a ``set_item`` node): the space's rows written
+    back into a tensor shaped as ``m`` (leading dims) at the space's own positions, ``values``
+    carrying the rows on dim 0 (of ``rank`` dims). Padding positions repeat the last real one;
+    the rewrite makes the padding rows write the last real row's value, detached: the same write
+    as native's, and no gradient to a padding row."""
+
+    node: str
+    values: str
+    rank: int
+
+
 @dataclass
 class SpaceAnalysis:
     """What :func:`analyze_space` found: a refusal code (None: the rows may be padded), its
@@ -103,6 +120,7 @@ class SpaceAnalysis:
     calls: tuple[str, ...] = ()  # row-independent calls the rows go through
     exits: tuple[tuple[str, int], ...] = ()  # every value whose rows leave other than reduced
     counts: tuple[CountUse, ...] = ()  # sizes of the rows read as values: the true count
+    scatters: tuple[Scatter, ...] = ()  # rows written back at the mask's positions
 
 
 # -- finding the spaces ----------------------------------------------------------------------
@@ -173,7 +191,9 @@ def find_spaces(gm: fx.GraphModule) -> list[Space]:
         own = frozenset().union(*(symbols_of(value(s)) for s in sites)) - inherited - carried
         parents = {owner[s] for s in inherited if s in owner}
         parent = next(iter(parents)) if len(parents) == 1 else None
-        level = spaces[parent].level + 1 if parent else (1 if not inherited else 0)
+        # no parent: a root (level 1), its shape static or sized by data no selection made;
+        # the rows of several selections: level 0, refused
+        level = spaces[parent].level + 1 if parent else (0 if parents else 1)
         spaces[mask.name] = Space(mask.name, tuple(s.name for s in sites), own, parent, level,
                                   value(mask).dim(), tuple(s.name for s in sites if is_coordinates(s)))
         for symbol in own:
@@ -245,6 +265,7 @@ class _Region:
     calls: list[fx.Node]
     problems: list[str]
     writes: list[fx.Node]  # attribute writes of values that carry the rows
+    scatters: dict[fx.Node, Scatter]  # rows written back at the mask's positions
 
 
 def region_of(gm: fx.GraphModule, space: Space) -> _Region:
@@ -253,7 +274,7 @@ def region_of(gm: fx.GraphModule, space: Space) -> _Region:
         return bool(symbols_of(value(n)) & space.symbols)
 
     sites = set(space.sites)
-    nodes, producers, reductions, calls, problems, writes = [], [], {}, [], [], []
+    nodes, producers, reductions, calls, problems, writes, scatters = [], [], {}, [], [], [], {}
     for node in gm.graph.nodes:
         if node.name in sites:
             producers.append(node)
@@ -263,6 +284,10 @@ def region_of(gm: fx.GraphModule, space: Space) -> _Region:
             continue
         if node.op == "call_function" and isinstance(node.target, WriteAttribute):
             writes.append(node)  # padding rows, or the capacity, would be kept in the attribute
+            continue
+        scatter = _scatter(node, space, carries)
+        if scatter is not None:
+            scatters[node] = scatter
             continue
         facts = node_facts(node)
         if facts is None or not facts.complete:
@@ -284,7 +309,43 @@ def region_of(gm: fx.GraphModule, space: Space) -> _Region:
             if not found.argument:
                 continue
         nodes.append(node)
-    return _Region(nodes, producers, reductions, calls, problems, writes)
+    return _Region(nodes, producers, reductions, calls, problems, writes, scatters)
+
+
+def _scatter(node: fx.Node, space: Space, carries: Callable[[fx.Node], bool]) -> Scatter | None:
+    """``node`` as a :class:`Scatter` of ``space``: ``set_item(buf, positions, rows)`` where
+    ``positions`` are the parts of the space's ``m.nonzero(as_tuple=True)`` in order, ``buf``
+    (not carrying the rows) has ``m``'s shape as its leading dims and ``rows`` is shaped as one
+    value per position: ``(rows, *buf.shape[m.dim():])``. Else None."""
+    if node.op != "call_function" or node.target is not set_item or len(node.args) != 3 or node.kwargs:
+        return None
+    buf, index, rows = node.args
+    if not isinstance(buf, fx.Node) or carries(buf) or not isinstance(rows, fx.Node) or \
+            not carries(rows) or not isinstance(index, tuple) or len(index) != space.rank:
+        return None
+    if [_coordinate_part(i, space) for i in index] != list(range(space.rank)):
+        return None
+    mask, b, v = value(index[0].args[0].args[0]), value(buf), value(rows)
+    if not all(isinstance(t, torch.Tensor) for t in (mask, b, v)) or \
+            v.dim() != b.dim() - space.rank + 1 or not symbols_of(v.shape[0]) <= space.symbols or \
+            not symbols_of(v.shape[0]):
+        return None
+    if [str(s) for s in b.shape[:space.rank]] != [str(s) for s in mask.shape] or \
+            [str(s) for s in b.shape[space.rank:]] != [str(s) for s in v.shape[1:]]:
+        return None
+    return Scatter(node.name, rows.name, v.dim())
+
+
+def _coordinate_part(node: Any, space: Space) -> int | None:
+    """``d`` for ``m.nonzero(as_tuple=True)[d]`` of one of the space's sites, else None."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or \
+            node.target is not operator.getitem or not isinstance(node.args[1], int):
+        return None
+    site = node.args[0]
+    if not isinstance(site, fx.Node) or site.name not in space.positions or \
+            not site.kwargs.get("as_tuple", False):
+        return None
+    return node.args[1]
 
 
 # -- tracing the region ----------------------------------------------------------------------
@@ -514,10 +575,11 @@ def _boundaries(gm: fx.GraphModule, space: Space, region: _Region, rows_of: dict
             bad.append((node, "reduces a value whose rows are not known"))
     evidence["boundaries"] = {"masked_reductions": len(reductions),
                               "child_masks": len(child_masks), "sliced_outputs": len(outputs)}
+    evidence["boundaries"]["scatters"] = len(region.scatters)
     analysis = SpaceAnalysis(space, None, evidence, tuple(n.name for n in region.nodes),
                              tuple(reductions), tuple(dict.fromkeys(child_masks)),
                              tuple(dict.fromkeys(outputs)), tuple(c.name for c in region.calls),
-                             tuple(dict.fromkeys(exits)))
+                             tuple(dict.fromkeys(exits)), scatters=tuple(region.scatters.values()))
     if bad:
         user, reason = bad[0]
         evidence.update(op=str(getattr(user.target, "__name__", user.target)), node=user.name,
@@ -542,6 +604,9 @@ def _boundary(user: fx.Node, node: fx.Node, found: RowValue, region: _Region, re
         return None
     if user in region.calls:
         return None if dim == 0 else f"rows on dim {dim} go into a row-independent call (dim 0)"
+    scatter = region.scatters.get(user)
+    if scatter is not None:  # the positions, or the rows written at them
+        return None if dim == 0 else f"rows on dim {dim} written at the mask's positions (dim 0)"
     reduced = region.reductions.get(user)
     if reduced is not None and reduced.rows == node.name:
         rank = len(found.shape)

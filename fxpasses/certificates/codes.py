@@ -203,7 +203,7 @@ _CODES = (
     # -- selections with a static capacity (SelectRows) -----------------------------------
     Code("select-mask-shape", "refusal",
          "The boolean mask does not index the leading dims of what it selects from, or its shape "
-         "depends on data other than the rows of another selection.",
+         "holds the rows of several selections (every pair of two selections' rows).",
          "Select with a mask shaped as the leading dims of the tensor (x[m], m.shape == "
          "x.shape[:m.dim()])."),
     Code("select-boundary", "refusal",

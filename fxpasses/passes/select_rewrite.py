@@ -12,10 +12,13 @@ For each space (a mask and its selections) of one level (see :mod:`fxpasses.anal
     mean(v) ==> sum(v.masked_fill(~valid, 0)) / (count * elements per row)
     loss(a, b, reduction=r) ==> reduce_r(loss(a, b, reduction="none").masked_fill(~valid, 0))
     y[m2]  ==>  y[m2 & valid]                      # a child never selects padding rows
+    buf[m.nonzero(as_tuple=True)] = v  ==>  buf[positions] = where(valid, v, v[last].detach())
     (n,)   = CheckCounts(C, count)                 # the host read: as late as is safe
     out    ==>  out.narrow(row_dim, 0, n)          # rows handed to the caller
 
-``masked_fill``, not a product: a padding row's value is a real row's, finite where that row's
+A scatter's padding positions repeat the last real one (``last``: row ``count - 1``), so its
+padding rows write that row's value again, bitwise (one value per position, whichever write
+lands last), and their gradient, ``grad[positions]``, goes nowhere. ``masked_fill``, not a product: a padding row's value is a real row's, finite where that row's
 is, but ``0 * inf`` would be NaN. No node waits for the count on the host, so nothing moves: the
 capacity comes first (it reads no tensor), and the read comes before the first node after the
 count that could show or suffer from a count that did not fit (:func:`check_point`): a visible
@@ -301,7 +304,7 @@ def _space(gm: fx.GraphModule, analysis: SpaceAnalysis, mask: fx.Node, count: fx
     for reduction in analysis.reductions:
         _mask_reduction(graph, named, reduction, invalid, count, made)
     for name, dim in analysis.child_masks:  # y[m2] ==> y[m2 & valid]: never a padding row
-        child = named[name]
+        child = masks.get(name, named[name])  # and-ed already by another parent of this level
         with graph.inserting_after(child):
             shaped = _made(graph.call_method("view", (valid, _along(dim, ranks[name]))), child, made)
         with graph.inserting_after(shaped):
@@ -310,6 +313,8 @@ def _space(gm: fx.GraphModule, analysis: SpaceAnalysis, mask: fx.Node, count: fx
             if _selects_by(user, child):
                 user.replace_input_with(child, kept)
         masks[name] = kept
+    for scatter in analysis.scatters:  # padding rows write the last real row's value again
+        _scatter_real_rows(graph, named, scatter, valid, count, capacity, made)
     for use in analysis.counts:  # rows.shape[0] as a value ==> the true count, on the device
         user = named[use.user]
         with graph.inserting_before(user):
@@ -329,10 +334,7 @@ def _coordinates(graph: fx.Graph, site: fx.Node, mask: fx.Node, rank: int, count
             return _made(graph.call_function(target, args, kwargs), site, made)
 
     found = add(torch.nonzero_static, mask, size=capacity, fill_value=-1)  # (C, m.dim())
-    # the row of the last real position: count - 1 (beyond the capacity: some real row, the
-    # call is abandoned at the read; with no real row: row 0, all -1, clamped to 0)
-    last = add(torch.remainder, add(torch.clamp, add(operator.sub, count, 1), min=0), capacity)
-    last = add(torch.clamp, add(torch.index_select, found, 0, add(torch.reshape, last, (1,))), min=0)
+    last = add(torch.clamp, add(torch.index_select, found, 0, _last_row(add, count, capacity)), min=0)
     positions = add(torch.where, add(operator.ge, found, 0), found, last)
     cleaned.add(positions)
     if not site.kwargs.get("as_tuple", False):
@@ -351,6 +353,28 @@ def _coordinates(graph: fx.Graph, site: fx.Node, mask: fx.Node, rank: int, count
             user.kwargs = fx.node.map_arg(user.kwargs, lambda n: parts if n is site else n)
     graph.erase_node(site)
     return None
+
+
+def _last_row(add: Any, count: fx.Node, capacity: fx.Node) -> fx.Node:
+    """The row of the last real position, as a 1-element index: ``count - 1`` (beyond the
+    capacity: some real row, the call is abandoned at the read; with no real row: row 0)."""
+    last = add(torch.remainder, add(torch.clamp, add(operator.sub, count, 1), min=0), capacity)
+    return add(torch.reshape, last, (1,))
+
+
+def _scatter_real_rows(graph: fx.Graph, named: dict[str, fx.Node], scatter: Any, valid: fx.Node,
+                       count: fx.Node, capacity: fx.Node, made: set[fx.Node]) -> None:
+    """``buf[positions] = v`` ==> ``buf[positions] = where(valid, v, v[last].detach())``."""
+    node, rows = named[scatter.node], named[scatter.values]
+
+    def add(target: Any, *args: Any, method: bool = False, **kwargs: Any) -> fx.Node:
+        with graph.inserting_before(node):
+            create = graph.call_method if method else graph.call_function
+            return _made(create(target, args, kwargs), node, made)
+
+    last = add("detach", add(torch.index_select, rows, 0, _last_row(add, count, capacity)), method=True)
+    shaped = add("view", valid, _along(0, scatter.rank), method=True)
+    node.replace_input_with(rows, add(torch.where, shaped, rows, last))
 
 
 def _selects_by(node: fx.Node, mask: fx.Node) -> bool:
@@ -427,8 +451,10 @@ def check_point(gm: fx.GraphModule, planned: fx.Node | None, start: fx.Node, mad
     padded = downstream(to_digraph(graph), [planned]) if planned is not None else set(graph.nodes)
     external = external_storages(gm)
     cleaned = set(cleaned)
+    nonzero: set = set()  # size symbols a guard before has checked to be nonzero
     seen = False
     for node in graph.nodes:
+        nonzero |= _nonzero_sizes(node)
         if node is start:
             seen = True
             continue
@@ -438,7 +464,7 @@ def check_point(gm: fx.GraphModule, planned: fx.Node | None, start: fx.Node, mad
             return node, "the output"
         state_read = planned is None and reads_state_element(node)  # the same on any branch
         why = _shows(node, external) or (
-            _suffers(node, padded, cleaned) if node in padded and not state_read else None)
+            _suffers(node, padded, cleaned, nonzero) if node in padded and not state_read else None)
         if why:
             return node, why
         if node in padded and _keeps_cleaned(node, cleaned):
@@ -480,8 +506,10 @@ def _shows(node: fx.Node, external: set[int]) -> str | None:
     return None
 
 
-def _suffers(node: fx.Node, padded: set[fx.Node], cleaned: set[fx.Node]) -> str | None:
-    """Why ``node``, downstream of the gathers, may fail or decide on rows that did not fit."""
+def _suffers(node: fx.Node, padded: set[fx.Node], cleaned: set[fx.Node], nonzero: set) -> str | None:
+    """Why ``node``, downstream of the gathers, may fail or decide on rows that did not fit. A
+    cleaned index (0 for an empty selection) is valid only into dims of at least one element:
+    static, or a size read from data that a guard before has checked nonzero (``nonzero``)."""
     if isinstance(node.target, GuardOp) and node.target.reads_values and \
             any(tensors_in(value(a)) for a in node.all_input_nodes):
         return "a host read of values downstream of the gathers"  # bool(tensor), a compared value
@@ -491,11 +519,47 @@ def _suffers(node: fx.Node, padded: set[fx.Node], cleaned: set[fx.Node]) -> str 
     if facts.host_read:
         return "a host read of values downstream of the gathers"
     if any(op.startswith(_INDEXING) for op in facts.ops):
-        indices = [a for a in node.all_input_nodes if a in padded and
-                   any(not _floating(t) and t.dtype != torch.bool for t in tensors_in(value(a)))]
+        indices = [a for a in node.all_input_nodes if a in padded and (a in cleaned or
+                   any(not _floating(t) and t.dtype != torch.bool for t in tensors_in(value(a))))]
         if any(a not in cleaned for a in indices):
             return "an index op whose index depends on the gathered rows"
+        indexed = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        if indices and indexed is not None and indexed not in indices and \
+                not all(_at_least_one(d, nonzero) for t in tensors_in(value(indexed)) for d in t.shape):
+            return "an index op into a dim whose size, read from data, may be zero"
     return None
+
+
+def _at_least_one(size: Any, nonzero: set) -> bool:
+    """A dim known to hold an element: a static size >= 1, a symbol checked nonzero, or the
+    minimum or maximum of such."""
+    if isinstance(size, int):
+        return size >= 1
+    expr = size.node.expr if isinstance(size, torch.SymInt) else size
+    if expr.is_Integer:
+        return int(expr) >= 1
+    if expr.is_Symbol:
+        return expr in nonzero
+    return expr.func.__name__ in ("Min", "Max") and all(_at_least_one(a, nonzero) for a in expr.args)
+
+
+def _nonzero_sizes(node: fx.Node) -> set:
+    """The size symbols a guard ``node`` checks nonzero: ``if n == 0:`` seen False (``bool(n ==
+    0)``, or ``n != 0`` / ``n > 0`` seen True), ``n`` a size read from data."""
+    if node.op != "call_function" or not isinstance(node.target, GuardOp) or not node.args:
+        return set()
+    test = node.args[0]
+    if isinstance(test, fx.Node) and test.op == "call_function" and test.target is bool and test.args:
+        test = test.args[0]
+    if not isinstance(test, fx.Node) or test.op != "call_function" or len(test.args) != 2 or \
+            test.args[1] != 0 or not isinstance(test.args[0], fx.Node):
+        return set()
+    expected = {operator.eq: False, operator.ne: True, operator.gt: True}.get(test.target)
+    size = test.args[0].meta.get("val")
+    if expected is None or node.target.expected is not expected or \
+            not isinstance(size, torch.SymInt) or not size.node.expr.is_Symbol:
+        return set()
+    return {size.node.expr}
 
 
 def _keeps_cleaned(node: fx.Node, cleaned: set[fx.Node]) -> bool:

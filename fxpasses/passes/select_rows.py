@@ -112,9 +112,9 @@ class SelectRows:
                                None if s.parent is None or ok else "select-parent-refused")
                 checks[s.mask].insert(1, parent)
             ready = [s for s in members if all(c.ok for c in checks[s.mask])]
-            if ready:
-                witness, check = self._witness(gm, [analyses[s.mask] for s in ready])
-                for s in ready:
+            for group in _witness_groups(ready, lambda group: self._witness(
+                    gm, [analyses[s.mask] for s in group])):
+                for s, (witness, check) in group.items():
                     checks[s.mask].append(check)
                     witnesses[s.mask] = witness
                     if check.ok:
@@ -216,6 +216,25 @@ class SelectRows:
                     f"{len(sites)} selection(s) by mask {space.mask} (level {space.level})")
         return Certificate.from_checks(self.name, site, checks, effect=effect, guards=guards,
                                        witness=witness)
+
+
+def _witness_groups(ready: list[Space], witness: Any) -> list[dict[Space, tuple[Any, Check]]]:
+    """Witnesses of the level's ready spaces, so that those applied were witnessed together
+    (they are rewritten together): all of them; where that fails, each alone, then those that
+    passed alone together; where that fails too, the first of them alone."""
+    if not ready:
+        return []
+    together = witness(ready)
+    if together[1].ok or len(ready) == 1:
+        return [dict.fromkeys(ready, together)]
+    alone = {s: witness([s]) for s in ready}
+    passed = [s for s in ready if alone[s][1].ok]
+    if len(passed) > 1:
+        joint = witness(passed)
+        if joint[1].ok:
+            return [{s: alone[s] for s in ready if s not in passed}, dict.fromkeys(passed, joint)]
+        return [{s: alone[s] if s is passed[0] or s not in passed else joint for s in ready}]
+    return [alone]
 
 
 def _mask_shape(named: dict[str, fx.Node], space: Space) -> Check:

@@ -16,8 +16,9 @@ on drawn masks:
   natively), never return a value.
 
 Unselected positions of the selected tensors hold NaN, +inf and -inf; everything else is uniform
-in [0.5, 1.5) (integers zero: a valid index). Values and the gradients of every floating input
-and every parameter must match; a non-finite value matches only the same non-finite value, except
+in [0.5, 1.5) (integers zero: a valid index, and so floats the level casts to integers). Values and the gradients of every floating input
+(but a scatter's buffer, written in place: a copy per run, its written positions compared in the
+values) and every parameter must match; a non-finite value matches only the same non-finite value, except
 that a gradient's non-finite entries need only sit where native's do: a padding row copies a real
 row, and where that row's gradient is infinite (a singular op at drawn values), the padding row's
 masked-out share is ``0 * inf``, NaN, added to it (or to a parameter's), where native has the inf.
@@ -58,7 +59,8 @@ def level_module(gm: fx.GraphModule, analyses: list[SpaceAnalysis]) -> fx.GraphM
     """The level's sites, regions, reductions and row-independent calls (with their parts) as
     one GraphModule of their inputs."""
     names = {s for a in analyses for s in (*a.space.sites, *a.region, *a.calls,
-                                            *(r.node for r in a.reductions))}
+                                            *(r.node for r in a.reductions),
+                                            *(w.node for w in a.scatters))}
     nodes = [n for n in gm.graph.nodes if n.name in names or
              (n.op == "call_function" and n.target is operator.getitem and
               isinstance(n.args[0], fx.Node) and n.args[0].name in names and n.args[0].name in
@@ -93,16 +95,21 @@ def selection_witness(gm: fx.GraphModule, analyses: list[SpaceAnalysis], seed: i
     masks = sorted({a.space.mask for a in analyses})
     sources = {site_source(n).name: site_mask(n).name for n in native.graph.nodes
                if n.name in {s for a in analyses for s in a.space.sites} and site_source(n) is not None}
+    written = {n.args[0].name for n in native.graph.nodes  # scatters' buffers: no gradient
+               if n.name in {w.node for a in analyses for w in a.scatters}}
+    indexing = {p.name for p in placeholders if _cast_to_integer(p)}
     parents = frozenset().union(*(symbols_of(meta_value(p)) for p in placeholders))
     sizes = dict.fromkeys(parents, PARENT_ROWS)
     traced = {m: tuple(concrete_size(s, sizes) for s in value(_named(native, m)).shape)
               for m in masks}
     try:
         shapes = {m: _shrunk(shape) for m, shape in traced.items()}
-        cases = _run_cases(native, rewritten, capacities, placeholders, shapes, sources, sizes, seed)
+        cases = _run_cases(native, rewritten, capacities, placeholders, shapes, sources, sizes, seed,
+                           written, indexing)
     except Exception:  # the level reads the mask's sizes somewhere: witness it as traced
         shapes = traced
-        cases = _run_cases(native, rewritten, capacities, placeholders, shapes, sources, sizes, seed)
+        cases = _run_cases(native, rewritten, capacities, placeholders, shapes, sources, sizes, seed,
+                           written, indexing)
     return Witness(seed=seed, dtype="torch.float64",
                    shapes={"masks": {m: shapes[m] for m in masks},
                            "traced_masks": {m: traced[m] for m in masks},
@@ -126,13 +133,15 @@ def _shrunk(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def _run_cases(native: fx.GraphModule, rewritten: fx.GraphModule, capacities: dict[str, Capacities],
                placeholders: list[fx.Node], shapes: dict[str, tuple[int, ...]],
-               sources: dict[str, str], sizes: dict, seed: int) -> dict[str, tuple[float, float, dict]]:
+               sources: dict[str, str], sizes: dict, seed: int, written: set[str],
+               indexing: set[str]) -> dict[str, tuple[float, float, dict]]:
     masks = sorted(shapes)
     out = {}
     for case, counts, caps in _cases([math.prod(shapes[m]) for m in masks]):
         generator = torch.Generator().manual_seed(seed + len(out))
         chosen = {m: _mask(shapes[m], n, generator) for m, n in zip(masks, counts)}
-        inputs = [_input(p, chosen, sources, sizes, generator) for p in placeholders]
+        inputs = [_input(p, chosen, sources, sizes, generator, p.name not in written,
+                         p.name in indexing) for p in placeholders]
         for m, cap in zip(masks, caps):
             capacities[m].value = cap
         expect = "selection-empty" if 0 in counts else \
@@ -174,7 +183,7 @@ def _mask(shape: tuple[int, ...], count: int, generator: torch.Generator) -> tor
 
 
 def _input(node: fx.Node, masks: dict, sources: dict, sizes: dict,
-           generator: torch.Generator) -> Any:
+           generator: torch.Generator, differentiated: bool = True, indexing: bool = False) -> Any:
     if node.name in masks:
         return masks[node.name]
     val = meta_value(node)
@@ -185,18 +194,41 @@ def _input(node: fx.Node, masks: dict, sources: dict, sizes: dict,
                       torch.float64)
     if not (isinstance(x, torch.Tensor) and x.is_floating_point()):
         return x
+    if indexing:  # floats cast to an index (class labels): zero, a valid index, as integers are
+        x = torch.zeros_like(x)
     if mask is not None:  # unselected positions must never matter
         poison = torch.tensor(_POISON, dtype=torch.float64)[torch.arange(x[~mask].numel()) % 3]
         x[~mask] = poison.view(-1, *x.shape[mask.dim():]) if x.dim() > mask.dim() else poison
-    return x.requires_grad_(True)  # every floating input: its gradient is compared
+    return x.requires_grad_(differentiated)  # every floating input but one written in place
+
+
+_INTEGER_CASTS = ("long", "int", "short", "byte", "char")
+
+
+_VIEWS = ("view", "reshape", "squeeze", "unsqueeze", "flatten", "expand", "select", "narrow")
+
+
+def _cast_to_integer(node: fx.Node) -> bool:
+    """Whether ``node``'s values, directly or through indexing and views, are cast to an integer
+    dtype (``labels[b, g, 0].long()``): they become an index."""
+    for user in node.users:
+        dtypes = [a for a in (*user.args, *user.kwargs.values()) if isinstance(a, torch.dtype)]
+        if user.op == "call_method" and (user.target in _INTEGER_CASTS or user.target == "to" and any(
+                not d.is_floating_point and not d.is_complex and d != torch.bool for d in dtypes)):
+            return True
+        through = user.op == "call_function" and user.target is operator.getitem or \
+            user.op == "call_method" and user.target in _VIEWS
+        if through and user.args[0] is node and _cast_to_integer(user):
+            return True
+    return False
 
 
 def _run(module: fx.GraphModule, inputs: list[Any], seed: int) -> tuple[list[Any], list[Any]]:
     """Outputs, and gradients of every input that requires grad and every parameter."""
     module = copy.deepcopy(module).to(torch.device("cpu"), torch.float64)  # where its inputs are
     _float64_dtype_arguments(module)
-    inputs = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
-              for x in inputs]
+    inputs = [x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor)
+              else x for x in inputs]  # a copy each run: a scatter writes its buffer in place
     outputs = pytree.tree_leaves(_Witnessed(module).run(*inputs))
     wrt = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
     wrt += [p for p in module.parameters() if p.requires_grad]

@@ -299,12 +299,34 @@ class FromUnique(nn.Module):
         return picked[keep].sum()
 
 
-def test_mask_shaped_by_other_data_is_refused():
+def test_a_mask_sized_by_other_data_is_a_root_and_rewritten():
     points, _, _, fg, _ = branch_inputs("random", 5, poison=False)
     module = FromUnique()
     fast, certs = _select_certificates(module, points, fg)
-    assert certs["gt"].codes == ("select-mask-shape",)
-    torch.testing.assert_close(fast(points, fg), module(points, fg))
+    assert certs["gt"].codes == () and certs["gt"].effect["level"] == 1  # U is the same for every row
+    for seed in range(3):
+        points, _, _, fg, _ = branch_inputs("random", 5 + seed, poison=False)
+        assert_same(module, fast, [points, fg])
+
+
+class PairsOfTwoSelections(nn.Module):
+    """A mask over every pair of two selections' rows: its shape holds both counts."""
+
+    def forward(self, x, m1, m2):
+        a, b = x[m1][:, 0], x[m2][:, 1]
+        pairs = a[:, None] * b[None, :]  # (u1, u2)
+        return pairs[pairs > 1].sum()
+
+
+def test_a_mask_over_two_selections_rows_is_refused():
+    torch.manual_seed(0)
+    x = torch.rand(12, 2, dtype=torch.float64) * 2
+    m1, m2 = torch.rand(12) > 0.4, torch.rand(12) > 0.6
+    module = PairsOfTwoSelections()
+    fast, certs = _select_certificates(module, x, m1, m2)
+    (pair,) = [c for c in certs.values() if c.effect["level"] == 0]
+    assert "select-mask-shape" in pair.codes
+    torch.testing.assert_close(fast(x, m1, m2), module(x, m1, m2))
 
 
 def test_the_witness_catches_an_unmasked_reduction(monkeypatch):

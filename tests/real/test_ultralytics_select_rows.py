@@ -3,11 +3,14 @@
 all persons in one image, persons without a visible keypoint (stored as zeros, as Ultralytics'
 datasets store them).
 
-Per branch the loss selects three times: the foreground anchors (``masks``, with
+Per branch the loss selects four times: the assigner's candidate (image, target, anchor) pairs
+(``mask_gt.nonzero(as_tuple=True)``, tal.py:232, scored per pair and written back at their
+positions, tal.py:239-240; the mask is sized by the most persons in an image, a root), the
+foreground anchors (``masks``, with
 ``masks.nonzero(as_tuple=True)`` indexing, loss.py:1005-1008 and BboxLoss, loss.py:140), their
 visible keypoints (``kpt_mask``, loss.py:942-949) and, of those, the rows the NaN/inf filter keeps
 (``valid_mask``, loss.py:961-964). All three are rewritten (``RLELoss``'s ``loss /= len(loss)``,
-loss.py:225, is a symbolic size, not a guard); the assigner's ``nonzero`` (level 0) is refused.
+loss.py:225, is a symbolic size, not a guard), and so are the assigner's pairs.
 Values, loss items, every prediction's gradient and the flow's parameter gradients equal native
 within float32 rounding; the flow's linear calls, counted by executing, are halved.
 
@@ -104,14 +107,13 @@ def test_pair_and_select_equal_native_on_realistic_batches(pose_model, case):
     assert all(p.grad is not None and (p.grad.abs().sum() > 0 or poisoned) for p in flow) \
         or case == "unlabelled"
     levels = _levels(fast)
-    assert levels[1] == [(True, ())] * 2  # the foreground anchors of both branches
+    assert levels[1] == [(True, ())] * 4  # the assigner's pairs, the foreground anchors: both branches
     if case == "unlabelled":  # kpt_mask.any() is False: nothing selected by it
-        assert set(levels) == {0, 1}
+        assert set(levels) == {1}
         return
     assert levels[2] == [(True, ())] * 2  # their visible keypoints
     assert levels[3] == [(True, ())] * 2  # the NaN/inf filter's rows; len(loss) symbolic
-    assert len(levels[0]) == 2 and all(not applied and "select-mask-shape" in codes
-                                       for applied, codes in levels[0])  # the assigner's nonzero
+    assert 0 not in levels
 
 
 def test_the_flows_linear_calls_are_halved_by_executing(pose_model):
