@@ -573,9 +573,8 @@ def _boundaries(gm: fx.GraphModule, space: Space, region: _Region, rows_of: dict
     for node, reduced in region.reductions.items():
         if not reduced.argument and not any(r.node == reduced.node for r in reductions):
             bad.append((node, "reduces a value whose rows are not known"))
-    evidence["boundaries"] = {"masked_reductions": len(reductions),
-                              "child_masks": len(child_masks), "sliced_outputs": len(outputs)}
-    evidence["boundaries"]["scatters"] = len(region.scatters)
+    evidence["boundaries"] = {"masked_reductions": len(reductions), "child_masks": len(child_masks),
+                              "sliced_outputs": len(outputs), "scatters": len(region.scatters)}
     analysis = SpaceAnalysis(space, None, evidence, tuple(n.name for n in region.nodes),
                              tuple(reductions), tuple(dict.fromkeys(child_masks)),
                              tuple(dict.fromkeys(outputs)), tuple(c.name for c in region.calls),

@@ -18,8 +18,8 @@ For each space (a mask and its selections) of one level (see :mod:`fxpasses.anal
 
 A scatter's padding positions repeat the last real one (``last``: row ``count - 1``), so its
 padding rows write that row's value again, bitwise (one value per position, whichever write
-lands last), and their gradient, ``grad[positions]``, goes nowhere. ``masked_fill``, not a product: a padding row's value is a real row's, finite where that row's
-is, but ``0 * inf`` would be NaN. No node waits for the count on the host, so nothing moves: the
+lands last), and their gradient, ``grad[positions]``, goes nowhere. ``masked_fill``, not a
+product: a padding row's value is a real row's, finite where that row's is, but ``0 * inf`` would be NaN. No node waits for the count on the host, so nothing moves: the
 capacity comes first (it reads no tensor), and the read comes before the first node after the
 count that could show or suffer from a count that did not fit (:func:`check_point`): a visible
 effect, a host read of values downstream of the gathers, an index op whose index depends on them

@@ -219,22 +219,24 @@ class SelectRows:
 
 
 def _witness_groups(ready: list[Space], witness: Any) -> list[dict[Space, tuple[Any, Check]]]:
-    """Witnesses of the level's ready spaces, so that those applied were witnessed together
-    (they are rewritten together): all of them; where that fails, each alone, then those that
-    passed alone together; where that fails too, the first of them alone."""
+    """Witnesses of the level's ready spaces such that those applied were witnessed together
+    (they are rewritten together): all at once; where that fails, one at a time, each kept if
+    the witness of it with those kept before holds (one space's refusal leaves the others theirs)."""
     if not ready:
         return []
     together = witness(ready)
     if together[1].ok or len(ready) == 1:
         return [dict.fromkeys(ready, together)]
-    alone = {s: witness([s]) for s in ready}
-    passed = [s for s in ready if alone[s][1].ok]
-    if len(passed) > 1:
-        joint = witness(passed)
-        if joint[1].ok:
-            return [{s: alone[s] for s in ready if s not in passed}, dict.fromkeys(passed, joint)]
-        return [{s: alone[s] if s is passed[0] or s not in passed else joint for s in ready}]
-    return [alone]
+    kept: list[Space] = []
+    refused: dict[Space, tuple[Any, Check]] = {}
+    last = None
+    for space in ready:
+        trial = witness([*kept, space])
+        if trial[1].ok:
+            kept, last = [*kept, space], trial
+        else:
+            refused[space] = trial
+    return [refused, dict.fromkeys(kept, last)] if kept else [refused]
 
 
 def _mask_shape(named: dict[str, fx.Node], space: Space) -> Check:

@@ -16,10 +16,10 @@ on drawn masks:
   natively), never return a value.
 
 Unselected positions of the selected tensors hold NaN, +inf and -inf; everything else is uniform
-in [0.5, 1.5) (integers zero: a valid index, and so floats the level casts to integers). Values and the gradients of every floating input
-(but a scatter's buffer, written in place: a copy per run, its written positions compared in the
-values) and every parameter must match; a non-finite value matches only the same non-finite value, except
-that a gradient's non-finite entries need only sit where native's do: a padding row copies a real
+in [0.5, 1.5) (integers zero: a valid index, and so floats the level casts to integers). Values
+and the gradients of every floating input (but a scatter's buffer, written in place: a copy per
+run, its written positions compared in the values) and every parameter must match; a non-finite
+value matches only the same non-finite value, except that a gradient's non-finite entries need only sit where native's do: a padding row copies a real
 row, and where that row's gradient is infinite (a singular op at drawn values), the padding row's
 masked-out share is ``0 * inf``, NaN, added to it (or to a parameter's), where native has the inf.
 Finite gradients stay exact: a padding row's share is zero wherever the row it copies has a
