@@ -11,12 +11,16 @@ is set. Gradient tests compare at equal parameters; the training test runs five 
 Limits come from measurement on the H200 (torch 2.11): the network's convolutions run with cuDNN's
 TF32 by default, so its graph replay alone (``graphed``, no fxpasses code) differs from eager by up
 to 1.05e-3 in fp32 gradients. Training amplifies such differences step by step (AdamW's first steps
-move a parameter by about ``lr`` whatever its gradient's size), so the training test compares with a
-control: ``native-perturbed``, native with initial parameters times ``1 + eps * n``. The optimized
-arm may not drift from native by more than ``CONTROL_FACTOR`` times the control's drift so far
-(its largest up to that step: the control's loss difference alone moves by an order of magnitude
-from one step to the next, 6.5e-4 at step 4 after 2.6e-3 at step 2 in one H200 run), or the fixed
-limit, whichever is larger. At equal parameters, fixed limits hold
+move a parameter by about ``lr`` whatever its gradient's size), so the training test compares with
+two controls, neither running fxpasses code: ``native-perturbed``, native with initial parameters
+times ``1 + eps * n``, and ``graphed``, the replayed network with the native loss (the arm under test
+replays the network too). The optimized arm may not drift from native by more than
+``CONTROL_FACTOR`` times the controls' drift so far (the largest of either up to that step: a
+control's loss difference alone moves by an order of magnitude from one step to the next, 6.5e-4 at
+step 4 after 2.6e-3 at step 2 in one H200 run), or the fixed limit, whichever is larger. One H200
+run (13th session) drifted to 1.1e-2 at step 5 against 8.1e-3 from ``native-perturbed`` alone: a
+relative perturbation leaves zero-initialised biases exact, so it underestimates the replayed
+network's TF32 drift, which ``graphed`` measures. At equal parameters, fixed limits hold
 (``test_gradients_into_the_replayed_network_equal_native``).
 """
 
@@ -150,9 +154,10 @@ def test_gradients_into_the_replayed_network_equal_native(arm, precision):
 def test_five_adamw_steps_replayed_and_captured_against_native(precision):
     autocast = PRECISIONS[precision]
     base = _base()
-    arms = {name: _arm(base, name, autocast) for name in ("native", "both", "native-perturbed")}
+    controls = ("native-perturbed", "graphed")
+    arms = {name: _arm(base, name, autocast) for name in ("native", "both", *controls)}
     optimizers = {name: torch.optim.AdamW(net.parameters(), lr=1e-3) for name, (net, _) in arms.items()}
-    rows = {name: [] for name in ("both", "native-perturbed")}
+    rows = {name: [] for name in ("both", *controls)}
     for step in range(5):
         batch = _batch(100 + step)
         totals = {name: train_step(net, loss, optimizers[name], batch, autocast=autocast)
@@ -171,9 +176,9 @@ def test_five_adamw_steps_replayed_and_captured_against_native(precision):
     MEASURED[f"training {precision}"] = {"per_step": rows, "stats": loss.stats.as_dict()}
     _assert_loss_ran_optimized(loss)
     loss_limit, param_limit = TRAIN_LIMIT[precision]
-    envelope = {"loss_rel_diff": 0.0, "param_rel_l2_diff": 0.0}  # the control's drift so far
-    for got, control in zip(rows["both"], rows["native-perturbed"]):
-        envelope = {k: max(v, control[k]) for k, v in envelope.items()}
+    envelope = {"loss_rel_diff": 0.0, "param_rel_l2_diff": 0.0}  # the controls' drift so far
+    for step, got in enumerate(rows["both"]):
+        envelope = {k: max(v, *(rows[c][step][k] for c in controls)) for k, v in envelope.items()}
         assert not got["missing_grads"], got
         assert got["loss_rel_diff"] <= max(loss_limit, CONTROL_FACTOR * envelope["loss_rel_diff"]), rows
         assert got["param_rel_l2_diff"] <= max(param_limit, CONTROL_FACTOR * envelope["param_rel_l2_diff"]), rows
