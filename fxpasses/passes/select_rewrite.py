@@ -13,19 +13,27 @@ For each space (a mask and its selections) of one level (see :mod:`fxpasses.anal
     loss(a, b, reduction=r) ==> reduce_r(loss(a, b, reduction="none").masked_fill(~valid, 0))
     y[m2]  ==>  y[m2 & valid]                      # a child never selects padding rows
     buf[m.nonzero(as_tuple=True)] = v  ==>  buf[positions] = where(valid, v, v[last].detach())
+    labels[m].long() ==> labels[m].long().masked_fill(count == 0, 0)   # an index, as clean
     (n,)   = CheckCounts(C, count)                 # the host read: as late as is safe
     out    ==>  out.narrow(row_dim, 0, n)          # rows handed to the caller
 
 A scatter's padding positions repeat the last real one (``last``: row ``count - 1``), so its
 padding rows write that row's value again, bitwise (one value per position, whichever write
 lands last), and their gradient, ``grad[positions]``, goes nowhere. ``masked_fill``, not a
-product: a padding row's value is a real row's, finite where that row's is, but ``0 * inf`` would be NaN. No node waits for the count on the host, so nothing moves: the
-capacity comes first (it reads no tensor), and the read comes before the first node after the
-count that could show or suffer from a count that did not fit (:func:`check_point`): a visible
-effect, a host read of values downstream of the gathers, an index op whose index depends on them
-other than through an integer gather (cleaned as above) or its views, or the output. A count of
-zero leaves no real row: the padding then copies the first position, and those first rows (and
-an integer row of 0) must only reach the read, where the call is abandoned; ``rows_of`` (a
+product: a padding row's value is a real row's, finite where that row's is, but ``0 * inf``
+would be NaN. No node waits for the count on the host, so nothing moves: the capacity comes
+first (it reads no tensor), and the read comes before the first node after the count that could
+show or suffer from a count that did not fit (:func:`check_point`): a visible effect, a host
+read of values downstream of the gathers, an index op whose index depends on them other than
+through an integer gather or an integer cast of rows computed row by row (both cleaned as above)
+or their views, or the output. A gathered row is a real row or a copy of one (the first real
+rows where a count exceeds its capacity), so such an index holds values native indexes with; so
+do the indices of a ``topk``/``max``... over a dim no smaller than the one a
+``scatter``/``gather`` indexes along. A data-read size the host has as a Python int
+(``int(counts.max())``) that an index into that dim would wait for is guarded nonzero where it
+is read (no wait: a call where it is zero is abandoned as at any guard). A count of zero leaves
+no real row: the padding then copies the first position, and those first rows (and an integer
+row of 0) must only reach the read, where the call is abandoned; ``rows_of`` (a
 :class:`~fxpasses.runtime.select.NonEmptyRows`) gives an empty batch one zero row to gather.
 Reads that go to the same place are one, and so are reads whose counts are all computed before
 an earlier read's place (the later ones move up to it), the counts' copy to the host queued as
@@ -38,8 +46,10 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any
 
+import networkx
 import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 
 from ..analysis.graph import downstream, to_digraph
 from ..analysis.capture import is_state
@@ -51,7 +61,7 @@ from ..ir.proofs import BucketedSizes, prove
 from ..locations import node_location
 from ..runtime.select import Capacities, CheckCounts, NonEmptyRows, StartCounts
 from .fold_state import reads_state_element
-from ..ir.trace_ops import ExpectTruth, GuardOp
+from ..ir.trace_ops import ExpectTruth, ExpectValue, GuardOp
 
 # aten ops that read memory at positions given by a tensor (a bad index fails the device)
 _INDEXING = ("aten.index", "aten.gather", "aten.scatter", "aten.take", "aten.embedding",
@@ -75,11 +85,14 @@ class SpaceRewrite:
 @dataclass
 class Rewritten:
     """What the rewrite of a level did: its spaces, every node it made, its integer gathers
-    (zero when empty); the reads are placed once every level is rewritten (:func:`place_reads`)."""
+    (zero when empty), the nodes computed row by row from its gathers and the integer casts of
+    floats among them; the reads are placed once every level is rewritten (:func:`place_reads`)."""
 
     spaces: list[SpaceRewrite] = field(default_factory=list)
     made: set[fx.Node] = field(default_factory=set)
     cleaned: set[fx.Node] = field(default_factory=set)
+    rows: set[fx.Node] = field(default_factory=set)
+    casts: set[fx.Node] = field(default_factory=set)
 
 
 def rewrite_level(gm: fx.GraphModule, analyses: list[SpaceAnalysis], level_id: str,
@@ -113,7 +126,8 @@ def rewrite_level(gm: fx.GraphModule, analyses: list[SpaceAnalysis], level_id: s
             count = _made(graph.call_function(torch.sum, (mask,)), mask, made)
         order = {n: i for i, n in enumerate(graph.nodes)}
         start = max(count, capacity, key=order.__getitem__)  # a mask may be a placeholder
-        rewritten = _space(gm, analysis, mask, count, capacity, start, masks, made, cleaned)
+        rewritten = _space(gm, analysis, mask, count, capacity, start, masks, made, cleaned, result.rows,
+                           result.casts)
         exits = analysis.exits if slice_exits else analysis.outputs
         result.spaces.append(SpaceRewrite(op, planned, capacity, count, start,
                                           tuple((rewritten[name], dim) for name, dim in exits),
@@ -147,6 +161,9 @@ def place_reads(gm: fx.GraphModule, levels: list[Rewritten], *, defer_truths: bo
     cleaned = set().union(*(level.cleaned for level in levels))
     spaces = [s for level in levels for s in level.spaces]  # lower levels first
     truths = _defer_truths(gm, spaces, made) if defer_truths else []
+    cleaned |= _clean_integer_casts(gm, spaces, set().union(*(level.rows for level in levels)),
+                                    set().union(*(level.casts for level in levels)), made)
+    sizes = _guard_host_sizes(gm, spaces, made, cleaned)
     while True:
         groups: dict[fx.Node, list[Any]] = {}
         placement = {}
@@ -184,7 +201,80 @@ def place_reads(gm: fx.GraphModule, levels: list[Rewritten], *, defer_truths: bo
                 with graph.inserting_after(check):
                     host_count = graph.call_function(operator.getitem, (check, k))
                 _slice_exits(graph, space.exits, host_count)
-    return placement, reads
+    return placement, reads, sizes
+
+
+def _clean_integer_casts(gm: fx.GraphModule, spaces: list[SpaceRewrite], rows: set[fx.Node],
+                         casts: set[fx.Node], made: set[fx.Node]) -> set[fx.Node]:
+    """``labels[idx].long()`` ==> ``.masked_fill(count == 0, 0)``, an index as clean as an
+    integer gather, where every value it depends on that the capacities shape is computed row by
+    row from the gathers (``rows``): a gathered row is a real row or a copy of one (also when a
+    count exceeds its capacity: then the first real rows), so the cast's rows are values native
+    computes too (an index in bounds where native's is), but for an empty selection, zeroed here.
+    A value computed over the rows (a masked sum: partial when rows were cut off) is not row by
+    row: such a cast stays an index that waits for the read."""
+    graph = gm.graph
+    dag = to_digraph(graph)
+    padded = downstream(dag, [s.planned for s in spaces])
+    cleaned = set()
+    for node in list(graph.nodes):
+        if node not in rows or node not in casts:
+            continue
+        ancestors = networkx.ancestors(dag, node)
+        if not ancestors & padded <= rows | {s.capacity for s in spaces}:
+            continue
+        empty = None
+        cursor = node
+        for space in (s for s in spaces if s.planned in ancestors):  # any of them empty: zero
+            with graph.inserting_after(cursor):
+                cursor = _made(graph.call_function(operator.eq, (space.count, 0)), node, made)
+            if empty is not None:
+                with graph.inserting_after(cursor):
+                    cursor = _made(graph.call_function(operator.or_, (empty, cursor)), node, made)
+            empty = cursor
+        with graph.inserting_after(cursor):
+            zeroed = _made(graph.call_method("masked_fill", (node, empty, 0)), node, made)
+        node.replace_all_uses_with(zeroed, delete_user_cb=lambda user: user is not zeroed)
+        cleaned.add(zeroed)
+    return cleaned
+
+
+def _guard_host_sizes(gm: fx.GraphModule, spaces: list[SpaceRewrite], made: set[fx.Node],
+                      cleaned: set[fx.Node]) -> list[str]:
+    """Guards ``n != 0`` on the sizes read from data as Python ints (``int(counts.max())``) that
+    would hold a space's read before an index op (:data:`MAYBE_EMPTY_DIM`), each right after its
+    read: the host has the value there, so the guard costs no wait, and the read can go later.
+    Where it fails the call is abandoned as by any guard of the trace (``guard-failed``, before
+    anything is visible: the loss's own code has read the value there). Returns the guards'
+    names."""
+    graph = gm.graph
+    added: list[str] = []
+    while True:
+        binders = []
+        for space in spaces:
+            before, why = check_point(gm, space.planned, space.start, made, cleaned)
+            if why == MAYBE_EMPTY_DIM:
+                binders += _host_int_binders(gm, before, added)
+        if not binders:
+            return added
+        for binder in dict.fromkeys(binders):
+            with graph.inserting_after(binder):
+                test = _made(graph.call_function(operator.ne, (binder, 0)), binder, made)
+            guard = ExpectValue(f"expect_nonzero_{binder.name}", True, node_location(binder) or binder.name)
+            with graph.inserting_after(test):
+                added.append(_made(graph.call_function(guard, (test,)), binder, made).name)
+
+
+def _host_int_binders(gm: fx.GraphModule, index_op: fx.Node, added: list[str]) -> list[fx.Node]:
+    """The nodes that read, as Python ints, the data-read sizes of the dims ``index_op``
+    indexes into and that no guard of this pass checks yet."""
+    indexed = index_op.args[0] if index_op.args and isinstance(index_op.args[0], fx.Node) else None
+    symbols = {d.node.expr for t in tensors_in(value(indexed)) for d in t.shape
+               if isinstance(d, torch.SymInt) and d.node.expr.is_Symbol} if indexed is not None else set()
+    guarded = {n.args[0].args[0] for n in gm.graph.nodes if n.name in added}
+    return [n for n in gm.graph.nodes if n not in guarded and n.op in ("call_function", "call_method")
+            and isinstance(n.meta.get("val"), torch.SymInt) and n.meta["val"].node.expr in symbols
+            and "unbacked_bindings" in n.meta]
 
 
 def _defer_truths(gm: fx.GraphModule, spaces: list[SpaceRewrite], made: set[fx.Node]) -> list[DeferredTruth]:
@@ -256,12 +346,16 @@ def _made(node: fx.Node, like: fx.Node, made: set[fx.Node]) -> fx.Node:
 
 def _space(gm: fx.GraphModule, analysis: SpaceAnalysis, mask: fx.Node, count: fx.Node,
            capacity: fx.Node, cursor: fx.Node, masks: dict[str, fx.Node], made: set[fx.Node],
-           cleaned: set[fx.Node]) -> dict[str, fx.Node]:
+           cleaned: set[fx.Node], rowwise: set[fx.Node], casts: set[fx.Node]) -> dict[str, fx.Node]:
     """Index, validity and every rewrite of one space, the index nodes placed after ``cursor``;
-    ``made`` gets every new node, ``cleaned`` the integer gathers zeroed when empty. Returns the
-    nodes by name, a rewritten site's name naming its gather."""
+    ``made`` gets every new node, ``cleaned`` the integer gathers zeroed when empty, ``rowwise`` the
+    nodes computed row by row from the gathers (the index, the gathers, the rows' region),
+    ``casts`` the region's integer casts of floats (read before the gathers replace their inputs).
+    Returns the nodes by name, a rewritten site's name naming its gather."""
     graph = gm.graph
     named = {n.name: n for n in graph.nodes}
+    before = set(made)
+    casts.update(named[n] for n in analysis.region if n in named and _integer_cast_of_floats(named[n]))
 
     def add(target: Any, *args: Any, **kwargs: Any) -> fx.Node:
         nonlocal cursor
@@ -301,6 +395,7 @@ def _space(gm: fx.GraphModule, analysis: SpaceAnalysis, mask: fx.Node, count: fx
         site.replace_all_uses_with(gathered)
         graph.erase_node(site)
         named[name] = gathered  # a site may itself be reduced, a child's mask or an output
+    rowwise.update(made - before, (named[n] for n in analysis.region if n in named))  # row by row
     for reduction in analysis.reductions:
         _mask_reduction(graph, named, reduction, invalid, count, made)
     for name, dim in analysis.child_masks:  # y[m2] ==> y[m2 & valid]: never a padding row
@@ -384,6 +479,15 @@ def _selects_by(node: fx.Node, mask: fx.Node) -> bool:
     return is_coordinates(node) and node.args[0] is mask
 
 
+def _integer_cast_of_floats(node: fx.Node) -> bool:
+    """``x.long()``, ``x.to(torch.int64)``... of a floating ``x``: rows that become an index."""
+    if node.op != "call_method" or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    source, cast = value(node.args[0]), value(node)
+    return isinstance(cast, torch.Tensor) and _floating(source) and \
+        not cast.is_floating_point() and not cast.is_complex() and cast.dtype != torch.bool
+
+
 def _floating(val: Any) -> bool:
     return isinstance(val, torch.Tensor) and (val.is_floating_point() or val.is_complex())
 
@@ -464,7 +568,7 @@ def check_point(gm: fx.GraphModule, planned: fx.Node | None, start: fx.Node, mad
             return node, "the output"
         state_read = planned is None and reads_state_element(node)  # the same on any branch
         why = _shows(node, external) or (
-            _suffers(node, padded, cleaned, nonzero) if node in padded and not state_read else None)
+            _suffers(node, padded, cleaned, nonzero, made) if node in padded and not state_read else None)
         if why:
             return node, why
         if node in padded and _keeps_cleaned(node, cleaned):
@@ -506,7 +610,8 @@ def _shows(node: fx.Node, external: set[int]) -> str | None:
     return None
 
 
-def _suffers(node: fx.Node, padded: set[fx.Node], cleaned: set[fx.Node], nonzero: set) -> str | None:
+def _suffers(node: fx.Node, padded: set[fx.Node], cleaned: set[fx.Node], nonzero: set,
+             made: set[fx.Node]) -> str | None:
     """Why ``node``, downstream of the gathers, may fail or decide on rows that did not fit. A
     cleaned index (0 for an empty selection) is valid only into dims of at least one element:
     static, or a size read from data that a guard before has checked nonzero (``nonzero``)."""
@@ -521,13 +626,104 @@ def _suffers(node: fx.Node, padded: set[fx.Node], cleaned: set[fx.Node], nonzero
     if any(op.startswith(_INDEXING) for op in facts.ops):
         indices = [a for a in node.all_input_nodes if a in padded and (a in cleaned or
                    any(not _floating(t) and t.dtype != torch.bool for t in tensors_in(value(a))))]
-        if any(a not in cleaned for a in indices):
+        if _along_a_dim(node):  # the index is the third argument; the source is data
+            indices = [a for a in indices if a is node.args[2]]
+        if any(a not in cleaned and not _bounded_along(node, a, made) for a in indices):
             return "an index op whose index depends on the gathered rows"
         indexed = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
         if indices and indexed is not None and indexed not in indices and \
                 not all(_at_least_one(d, nonzero) for t in tensors_in(value(indexed)) for d in t.shape):
-            return "an index op into a dim whose size, read from data, may be zero"
+            return MAYBE_EMPTY_DIM
     return None
+
+
+MAYBE_EMPTY_DIM = "an index op into a dim whose size, read from data, may be zero"
+
+
+_ALONG_A_DIM = ("scatter", "scatter_", "scatter_add", "scatter_add_", "gather")  # (x, dim, index, ...)
+_INDICES_OF = ("topk", "sort", "max", "min", "kthvalue")  # (values, indices): [0, size of dim)
+_SHAPES_ONLY = ("view", "reshape", "expand", "unsqueeze", "squeeze", "flatten", "contiguous")
+
+
+def _bounded_along(node: fx.Node, index: fx.Node, made: set[fx.Node]) -> bool:
+    """``node`` scatters or gathers along a dim by ``index``, whose values are below that dim's
+    size whatever the data (``x.scatter_add_(-1, topk(m, k, dim=-1).indices, ones)``, as the
+    assigner counts its candidates): no index out of bounds, even from rows that did not fit."""
+    indexed = value(node.args[0]) if _along_a_dim(node) and node.args[2] is index else None
+    if not isinstance(indexed, torch.Tensor):
+        return False
+    size = indexed.shape[node.args[1]]
+    bound = _index_bound(index, made)
+    if bound is None:
+        return False
+    if isinstance(size, int) and isinstance(bound, int):
+        return size >= bound
+    return _expr(size) == _expr(bound)  # the same size read from data: max(1).indices into dim 1
+
+
+def _expr(size: Any) -> Any:
+    return size.node.expr if isinstance(size, torch.SymInt) else size
+
+
+def _along_a_dim(node: fx.Node) -> bool:
+    """``x.scatter_add_(dim, index, src)``, ``torch.gather(x, dim, index)``... (a static dim)."""
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
+    return name in _ALONG_A_DIM and node.op in ("call_method", "call_function") and \
+        len(node.args) >= 3 and isinstance(node.args[0], fx.Node) and isinstance(node.args[1], int) \
+        and isinstance(node.args[2], fx.Node)
+
+
+def _index_bound(node: fx.Node, made: set[fx.Node]) -> int | torch.SymInt | None:
+    """A size ``n`` with every value of ``node`` in ``[0, n)`` whatever the data: the indices of
+    a ``topk``/``sort``/``max``... over a dim of size ``n``, through views and fills with a
+    constant in range (0 where ``n`` is read from data); None where not shown, or where another
+    node writes its memory (the rewrite's own nodes, without metadata yet, write none: a scatter
+    keeps the loss's node)."""
+    chain = [node]
+    while True:
+        if node.op == "call_method" and node.target in _SHAPES_ONLY or \
+                node.op == "call_function" and node.target is operator.getitem and \
+                isinstance(node.args[1], (slice, tuple)) and not any(
+                    isinstance(a, fx.Node) for a in pytree.tree_leaves(node.args[1])):
+            node = node.args[0]
+        elif node.op == "call_method" and node.target in ("masked_fill_", "masked_fill", "fill_") and \
+                isinstance(node.args[-1], int) and not isinstance(node.args[-1], bool):
+            chain.append((node.args[-1],))
+            node = node.args[0]
+        else:
+            break
+        if not isinstance(node, fx.Node):
+            return None
+        chain.append(node)
+    bound = _indices_of(node)
+    fills = [c[0] for c in chain if isinstance(c, tuple)]  # 0 is in range of any dim indices exist for
+    if bound is None or not all(v == 0 or isinstance(bound, int) and 0 <= v < bound for v in fills):
+        return None
+    nodes = [c for c in chain if isinstance(c, fx.Node)]
+    memory = set().union(*(storages_of(n) for n in nodes))
+    writers = [n for n in node.graph.nodes if n not in nodes and n not in made and
+               (effects(n).writes is None or effects(n).writes & memory)]
+    return None if writers else bound
+
+
+def _indices_of(node: fx.Node) -> int | torch.SymInt | None:
+    """The size of the dim whose positions ``node`` holds: ``topk(x, k, dim)[1]`` (or
+    ``.indices``), ``x.max(dim)[1]``..."""
+    if node.op == "call_function" and node.target is operator.getitem and node.args[1] == 1 or \
+            node.op == "call_function" and node.target is getattr and node.args[1] == "indices":
+        made = node.args[0]
+    else:
+        return None
+    if not isinstance(made, fx.Node) or made.op not in ("call_function", "call_method"):
+        return None
+    name = made.target if made.op == "call_method" else getattr(made.target, "__name__", None)
+    if name not in _INDICES_OF or not made.args or not isinstance(made.args[0], fx.Node):
+        return None
+    position = 2 if name in ("topk", "kthvalue") else 1
+    dim = made.kwargs.get("dim", made.args[position] if len(made.args) > position else None)
+    if not isinstance(dim, int):
+        return None  # max(x) without a dim: no indices; a dim from data: not shown
+    return value(made.args[0]).shape[dim]
 
 
 def _at_least_one(size: Any, nonzero: set) -> bool:

@@ -129,12 +129,13 @@ class SelectRows:
             members = [a for a in applied.values() if a.space.level == level]
             proof = certificates[members[0].space.mask].id
             levels.append(rewrite_level(gm, members, f"level{level}", self.min_bucket, masks, proof))
-        placements, reads = place_reads(gm, levels, defer_truths=True)
+        placements, reads, size_guards = place_reads(gm, levels, defer_truths=True)
         for mask, placement in placements.items():
             cert = certificates[mask]
             certificates[mask] = dataclasses.replace(cert, effect={
                 **cert.effect, "host_read": {"reads": tuple(reads), "placed_before": placement["before"],
-                                             "because": placement["reason"]}})
+                                             "because": placement["reason"],
+                                             "size_guards": tuple(size_guards)}})
         return PassResult(gm, bool(applied), [certificates[s.mask] for s in spaces])
 
     # -- checks ---------------------------------------------------------------------------

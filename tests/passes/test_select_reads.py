@@ -9,11 +9,16 @@ gradients and state equal native's over calls that grow the capacity (float64, C
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
 from fxpasses import optimize
 from fxpasses.passes import SelectRows
+from fxpasses.cli import import_file
+
+IndexesPackedSlots = import_file(Path(__file__).parents[1] / "helpers" / "packed_slots.py").IndexesPackedSlots
 
 
 def _rows(n: int, selected: int, seed: int):
@@ -243,3 +248,132 @@ def test_a_decision_that_protects_an_index_is_read_before_the_index_op():
                 or (n.op == "call_function" and getattr(n.target, "__name__", "") == "getitem"
                     and any("table" in getattr(a, "name", "") for a in n.args))]
     assert guards and indexing and max(guards) < max(indexing), (guards, indexing)
+
+
+class IndexesByLabels(nn.Module):
+    """A float label of each selected row cast to an index (the assigner's class-score gather,
+    ``pd_scores[..., gt_labels[b, g, 0].long()]``): gathered rows are real rows or copies of
+    one, so the cast is an index native also uses, but for an empty selection (zeroed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.linspace(0, 1, 5, dtype=torch.float64))
+
+    def forward(self, x, mask, labels):
+        rows = x[mask]
+        return (self.table[labels[mask].long()] * rows[:, 1]).sum() + rows.pow(2).sum()
+
+
+class IndexesByLabelsAndASum(nn.Module):
+    """The same index, moved by a sum over the rows: partial where rows were cut off."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.linspace(0, 1, 5, dtype=torch.float64))
+
+    def forward(self, x, mask, labels):
+        rows = x[mask]
+        shift = (rows[:, 0].detach().abs().sum() * 0).expand(rows.shape[0])
+        return (self.table[(labels[mask] + shift).long()] * rows[:, 1]).sum()
+
+
+def _labels(n: int = 12) -> torch.Tensor:
+    return (torch.arange(n) % 5).to(torch.float64)
+
+
+def test_an_index_cast_from_the_rows_labels_does_not_hold_the_read_back():
+    fast = _same_over_calls(IndexesByLabels(), _growing((_labels(),)))
+    assert _read(fast)["because"] == "the output"
+
+
+def test_an_empty_selections_cast_labels_never_index_past_the_end():
+    loss = IndexesByLabels()
+    fast = optimize(loss, passes=[SelectRows(min_bucket=4)])
+    fast(*_rows(12, 5, 0), _labels())
+    x, mask = _rows(12, 0, 1)  # nothing selected: the padding copies position 0, label 99
+    garbage = torch.full((12,), 99.0)
+    assert torch.equal(fast(x, mask, garbage), loss(x, mask, garbage))
+    assert fast.stats.native["selection-empty"] == 1 and not fast.stats.exceptions
+
+
+def test_an_index_cast_from_a_sum_over_the_rows_is_read_before_the_index_op():
+    fast = _same_over_calls(IndexesByLabelsAndASum(), _growing((_labels(),)))
+    assert _read(fast)["because"] == "an index op whose index depends on the gathered rows"
+
+
+class CountsTopAnchors(nn.Module):
+    """As the assigner counts its candidates: the selected pairs' scores written back into a
+    dense (row, anchor) buffer, each row's two best anchors taken with ``topk`` and counted with
+    ``scatter_add_`` (``count_tensor.scatter_add_(-1, topk_idxs, ones)``): indices below the
+    anchor dim's size whatever the scores; ``shift`` 1 moves them (no longer shown in bounds)."""
+
+    def __init__(self, shift: int = 0):
+        super().__init__()
+        self.shift = shift
+
+    def forward(self, x, mask):
+        pairs = mask.nonzero(as_tuple=True)
+        scores = x[pairs].sigmoid()
+        dense = torch.zeros(x.shape, dtype=x.dtype)
+        dense[pairs] = scores
+        top = dense.topk(2, dim=-1).indices
+        if self.shift:
+            top = (top + self.shift).clamp(max=5)
+        top.masked_fill_(dense[:, :2] < -5, 0)  # a fill in range, as the assigner's
+        counts = torch.zeros(x.shape, dtype=torch.int64).scatter_add_(-1, top, torch.ones_like(top))
+        return (dense * counts).sum() + scores.pow(2).sum()
+
+
+class CountsShiftedAnchors(CountsTopAnchors):
+    def __init__(self):
+        super().__init__(shift=1)
+
+
+def _grid(selected: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = torch.zeros(24, dtype=torch.bool)
+    mask[torch.randperm(24, generator=g)[:selected]] = True
+    return x, mask.view(4, 6)
+
+
+def test_a_scatter_by_topk_indices_does_not_hold_the_read_back():
+    calls = [_grid(n, seed) for seed, n in enumerate((3, 4, 9, 12, 5))]
+    fast = _same_over_calls(CountsTopAnchors(), calls)
+    assert _read(fast)["because"] == "the output"
+
+
+def test_a_scatter_by_shifted_topk_indices_is_read_before_it():
+    calls = [_grid(n, seed) for seed, n in enumerate((3, 4, 9, 12, 5))]
+    fast = _same_over_calls(CountsShiftedAnchors(), calls)
+    assert _read(fast)["because"] == "an index op whose index depends on the gathered rows"
+
+
+def _packed(n: int, selected: int, seed: int):
+    x, mask = _rows(n, selected, seed)
+    image = torch.arange(n) % 3
+    slot = torch.arange(n) // 3
+    return x, mask, image, slot
+
+
+def test_a_size_read_as_an_int_is_guarded_nonzero_so_the_read_goes_later():
+    """The slot dim's size is read on the host anyway: a guard ``n != 0`` there costs no wait,
+    and the index into that dim (0 for an empty selection) no longer holds the read back."""
+    calls = [_packed(12, n, seed) for seed, n in enumerate((3, 4, 9, 12, 5))]
+    fast = _same_over_calls(IndexesPackedSlots(), calls)
+    (trace,) = [c for c in fast.certificates if c.pass_name == "trace"]
+    assert trace.checks[0].evidence["symbolic_sizes"]["host_reads_per_call"] == 1  # int(): not a guard
+    (cert,) = [c for c in fast.certificates if c.pass_name == "SelectRows"]
+    assert cert.effect["host_read"]["because"] == "the output"
+    assert cert.effect["host_read"]["size_guards"] == ("expect_nonzero_item",), cert.effect["host_read"]
+
+
+def test_a_call_whose_guarded_size_is_zero_runs_natively():
+    loss = IndexesPackedSlots()
+    fast = optimize(loss, passes=[SelectRows(min_bucket=4)])
+    fast(*_packed(12, 5, 0))
+    args = _packed(0, 0, 1)  # no rows at all: the most rows of an image is 0
+    assert torch.equal(fast(*args), loss(*args))
+    assert not fast.stats.exceptions
+    assert fast.stats.native.get("guard-failed", 0) + sum(
+        v for k, v in fast.stats.abandoned.items() if k.startswith("guard-failed")) >= 1, fast.stats.render()
