@@ -700,10 +700,26 @@ def _index_bound(node: fx.Node, made: set[fx.Node]) -> int | torch.SymInt | None
     if bound is None or not all(v == 0 or isinstance(bound, int) and 0 <= v < bound for v in fills):
         return None
     nodes = [c for c in chain if isinstance(c, fx.Node)]
+    return None if _written_elsewhere(nodes, made) else bound
+
+
+def _written_elsewhere(nodes: list[fx.Node], made: set[fx.Node]) -> bool:
+    """Whether a node other than ``nodes`` may write their memory: one that takes it (or an
+    alias of it, followed through the users) and writes it, or whose effects are unknown. (A
+    fresh intermediate is reached by no other path.)"""
     memory = set().union(*(storages_of(n) for n in nodes))
-    writers = [n for n in node.graph.nodes if n not in nodes and n not in made and
-               (effects(n).writes is None or effects(n).writes & memory)]
-    return None if writers else bound
+    seen, frontier = set(nodes), list(nodes)
+    while frontier:
+        for user in frontier.pop().users:
+            if user in seen or user in made:
+                continue
+            seen.add(user)
+            found = effects(user)
+            if found.writes is None or found.writes & memory:
+                return True
+            if storages_of(user) & memory:  # an alias: what its users do counts too
+                frontier.append(user)
+    return False
 
 
 def _indices_of(node: fx.Node) -> int | torch.SymInt | None:
