@@ -90,7 +90,9 @@ def selection_witness(gm: fx.GraphModule, analyses: list[SpaceAnalysis], seed: i
     done = rewrite_level(rewritten, analyses, "witness", WITNESS_BUCKET, {}, "witness", slice_exits=True)
     place_reads(rewritten, [done])
     rewritten.recompile()
-    capacities = {space.mask: space.capacities for space in done.spaces}
+    native64, rewritten64 = _float64(native), _float64(rewritten)  # once: every case runs these
+    ops = {n.target.op_id: n.target for n in rewritten64.graph.nodes if isinstance(n.target, Capacities)}
+    capacities = {space.mask: ops[space.capacities.op_id] for space in done.spaces}
     placeholders = [n for n in native.graph.nodes if n.op == "placeholder"]
     masks = sorted({a.space.mask for a in analyses})
     sources = {site_source(n).name: site_mask(n).name for n in native.graph.nodes
@@ -104,11 +106,11 @@ def selection_witness(gm: fx.GraphModule, analyses: list[SpaceAnalysis], seed: i
               for m in masks}
     try:
         shapes = {m: _shrunk(shape) for m, shape in traced.items()}
-        cases = _run_cases(native, rewritten, capacities, placeholders, shapes, sources, sizes, seed,
+        cases = _run_cases(native64, rewritten64, capacities, placeholders, shapes, sources, sizes, seed,
                            written, indexing)
     except Exception:  # the level reads the mask's sizes somewhere: witness it as traced
         shapes = traced
-        cases = _run_cases(native, rewritten, capacities, placeholders, shapes, sources, sizes, seed,
+        cases = _run_cases(native64, rewritten64, capacities, placeholders, shapes, sources, sizes, seed,
                            written, indexing)
     return Witness(seed=seed, dtype="torch.float64",
                    shapes={"masks": {m: shapes[m] for m in masks},
@@ -223,10 +225,16 @@ def _cast_to_integer(node: fx.Node) -> bool:
     return False
 
 
-def _run(module: fx.GraphModule, inputs: list[Any], seed: int) -> tuple[list[Any], list[Any]]:
-    """Outputs, and gradients of every input that requires grad and every parameter."""
-    module = copy.deepcopy(module).to(torch.device("cpu"), torch.float64)  # where its inputs are
+def _float64(module: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``module`` on the CPU in float64, where the witness's inputs are."""
+    module = copy.deepcopy(module).to(torch.device("cpu"), torch.float64)
     _float64_dtype_arguments(module)
+    return module
+
+
+def _run(module: fx.GraphModule, inputs: list[Any], seed: int) -> tuple[list[Any], list[Any]]:
+    """Outputs, and gradients of every input that requires grad and every parameter (taken with
+    ``autograd.grad``: ``module`` keeps no state from one run to the next)."""
     inputs = [x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor)
               else x for x in inputs]  # a copy each run: a scatter writes its buffer in place
     outputs = pytree.tree_leaves(_Witnessed(module).run(*inputs))

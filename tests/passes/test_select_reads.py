@@ -365,6 +365,12 @@ def test_a_scatter_by_indices_not_shown_in_bounds_is_read_before_it(loss):
     assert _read(fast)["because"] == "an index op whose index depends on the gathered rows"
 
 
+# torch 2.4's fake tensors cannot propagate bincount (a data-dependent output size): no metadata
+# past it, SelectRows refuses (rows-analysis-failed) and the loss runs as traced
+needs_bincount_propagation = pytest.mark.skipif(torch.__version__ < "2.5", reason="torch 2.4 cannot "
+                                                "propagate bincount's data-dependent size")
+
+
 def _packed(n: int, selected: int, seed: int):
     x, mask = _rows(n, selected, seed)
     image = torch.arange(n) % 3
@@ -372,6 +378,7 @@ def _packed(n: int, selected: int, seed: int):
     return x, mask, image, slot
 
 
+@needs_bincount_propagation
 def test_a_size_read_as_an_int_is_guarded_nonzero_so_the_read_goes_later():
     """The slot dim's size is read on the host anyway: a guard ``n != 0`` there costs no wait,
     and the index into that dim (0 for an empty selection) no longer holds the read back."""
@@ -384,6 +391,7 @@ def test_a_size_read_as_an_int_is_guarded_nonzero_so_the_read_goes_later():
     assert cert.effect["host_read"]["size_guards"] == ("expect_nonzero_item",), cert.effect["host_read"]
 
 
+@needs_bincount_propagation
 def test_a_call_whose_guarded_size_is_zero_runs_natively():
     loss = IndexesPackedSlots()
     fast = optimize(loss, passes=[SelectRows(min_bucket=4)])
