@@ -3,7 +3,8 @@
 Realistic batches (persons per image vary, some images empty, unlabelled keypoints), each batch
 fed three times in a row so that CaptureLoss records (on a signature's second call) and replays
 (third), then fresh ones. Per call: the relative difference of each loss component and the
-relative L2 difference of every prediction's gradient. In float32 they must be rounding-small;
+relative L2 difference of every prediction's gradient and of the flow parameters' (added in the
+fourteenth session, not yet run on a GPU when written). In float32 they must be rounding-small;
 under float16 autocast (the trainer's AMP) the optimized loss must stay as close to native AMP as
 native AMP itself is to native float32 (the *control*, measured on the same call), so AMP's own
 rounding is the yardstick, not a hand-picked tolerance. Everything measured goes to
@@ -49,25 +50,33 @@ def _inputs(seed: int, dtype: torch.dtype):
             pose_batch(BATCH, seed=seed, image_size=IMAGE, device=DEVICE))
 
 
-def _call(fn, preds, batch, autocast: bool):
-    """Loss components and the gradients of every prediction, in float64."""
+def _call(fn, preds, batch, autocast: bool, flow: list[torch.Tensor]):
+    """Loss components, the gradients of every prediction and of the flow's parameters (which
+    live in the network: PairRLE's one call over both branches' rows sums their share in one
+    matmul, a reduction order native does not have), in float64."""
     preds = pytree.tree_map(lambda t: t.detach().requires_grad_(t.requires_grad)
                             if isinstance(t, torch.Tensor) else t, preds)
     with torch.autocast(DEVICE, dtype=torch.float16, enabled=autocast):
         out = fn(preds, batch)
     leaves = [t for t in pytree.tree_leaves(preds) if isinstance(t, torch.Tensor) and t.requires_grad]
-    grads = torch.autograd.grad(out[0].sum(), leaves)
-    return out[0].detach().double(), [g.double() for g in grads]
+    grads = torch.autograd.grad(out[0].sum(), leaves + flow, allow_unused=True)
+    grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, leaves + flow)]
+    return (out[0].detach().double(), [g.double() for g in grads[:len(leaves)]],
+            [g.double() for g in grads[len(leaves):]])
 
 
-def _differences(got, want) -> tuple[float, float]:
-    """Worst relative difference over the loss components, worst relative L2 over the gradients."""
-    (value, grads), (ref, ref_grads) = got, want
-    assert torch.isfinite(value).all() and all(torch.isfinite(g).all() for g in grads)
+def _rel_l2(grads, ref_grads) -> float:
+    return max(((g - r).norm() / r.norm().clamp(min=1e-30)).item() for g, r in zip(grads, ref_grads))
+
+
+def _differences(got, want) -> tuple[float, float, float]:
+    """Worst relative difference over the loss components, worst relative L2 over the
+    predictions' gradients and over the flow parameters' gradients."""
+    (value, grads, flow), (ref, ref_grads, ref_flow) = got, want
+    assert torch.isfinite(value).all() and all(torch.isfinite(g).all() for g in grads + flow)
     scale = ref.abs().clamp(min=1e-6 * ref.abs().sum().item() + 1e-30)
     loss = ((value - ref).abs() / scale).max().item()
-    grad = max(((g - r).norm() / r.norm().clamp(min=1e-30)).item() for g, r in zip(grads, ref_grads))
-    return loss, grad
+    return loss, _rel_l2(grads, ref_grads), _rel_l2(flow, ref_flow)
 
 
 def _fast(loss):
@@ -81,17 +90,19 @@ def test_the_real_criterion_against_native_call_by_call(precision):
     torch.manual_seed(0)
     loss = pose_model(device=DEVICE).init_criterion()
     fast = _fast(loss)
+    flow = list(loss.one2many.flow_model.parameters())
     autocast = precision != "fp32"
     rows = []
+    keys = ("loss_rel_diff", "grad_rel_l2_diff", "flow_grad_rel_l2_diff")
     for seed in SEEDS:
         preds, batch = _inputs(seed, torch.float16 if autocast else torch.float32)
-        want = _call(loss, preds, batch, autocast)
-        got = _call(fast, preds, batch, autocast)
-        row = dict(zip(("loss_rel_diff", "grad_rel_l2_diff"), _differences(got, want)), seed=seed)
+        want = _call(loss, preds, batch, autocast, flow)
+        got = _call(fast, preds, batch, autocast, flow)
+        row = dict(zip(keys, _differences(got, want)), seed=seed)
         if autocast:  # the control: native AMP against native float32 on the same call
             full = pytree.tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) else t, preds)
-            control = _differences(want, _call(loss, full, batch, autocast=False))
-            row.update(control_loss_rel_diff=control[0], control_grad_rel_l2_diff=control[1])
+            control = _differences(want, _call(loss, full, batch, False, flow))
+            row.update({f"control_{k}": v for k, v in zip(keys, control)})
         rows.append(row)
     replays = {k: v.get("replayed", 0) for k, v in fast.stats.sites.items() if "capture_region" in k}
     MEASURED[precision] = {"per_call": rows, "replays": replays, "native": dict(fast.stats.native)}
@@ -99,7 +110,8 @@ def test_the_real_criterion_against_native_call_by_call(precision):
     assert replays and max(replays.values()) >= 3, fast.stats.render()  # replays were compared
     for row in rows:
         if not autocast:
-            assert row["loss_rel_diff"] < FP32_LIMIT[0] and row["grad_rel_l2_diff"] < FP32_LIMIT[1], rows
+            assert row["loss_rel_diff"] < FP32_LIMIT[0] and row["grad_rel_l2_diff"] < FP32_LIMIT[1] \
+                and row["flow_grad_rel_l2_diff"] < FP32_LIMIT[1], rows
             continue
-        for key in ("loss_rel_diff", "grad_rel_l2_diff"):
+        for key in keys:
             assert row[key] <= max(AMP_FLOOR, CONTROL_FACTOR * row[f"control_{key}"]), (key, rows)
