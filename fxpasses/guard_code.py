@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import enum
 import gc
-import keyword
 from typing import Any, Callable, Optional, Sequence
 
 from torch import nn
@@ -97,28 +96,12 @@ class CheckWriter:
         self.names[name] = value
         return name
 
-    def root(self, source: Source) -> str:
-        kind = source.root[0]
-        if kind == "loss":
-            return "loss"
-        if kind == "arg":
-            return f"leaves[{int(source.root[1])}]"
-        if kind == "global":
-            return f"{self.constant(source.root[1], 'globals_')}[{self.constant(source.root[2], 'key_')}]"
-        return f"{self.constant(source.root[1], 'cell_')}.cell_contents"
-
-    def step(self, value: str, step: str, key: Any) -> str:
-        if step == "attr":
-            if isinstance(key, str) and key.isidentifier() and not keyword.iskeyword(key):
-                return f"{value}.{key}"
-            return f"getattr({value}, {self.constant(key, 'key_')})"
-        return f"{value}[{self.constant(key, 'key_')}]"
 
     def read(self, source: Source, indent: str, keep: bool) -> str:
         """An expression for the value at ``source``; with ``keep``, every prefix read on the way
         is stored in a local (read once for the whole function)."""
         path = source.path
-        root = tuple(r if isinstance(r, (str, int)) else id(r) for r in source.root)  # hashable
+        root = source.root.key
         start, value = 0, None
         for n in range(len(path), -1, -1):  # the longest prefix already read
             held = self.reads.get((root, path[:n]))
@@ -126,11 +109,11 @@ class CheckWriter:
                 start, value = n, held
                 break
         if value is None:
-            value = self.root(source)
+            value = source.root.code(self.constant)
             if keep:
                 value = self._store((root, ()), value, indent)
         for n in range(start, len(path)):
-            value = self.step(value, *path[n])
+            value = path[n].code(value, self.constant)
             if keep:
                 value = self._store((root, path[:n + 1]), value, indent)
         return value

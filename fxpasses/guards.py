@@ -37,7 +37,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .certificates import Guard
 from .certificates.codes import lookup
-from .ir.sources import Roots, Source
+from .ir.sources import Attr, Roots, Source
 from .locations import is_user_class
 from .snapshots import exact_snapshot, flat_form, same_flat, snapshot
 
@@ -328,10 +328,10 @@ class AbsentKind(GuardKind):
 
     def emit(self, w: Any, a: "Assumption", fail: str, indent: str) -> None:
         inner = indent
-        last_step, name = a.source.path[-1] if a.source.path else (None, None)
-        if last_step == "attr":
+        last = a.source.path[-1] if a.source.path else None
+        if isinstance(last, Attr):
             owner = w.read(Source(a.source.root, a.source.path[:-1]), indent, keep=True)
-            w.lines.append(f"{indent}if not certainly_absent({owner}, {w.constant(name, 'key_')}):")
+            w.lines.append(f"{indent}if not certainly_absent({owner}, {w.constant(last.name, 'key_')}):")
             inner = indent + "    "
         w.lines += [f"{inner}try:", f"{inner}    {w.read(a.source, inner, keep=False)}",
                     f"{inner}except {READ_ERRORS_TEXT}:", f"{inner}    pass", f"{inner}else:", f"{inner}    {fail}"]

@@ -47,7 +47,7 @@ from .tracing.input_reads import InputReads
 from .tracing.objects import ObjectTracker
 from .tracing.patches import ModulePatcher, Patches, patched
 from .tracing.recorder import Recorder, Unsupported
-from .ir.sources import Source
+from .ir.sources import ArgRoot, LossRoot, Source
 from .tracing.shadows import BuiltinShadows
 from .tracing.values import TracedScalar, recording
 
@@ -192,7 +192,7 @@ def _inputs(rec: Recorder, tracker: ObjectTracker, signature: CallSignature,
         elif type(leaf) is float:
             values[slot] = TracedScalar(leaf, node, rec)
         else:
-            tracker.track(leaf, Source(("arg", slot)), placeholder=node)
+            tracker.track(leaf, Source(ArgRoot(slot)), placeholder=node)
     return values
 
 
@@ -233,7 +233,7 @@ def _function_state(tracker: ObjectTracker, function: types.FunctionType | None,
 def _bound_state(tracker: ObjectTracker, loss_fn: Any) -> Source | None:
     """For a ``functools.partial`` loss, its bound arguments; the source its function is read
     from (None where there is none to read again)."""
-    loss = Source(("loss",))
+    loss = Source(LossRoot())
     if isinstance(loss_fn, functools.partial):
         for i, value in enumerate(loss_fn.args):
             tracker.adopt_bound(loss.attr("args").item(i), value)
@@ -297,9 +297,9 @@ def _trace(loss_fn: Any, example_args: tuple, example_kwargs: dict | None,
         if isinstance(owner, nn.Module):
             rec.index_state(owner, "")  # the loss module's own parameters and buffers
         if owner is not None:
-            tracker.track(owner, Source(("loss",)))
+            tracker.track(owner, Source(LossRoot()))
         elif inspect.isfunction(loss_fn):  # read again through the loss (its defaults)
-            tracker.track(loss_fn, Source(("loss",)))
+            tracker.track(loss_fn, Source(LossRoot()))
         patcher(root)
         _function_state(tracker, function, _bound_state(tracker, loss_fn))
         with recording(rec), patched(rec, tracker, patcher, tuple(policy.leaf_functions), shadows,

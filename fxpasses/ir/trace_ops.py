@@ -23,6 +23,7 @@ from typing import Any, Iterator
 from torch import nn
 
 from .runtime_op import RuntimeOp
+from .sources import Step, read_path
 from .abandon import Abandon
 
 _MISSING = object()
@@ -91,7 +92,7 @@ class ReadSource(RuntimeOp):
     pure = True
     grad_free = True
 
-    def __init__(self, op_id: str, path: tuple[tuple[str, Any], ...], shown: str, root: Any = None,
+    def __init__(self, op_id: str, path: tuple[Step, ...], shown: str, root: Any = None,
                  source: Any = None):
         super().__init__(op_id)
         self.path = path
@@ -100,10 +101,7 @@ class ReadSource(RuntimeOp):
         self.source = source
 
     def __call__(self, *given: Any) -> Any:
-        value = given[0] if given else self.root
-        for step, key in self.path:
-            value = getattr(value, key) if step == "attr" else value[key]
-        return value
+        return read_path(given[0] if given else self.root, self.path)
 
     def propagate(self, *given: Any) -> Any:
         return self(*given)

@@ -34,6 +34,7 @@ from ..analysis.meta import annotate_new, storages_of, value
 from ..analysis.ops import node_facts
 from ..certificates import Certificate, Check, Site
 from ..ir.proofs import rely_on
+from ..ir.sources import ArgRoot
 from ..guards import Assumption, TensorSeen
 from ..locations import node_location
 from ..ir.trace_ops import ExpectTruth, ExpectValue, ReadSource, set_item
@@ -137,7 +138,7 @@ def _state_chain(node: fx.Node) -> tuple[fx.Node, tuple] | None:
         node = node.args[0]
     target = node.target
     if node.op != "call_function" or not isinstance(target, ReadSource) or node.args \
-            or getattr(target, "source", None) is None or target.source.root[0] == "arg":
+            or getattr(target, "source", None) is None or isinstance(target.source.root, ArgRoot):
         return None
     return node, tuple(indices)
 

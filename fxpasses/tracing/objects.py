@@ -58,7 +58,7 @@ from ..guards import Assumption, callable_object
 from ..locations import is_user_class, is_user_file
 from ..ir.trace_ops import ReadSource, WriteAttribute
 from .recorder import Recorder, user_location
-from ..ir.sources import Source
+from ..ir.sources import ArgRoot, Attr, CellRoot, GlobalRoot, LossRoot, Source, step
 from ..snapshots import exact_snapshot, is_container, snapshot
 from .values import TracedScalar, TracedTensor, active_recorder
 
@@ -162,7 +162,7 @@ class ObjectTracker:
         elif not isinstance(obj, nn.Module) and is_container(obj):  # its reads cannot be followed
             self._contents(obj, source)
         if isinstance(obj, nn.Module):
-            if source.root != ("loss",) or source.path:  # the loss module is not its own child
+            if not isinstance(source.root, LossRoot) or source.path:  # the loss module is not its own child
                 self.recorder.module_path(obj, _hint(source))
             self.on_module(obj)
             # children reached without an attribute read (nn.Sequential, ModuleList iteration)
@@ -173,21 +173,19 @@ class ObjectTracker:
 
     def _reader(self, source: Source) -> tuple[ReadSource, tuple]:
         """A ReadSource for ``source`` and its node inputs (the argument placeholder, if any)."""
-        kind = source.root[0]
+        root = source.root
         op_id = "read_" + "".join(c if c.isalnum() else "_" for c in str(source))[:40]
-        if kind == "arg":
-            _, _, placeholder = next(v for v in self._sources.values() if v[0] == Source(source.root))
+        if isinstance(root, ArgRoot):
+            _, _, placeholder = next(v for v in self._sources.values() if v[0] == Source(root))
             return ReadSource(op_id, source.path, str(source)), (placeholder,)
-        if kind == "loss":
-            return ReadSource(op_id, source.path, str(source), self._sources_root("loss"), source), ()
-        if kind == "global":
-            return ReadSource(op_id, (("item", source.root[2]), *source.path), str(source),
-                              source.root[1], source), ()
-        return ReadSource(op_id, (("attr", "cell_contents"), *source.path), str(source),
-                          source.root[1], source), ()
+        if isinstance(root, LossRoot):
+            return ReadSource(op_id, source.path, str(source), self._loss(), source), ()
+        held, steps = root.anchor()  # a global's namespace, a cell
+        return ReadSource(op_id, (*steps, *source.path), str(source), held, source), ()
 
-    def _sources_root(self, kind: str) -> Any:
-        return next(obj for src, obj, _ in self._sources.values() if src.root == (kind,) and not src.path)
+    def _loss(self) -> Any:
+        return next(obj for src, obj, _ in self._sources.values()
+                    if isinstance(src.root, LossRoot) and not src.path)
 
     def _assume(self, kind: str, source: Source, expected: Any, shown: str,
                 inside: bool = False) -> Assumption:
@@ -285,7 +283,7 @@ class ObjectTracker:
         """The globals a user function run by a call kept whole refers to."""
         code = frame.f_code
         if code not in self._inside_code:
-            found = [self._inside_value(Source(("global", frame.f_globals, name)),
+            found = [self._inside_value(Source(GlobalRoot(frame.f_globals, name)),
                                         frame.f_globals[name], code=True)
                      for name in code.co_names if name in frame.f_globals]
             self._inside_code[code] = tuple(a for a in found if a is not None)
@@ -426,7 +424,7 @@ class ObjectTracker:
             self._adopt_function_state(function, source)  # reached through a source
         if code.co_name in frame.f_globals:
             function = frame.f_globals[code.co_name]
-            source = Source(("global", frame.f_globals, code.co_name))
+            source = Source(GlobalRoot(frame.f_globals, code.co_name))
         else:
             owner = frame.f_locals.get("self") if code.co_argcount else None
             entry = self._sources.get(id(owner))
@@ -501,7 +499,7 @@ class ObjectTracker:
             self._outside_value(source.attr("__kwdefaults__").item(name), value)
 
     def _global(self, f_globals: dict, name: str) -> None:
-        self._outside_value(Source(("global", f_globals, name)), f_globals[name])
+        self._outside_value(Source(GlobalRoot(f_globals, name)), f_globals[name])
 
     def adopt_closure(self, function: types.FunctionType) -> None:
         """``function``'s closure cells (the loss function's, or one's a source reaches): each
@@ -512,7 +510,7 @@ class ObjectTracker:
                 value = cell.cell_contents
             except ValueError:  # an empty cell
                 continue
-            self._outside_value(Source(("cell", cell, name)), value)
+            self._outside_value(Source(CellRoot(cell, name)), value)
 
     def adopt_bound(self, source: Source, value: Any) -> None:
         """A value bound to the loss's function before the call (a default argument, an argument
@@ -532,10 +530,13 @@ class ObjectTracker:
             return
         if isinstance(value, _NOT_DATA) or value is builtins or isinstance(value, (TracedTensor, TracedScalar)):
             return
-        if type(value) is float and source.root[0] in ("global", "cell") and not source.path:
+        root = source.root
+        if type(value) is float and isinstance(root, (GlobalRoot, CellRoot)) and not source.path:
             self._assume("float", source, None, repr(value))  # an input, as an attribute's is
-            self._stand_in(source.root[1], source.root[2] if source.root[0] == "global" else None,
-                           value, source)
+            if isinstance(root, GlobalRoot):
+                self._stand_in(root.namespace, root.global_name, value, source)
+            else:
+                self._stand_in(root.cell, None, value, source)
         elif isinstance(value, (_CONSTANTS, float)):
             self._assume("constant", source, value, repr(value))
         elif isinstance(value, torch.Tensor):
@@ -612,9 +613,7 @@ class ObjectTracker:
             seen = dict.__getitem__(held, key)
             if type(seen) is not float:  # already an input (reached before)
                 continue
-            where = source
-            for step, name in path:
-                where = where.attr(name) if step == "attr" else where.item(name)
+            where = Source(source.root, (*source.path, *(step(kind, name) for kind, name in path)))
             self._stand_in(held, key, seen, where)
 
     def _stand_in(self, held: Any, key: Any, seen: float, source: Source) -> None:
@@ -818,12 +817,13 @@ def _by_attribute(value: Any) -> bool:
 def _hint(source: Source) -> str:
     """A name for a module found at ``source``: its attribute name, or the global's or cell's."""
     if source.path:
-        return str(source.path[-1][1])
-    return str(source.root[-1]) if source.root[0] in ("global", "cell") else ""
+        last = source.path[-1]
+        return str(last.name if isinstance(last, Attr) else last.key)
+    return source.root.name
 
 
 def _path_text(path: tuple) -> str:
-    return "".join(f".{key}" if step == "attr" else f"[{key!r}]" for step, key in path)
+    return "".join(f".{key}" if kind == "attr" else f"[{key!r}]" for kind, key in path)
 
 
 def _shown(value: Any) -> str:

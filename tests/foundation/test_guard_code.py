@@ -15,9 +15,9 @@ from fxpasses.guard_code import READ_FAILED, compile_check
 from fxpasses.guards import Assumption, LossRoots, first_failure, whole_loss_assumptions
 from fxpasses.snapshots import snapshot
 from fxpasses.specialize import Specialization
-from fxpasses.ir.sources import Source
+from fxpasses.ir.sources import ArgRoot, GlobalRoot, LossRoot, Source
 
-LOSS = Source(("loss",))
+LOSS = Source(LossRoot())
 GLOBALS: dict = {}
 
 
@@ -42,10 +42,10 @@ def _assumptions(state, arg):
         Assumption("constant", LOSS.attr("flag"), True, "", shown),
         Assumption("absent", LOSS.attr("assign").attr("residual"), None, "", shown),
         Assumption("float", LOSS.attr("weight"), None, "", shown),
-        Assumption("constant", Source(("arg", 1)).attr("extra"), 3, "", shown),
-        Assumption("identity", Source(("arg", 1)), arg, "", shown),
-        Assumption("constant", Source(("global", GLOBALS, "K")), 3, "", shown),
-        Assumption("float", Source(("global", GLOBALS, "GAIN")), None, "", shown),
+        Assumption("constant", Source(ArgRoot(1)).attr("extra"), 3, "", shown),
+        Assumption("identity", Source(ArgRoot(1)), arg, "", shown),
+        Assumption("constant", Source(GlobalRoot(GLOBALS, "K")), 3, "", shown),
+        Assumption("float", Source(GlobalRoot(GLOBALS, "GAIN")), None, "", shown),
     ]
     return tuple(made) + whole_loss_assumptions(LossRoots(state, ()))[-1:]  # + autocast
 

@@ -12,16 +12,16 @@ import pytest
 from torch import nn
 
 from fxpasses.guards import GUARD_KINDS, HOOKS, Assumption, GuardKind, LossRoots, whole_loss_assumptions
-from fxpasses.ir.sources import Source
+from fxpasses.ir.sources import LossRoot, Source
 
 
 def test_a_kind_is_its_name_and_there_is_one_object_per_name():
-    a = Assumption("identity", Source(("loss",)).attr("flow"), object())
+    a = Assumption("identity", Source(LossRoot()).attr("flow"), object())
     assert isinstance(a.kind, GuardKind) and a.kind is GUARD_KINDS["identity"] and a.kind == "identity"
     assert pickle.loads(pickle.dumps(a.kind)) is a.kind and copy.deepcopy(a).kind is a.kind
     assert a.as_guard().evidence["kind"] == "identity" and type(a.as_guard().evidence["kind"]) is str
     with pytest.raises(KeyError, match="identiy"):
-        Assumption("identiy", Source(("loss",)), None)
+        Assumption("identiy", Source(LossRoot()), None)
 
 
 def test_every_kind_names_a_registered_code_and_compares():
@@ -29,9 +29,9 @@ def test_every_kind_names_a_registered_code_and_compares():
     roots = LossRoots(loss, ())
     for kind in GUARD_KINDS.values():
         assert kind.code and kind.description and type(kind).same is not GuardKind.same
-    assert Assumption("constant", Source(("loss",)).attr("k"), 3).holds(roots)
-    assert not Assumption("constant", Source(("loss",)).attr("k"), 3.0).holds(roots)
-    assert Assumption("absent", Source(("loss",)).attr("gone"), None).holds(roots)
+    assert Assumption("constant", Source(LossRoot()).attr("k"), 3).holds(roots)
+    assert not Assumption("constant", Source(LossRoot()).attr("k"), 3.0).holds(roots)
+    assert Assumption("absent", Source(LossRoot()).attr("gone"), None).holds(roots)
 
 
 def _hooks(modules):
