@@ -147,13 +147,14 @@ def _difference(a: list, b: list) -> float:
             return float("inf")
         if torch.equal(x, y):  # the same numbers, none NaN
             continue
-        if not torch.equal(torch.isfinite(x), torch.isfinite(y)):
-            return float("inf")
         finite = torch.isfinite(x)
-        if not torch.equal(x[~finite].nan_to_num(), y[~finite].nan_to_num()):
-            return float("inf")
-        if finite.any():
-            x64, y64 = x[finite].double(), y[finite].double()
+        if not (bool(finite.all()) and bool(torch.isfinite(y).all())):  # else: every entry compared
+            if not torch.equal(finite, torch.isfinite(y)) or \
+                    not torch.equal(x[~finite].nan_to_num(), y[~finite].nan_to_num()):
+                return float("inf")
+            x, y = x[finite], y[finite]
+        if x.numel():
+            x64, y64 = x.double(), y.double()
             worst = max(worst, float(((x64 - y64).abs() / (1 + x64.abs())).max()))
     return worst
 

@@ -296,10 +296,12 @@ def _gap(a: Any, b: Any, nonfinite_kind: bool = True) -> float:
     a, b = a.detach().to(torch.float64), b.detach().to(torch.float64)
     if not a.numel() or torch.equal(a, b):  # equal: the same numbers, none NaN
         return 0.0
-    same = (a == b) | (a.isnan() & b.isnan())
-    if not torch.equal(a.isfinite(), b.isfinite()) or nonfinite_kind and not bool(same[~a.isfinite()].all()):
-        return math.inf
     finite = a.isfinite()
-    if not finite.any():
-        return 0.0
-    return float(((a - b).abs() / (1 + a.abs()))[finite].max())
+    if not (bool(finite.all()) and bool(b.isfinite().all())):  # else: every entry compared
+        same = (a == b) | (a.isnan() & b.isnan())
+        if not torch.equal(finite, b.isfinite()) or nonfinite_kind and not bool(same[~finite].all()):
+            return math.inf
+        if not finite.any():
+            return 0.0
+        a, b = a[finite], b[finite]
+    return float(((a - b).abs() / (1 + a.abs())).max())
