@@ -64,12 +64,16 @@ class ComputesWithRows(nn.Module):
         return rows.sin().sum() * scale
 
 
-class IndexesByRows(nn.Module):
-    """An index made from the selected rows' values, and one gathered as it is."""
+class WithTable(nn.Module):
+    """A loss with a parameter table its rows index into."""
 
     def __init__(self):
         super().__init__()
         self.table = nn.Parameter(torch.linspace(0, 1, 5, dtype=torch.float64))
+
+
+class IndexesByRows(WithTable):
+    """An index made from the selected rows' values, and one gathered as it is."""
 
     def forward(self, x, mask, slot):
         rows = x[mask]
@@ -77,12 +81,8 @@ class IndexesByRows(nn.Module):
         return (self.table[made] * rows[:, 1]).sum()
 
 
-class IndexesBySlot(nn.Module):
+class IndexesBySlot(WithTable):
     """An integer input, selected and used as an index as it is."""
-
-    def __init__(self):
-        super().__init__()
-        self.table = nn.Parameter(torch.linspace(0, 1, 5, dtype=torch.float64))
 
     def forward(self, x, mask, slot):
         rows, slots = x[mask], slot[mask]
@@ -225,12 +225,8 @@ def test_counts_computed_before_an_earlier_read_are_read_with_it_in_one_wait():
     assert {len(c.effect["host_read"]["reads"]) for c in certs} == {1}  # one read for both
 
 
-class IndexesIfValid(nn.Module):
+class IndexesIfValid(WithTable):
     """An index made before a decision that protects it: read before the index op, never after."""
-
-    def __init__(self):
-        super().__init__()
-        self.table = nn.Parameter(torch.linspace(0, 1, 5, dtype=torch.float64))
 
     def forward(self, x, mask, slot):
         rows = x[mask]
@@ -251,26 +247,18 @@ def test_a_decision_that_protects_an_index_is_read_before_the_index_op():
     assert guards and indexing and max(guards) < max(indexing), (guards, indexing)
 
 
-class IndexesByLabels(nn.Module):
+class IndexesByLabels(WithTable):
     """A float label of each selected row cast to an index (the assigner's class-score gather,
     ``pd_scores[..., gt_labels[b, g, 0].long()]``): gathered rows are real rows or copies of
     one, so the cast is an index native also uses, but for an empty selection (zeroed)."""
-
-    def __init__(self):
-        super().__init__()
-        self.table = nn.Parameter(torch.linspace(0, 1, 5, dtype=torch.float64))
 
     def forward(self, x, mask, labels):
         rows = x[mask]
         return (self.table[labels[mask].long()] * rows[:, 1]).sum() + rows.pow(2).sum()
 
 
-class IndexesByLabelsAndASum(nn.Module):
+class IndexesByLabelsAndASum(WithTable):
     """The same index, moved by a sum over the rows: partial where rows were cut off."""
-
-    def __init__(self):
-        super().__init__()
-        self.table = nn.Parameter(torch.linspace(0, 1, 5, dtype=torch.float64))
 
     def forward(self, x, mask, labels):
         rows = x[mask]
@@ -306,42 +294,35 @@ class CountsTopAnchors(nn.Module):
     """As the assigner counts its candidates: the selected pairs' scores written back into a
     dense (row, anchor) buffer, each row's two best anchors taken with ``topk`` and counted with
     ``scatter_add_`` (``count_tensor.scatter_add_(-1, topk_idxs, ones)``): indices below the
-    anchor dim's size whatever the scores; ``shift`` 1 moves them (no longer shown in bounds)."""
+    anchor dim's size whatever the scores (:meth:`adjust`: what is done to them in between)."""
 
-    def __init__(self, shift: int = 0):
-        super().__init__()
-        self.shift = shift
+    def adjust(self, top, dense):
+        top.masked_fill_(dense[:, :2] < -5, 0)  # a fill in range, as the assigner's
+        return top
 
     def forward(self, x, mask):
         pairs = mask.nonzero(as_tuple=True)
         scores = x[pairs].sigmoid()
         dense = torch.zeros(x.shape, dtype=x.dtype)
         dense[pairs] = scores
-        top = dense.topk(2, dim=-1).indices
-        if self.shift:
-            top = (top + self.shift).clamp(max=5)
-        top.masked_fill_(dense[:, :2] < -5, 0)  # a fill in range, as the assigner's
+        top = self.adjust(dense.topk(2, dim=-1).indices, dense)
         counts = torch.zeros(x.shape, dtype=torch.int64).scatter_add_(-1, top, torch.ones_like(top))
         return (dense * counts).sum() + scores.pow(2).sum()
 
 
 class CountsShiftedAnchors(CountsTopAnchors):
-    def __init__(self):
-        super().__init__(shift=1)
+    """The indices moved by one (clamped): no longer shown in bounds."""
+
+    def adjust(self, top, dense):
+        return super().adjust((top + 1).clamp(max=5), dense)
 
 
 class CountsOverwrittenAnchors(CountsTopAnchors):
     """The indices written in place by something other than a fill: no longer shown in bounds."""
 
-    def forward(self, x, mask):
-        pairs = mask.nonzero(as_tuple=True)
-        scores = x[pairs].sigmoid()
-        dense = torch.zeros(x.shape, dtype=x.dtype)
-        dense[pairs] = scores
-        top = dense.topk(2, dim=-1).indices
+    def adjust(self, top, dense):
         top[:, 1] = (dense[:, 0] > 0.5).long()  # in range here, but not shown so
-        counts = torch.zeros(x.shape, dtype=torch.int64).scatter_add_(-1, top, torch.ones_like(top))
-        return (dense * counts).sum() + scores.pow(2).sum()
+        return top
 
 
 def _grid(selected: int, seed: int):
