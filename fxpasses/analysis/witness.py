@@ -13,6 +13,27 @@ from torch.utils import _pytree as pytree
 from ..certificates import Witness
 
 
+def relative_gap(a: Any, b: Any, nonfinite_kind: bool = True) -> float:
+    """Worst ``|a - b| / (1 + |a|)``; inf for a shape, type or non-finite mismatch (the positions
+    of non-finite entries, and with ``nonfinite_kind`` their values: NaN, +inf or -inf)."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return 0.0 if a == b else math.inf
+    if a.shape != b.shape:
+        return math.inf
+    a, b = a.detach().to(torch.float64), b.detach().to(torch.float64)
+    if not a.numel() or torch.equal(a, b):  # equal: the same numbers, none NaN
+        return 0.0
+    finite = a.isfinite()
+    if not (bool(finite.all()) and bool(b.isfinite().all())):  # else: every entry compared
+        same = (a == b) | (a.isnan() & b.isnan())
+        if not torch.equal(finite, b.isfinite()) or nonfinite_kind and not bool(same[~finite].all()):
+            return math.inf
+        if not finite.any():
+            return 0.0
+        a, b = a[finite], b[finite]
+    return float(((a - b).abs() / (1 + a.abs())).max())
+
+
 def _max_abs(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
     worst = 0.0
     for x, y in zip(a, b):

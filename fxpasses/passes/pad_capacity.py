@@ -29,6 +29,7 @@ from torch.utils import _pytree as pytree
 
 from ..analysis.capture import bucketed_symbols
 from ..analysis.meta import annotate_new, value
+from ..analysis.witness import relative_gap
 from ..certificates import Certificate, Check, Site, Witness
 from ..ir.abandon import Abandon
 from ..ir.proofs import BucketedSizes, prove
@@ -137,26 +138,9 @@ def _evaluate(gm: fx.GraphModule, inputs: tuple, wrt: list[torch.Tensor]) -> tup
 
 def _difference(a: list, b: list) -> float:
     """Largest relative difference (to 1 + |a|); inf where shapes, presence or NaN/inf differ."""
-    worst = 0.0
-    for x, y in zip(a, b, strict=True):
-        if x is None or y is None:
-            if (x is None) != (y is None):
-                return float("inf")
-            continue
-        if x.shape != y.shape:
-            return float("inf")
-        if torch.equal(x, y):  # the same numbers, none NaN
-            continue
-        finite = torch.isfinite(x)
-        if not (bool(finite.all()) and bool(torch.isfinite(y).all())):  # else: every entry compared
-            if not torch.equal(finite, torch.isfinite(y)) or \
-                    not torch.equal(x[~finite].nan_to_num(), y[~finite].nan_to_num()):
-                return float("inf")
-            x, y = x[finite], y[finite]
-        if x.numel():
-            x64, y64 = x.double(), y.double()
-            worst = max(worst, float(((x64 - y64).abs() / (1 + x64.abs())).max()))
-    return worst
+    if any((x is None) != (y is None) for x, y in zip(a, b, strict=True)):
+        return float("inf")
+    return max((relative_gap(x, y) for x, y in zip(a, b) if x is not None), default=0.0)
 
 
 def padding_inert(gm: fx.GraphModule, sites: list[tuple[fx.Node, int]],

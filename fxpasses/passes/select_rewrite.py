@@ -71,7 +71,8 @@ _INDEXING = ("aten.index", "aten.gather", "aten.scatter", "aten.take", "aten.emb
 @dataclass
 class SpaceRewrite:
     """One rewritten space: its capacity (op, node and the getitem of its value), its count,
-    where both are known, and the values whose rows leave (by their nodes now)."""
+    where both are known, the values whose rows leave (by their nodes now), and its truth
+    ``count == 0`` on the device (``empty``)."""
 
     capacities: Capacities
     planned: fx.Node
@@ -80,6 +81,7 @@ class SpaceRewrite:
     start: fx.Node
     exits: tuple[tuple[fx.Node, int], ...]
     mask: str
+    empty: fx.Node
 
 
 @dataclass
@@ -126,12 +128,12 @@ def rewrite_level(gm: fx.GraphModule, analyses: list[SpaceAnalysis], level_id: s
             count = _made(graph.call_function(torch.sum, (mask,)), mask, made)
         order = {n: i for i, n in enumerate(graph.nodes)}
         start = max(count, capacity, key=order.__getitem__)  # a mask may be a placeholder
-        rewritten = _space(gm, analysis, mask, count, capacity, start, masks, made, cleaned, result.rows,
-                           result.casts)
+        rewritten, empty = _space(gm, analysis, mask, count, capacity, start, masks, made, cleaned,
+                                  result.rows, result.casts)
         exits = analysis.exits if slice_exits else analysis.outputs
         result.spaces.append(SpaceRewrite(op, planned, capacity, count, start,
                                           tuple((rewritten[name], dim) for name, dim in exits),
-                                          space.mask))
+                                          space.mask, empty))
     return result
 
 
@@ -223,15 +225,11 @@ def _clean_integer_casts(gm: fx.GraphModule, spaces: list[SpaceRewrite], rows: s
         ancestors = networkx.ancestors(dag, node)
         if not ancestors & padded <= rows | {s.capacity for s in spaces}:
             continue
-        empty = None
-        cursor = node
-        for space in (s for s in spaces if s.planned in ancestors):  # any of them empty: zero
+        empties = [s.empty for s in spaces if s.planned in ancestors]  # any of them empty: zero
+        empty, cursor = empties[0], node
+        for other in empties[1:]:
             with graph.inserting_after(cursor):
-                cursor = _made(graph.call_function(operator.eq, (space.count, 0)), node, made)
-            if empty is not None:
-                with graph.inserting_after(cursor):
-                    cursor = _made(graph.call_function(operator.or_, (empty, cursor)), node, made)
-            empty = cursor
+                empty = cursor = _made(graph.call_function(operator.or_, (empty, other)), node, made)
         with graph.inserting_after(cursor):
             zeroed = _made(graph.call_method("masked_fill", (node, empty, 0)), node, made)
         node.replace_all_uses_with(zeroed, delete_user_cb=lambda user: user is not zeroed)
@@ -346,16 +344,17 @@ def _made(node: fx.Node, like: fx.Node, made: set[fx.Node]) -> fx.Node:
 
 def _space(gm: fx.GraphModule, analysis: SpaceAnalysis, mask: fx.Node, count: fx.Node,
            capacity: fx.Node, cursor: fx.Node, masks: dict[str, fx.Node], made: set[fx.Node],
-           cleaned: set[fx.Node], rowwise: set[fx.Node], casts: set[fx.Node]) -> dict[str, fx.Node]:
+           cleaned: set[fx.Node], rowwise: set[fx.Node], casts: set[fx.Node]
+           ) -> tuple[dict[str, fx.Node], fx.Node]:
     """Index, validity and every rewrite of one space, the index nodes placed after ``cursor``;
     ``made`` gets every new node, ``cleaned`` the integer gathers zeroed when empty, ``rowwise`` the
     nodes computed row by row from the gathers (the index, the gathers, the rows' region),
     ``casts`` the region's integer casts of floats (read before the gathers replace their inputs).
-    Returns the nodes by name, a rewritten site's name naming its gather."""
+    Returns the nodes by name, a rewritten site's name naming its gather, and ``count == 0``."""
     graph = gm.graph
     named = {n.name: n for n in graph.nodes}
     before = set(made)
-    casts.update(named[n] for n in analysis.region if n in named and _integer_cast_of_floats(named[n]))
+    casts.update(named[n] for n in analysis.region if n in named and integer_cast_of_floats(named[n]))
 
     def add(target: Any, *args: Any, **kwargs: Any) -> fx.Node:
         nonlocal cursor
@@ -416,7 +415,7 @@ def _space(gm: fx.GraphModule, analysis: SpaceAnalysis, mask: fx.Node, count: fx
             true = count if use.factor == 1 else \
                 _made(graph.call_function(operator.mul, (count, use.factor)), user, made)
         user.replace_input_with(named[use.size], true)
-    return named
+    return named, empty
 
 
 def _coordinates(graph: fx.Graph, site: fx.Node, mask: fx.Node, rank: int, count: fx.Node,
@@ -479,9 +478,14 @@ def _selects_by(node: fx.Node, mask: fx.Node) -> bool:
     return is_coordinates(node) and node.args[0] is mask
 
 
-def _integer_cast_of_floats(node: fx.Node) -> bool:
-    """``x.long()``, ``x.to(torch.int64)``... of a floating ``x``: rows that become an index."""
-    if node.op != "call_method" or not node.args or not isinstance(node.args[0], fx.Node):
+INTEGER_CASTS = ("long", "int", "short", "byte", "char", "to", "type")  # as methods
+
+
+def integer_cast_of_floats(node: fx.Node) -> bool:
+    """``x.long()``, ``x.to(torch.int64)``... of a floating ``x`` (by their metadata): values
+    that become an index."""
+    if node.op != "call_method" or node.target not in INTEGER_CASTS or not node.args or \
+            not isinstance(node.args[0], fx.Node):
         return False
     source, cast = value(node.args[0]), value(node)
     return isinstance(cast, torch.Tensor) and _floating(source) and \
@@ -679,7 +683,7 @@ def _index_bound(node: fx.Node, made: set[fx.Node]) -> int | torch.SymInt | None
     constant in range (0 where ``n`` is read from data); None where not shown, or where another
     node writes its memory (the rewrite's own nodes, without metadata yet, write none: a scatter
     keeps the loss's node)."""
-    chain = [node]
+    nodes, fills = [node], []
     while True:
         if node.op == "call_method" and node.target in _SHAPES_ONLY or \
                 node.op == "call_function" and node.target is operator.getitem and \
@@ -688,18 +692,16 @@ def _index_bound(node: fx.Node, made: set[fx.Node]) -> int | torch.SymInt | None
             node = node.args[0]
         elif node.op == "call_method" and node.target in ("masked_fill_", "masked_fill", "fill_") and \
                 isinstance(node.args[-1], int) and not isinstance(node.args[-1], bool):
-            chain.append((node.args[-1],))
+            fills.append(node.args[-1])
             node = node.args[0]
         else:
             break
         if not isinstance(node, fx.Node):
             return None
-        chain.append(node)
-    bound = _indices_of(node)
-    fills = [c[0] for c in chain if isinstance(c, tuple)]  # 0 is in range of any dim indices exist for
+        nodes.append(node)
+    bound = _indices_of(node)  # a fill of 0 is in range of any dim indices exist for
     if bound is None or not all(v == 0 or isinstance(bound, int) and 0 <= v < bound for v in fills):
         return None
-    nodes = [c for c in chain if isinstance(c, fx.Node)]
     return None if _written_elsewhere(nodes, made) else bound
 
 
@@ -747,7 +749,7 @@ def _at_least_one(size: Any, nonzero: set) -> bool:
     minimum or maximum of such."""
     if isinstance(size, int):
         return size >= 1
-    expr = size.node.expr if isinstance(size, torch.SymInt) else size
+    expr = _expr(size)
     if expr.is_Integer:
         return int(expr) >= 1
     if expr.is_Symbol:

@@ -38,6 +38,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..analysis.meta import value
+from ..analysis.witness import relative_gap
 from ..analysis.selection import (SpaceAnalysis, concrete_size, example_value, meta_value,
                                   site_mask, site_source, subgraph, symbols_of)
 from ..certificates import Witness
@@ -46,7 +47,7 @@ from ..ir.runtime_op import RuntimeOp
 from ..ir.abandon import Abandon
 from ..runtime.paired_capture import bucket
 from ..runtime.select import Capacities, CheckCounts, NonEmptyRows, StartCounts
-from .select_rewrite import place_reads, rewrite_level
+from .select_rewrite import integer_cast_of_floats, place_reads, rewrite_level
 
 WITNESS_BUCKET = 4
 PARENT_ROWS = 6  # the row count of the parent level in a child level's witness
@@ -204,9 +205,6 @@ def _input(node: fx.Node, masks: dict, sources: dict, sizes: dict,
     return x.requires_grad_(differentiated)  # every floating input but one written in place
 
 
-_INTEGER_CASTS = ("long", "int", "short", "byte", "char")
-
-
 _VIEWS = ("view", "reshape", "squeeze", "unsqueeze", "flatten", "expand", "select", "narrow")
 
 
@@ -214,9 +212,7 @@ def _cast_to_integer(node: fx.Node) -> bool:
     """Whether ``node``'s values, directly or through indexing and views, are cast to an integer
     dtype (``labels[b, g, 0].long()``): they become an index."""
     for user in node.users:
-        dtypes = [a for a in (*user.args, *user.kwargs.values()) if isinstance(a, torch.dtype)]
-        if user.op == "call_method" and (user.target in _INTEGER_CASTS or user.target == "to" and any(
-                not d.is_floating_point and not d.is_complex and d != torch.bool for d in dtypes)):
+        if integer_cast_of_floats(user):
             return True
         through = user.op == "call_function" and user.target is operator.getitem or \
             user.op == "call_method" and user.target in _VIEWS
@@ -278,30 +274,9 @@ def _compare(native: fx.GraphModule, rewritten: fx.GraphModule, inputs: list[Any
         return gap, gap, {"outcome": f"abandoned ({stop.code})"}
     if expect is not None:  # it had to abandon, never compute
         return math.inf, math.inf, {"outcome": f"computed where {expect} must abandon"}
-    values = max((_gap(a, b) for a, b in zip(expected, got)), default=0.0)
+    values = max((relative_gap(a, b) for a, b in zip(expected, got)), default=0.0)
     if len(expected) != len(got):
         values = math.inf
-    grads = max((_gap(a, b, nonfinite_kind=False) for a, b in zip(expected_grads, got_grads)), default=0.0)
+    grads = max((relative_gap(a, b, nonfinite_kind=False) for a, b in zip(expected_grads, got_grads)), default=0.0)
     return values, grads, {"outcome": "compared", "outputs": len(expected),
                            "gradients": len(expected_grads)}
-
-
-def _gap(a: Any, b: Any, nonfinite_kind: bool = True) -> float:
-    """Worst ``|a - b| / (1 + |a|)``; inf for a shape, type or non-finite mismatch (the positions
-    of non-finite entries, and with ``nonfinite_kind`` their values: NaN, +inf or -inf)."""
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-        return 0.0 if a == b else math.inf
-    if a.shape != b.shape:
-        return math.inf
-    a, b = a.detach().to(torch.float64), b.detach().to(torch.float64)
-    if not a.numel() or torch.equal(a, b):  # equal: the same numbers, none NaN
-        return 0.0
-    finite = a.isfinite()
-    if not (bool(finite.all()) and bool(b.isfinite().all())):  # else: every entry compared
-        same = (a == b) | (a.isnan() & b.isnan())
-        if not torch.equal(finite, b.isfinite()) or nonfinite_kind and not bool(same[~finite].all()):
-            return math.inf
-        if not finite.any():
-            return 0.0
-        a, b = a[finite], b[finite]
-    return float(((a - b).abs() / (1 + a.abs())).max())
