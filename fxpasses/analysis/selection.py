@@ -323,7 +323,7 @@ def _scatter(node: fx.Node, space: Space, carries: Callable[[fx.Node], bool]) ->
     if not isinstance(buf, fx.Node) or carries(buf) or not isinstance(rows, fx.Node) or \
             not carries(rows) or not isinstance(index, tuple) or len(index) != space.rank:
         return None
-    if [_coordinate_part(i, space) for i in index] != list(range(space.rank)):
+    if not is_gather_index(index, space):
         return None
     mask, b, v = value(index[0].args[0].args[0]), value(buf), value(rows)
     if not all(isinstance(t, torch.Tensor) for t in (mask, b, v)) or \
@@ -334,6 +334,27 @@ def _scatter(node: fx.Node, space: Space, carries: Callable[[fx.Node], bool]) ->
             [str(s) for s in b.shape[space.rank:]] != [str(s) for s in v.shape[1:]]:
         return None
     return Scatter(node.name, rows.name, v.dim())
+
+
+def is_gather_index(index: Any, space: Space) -> bool:
+    """Whether ``index`` is ``m.nonzero(as_tuple=True)`` of the space, its parts in order."""
+    return gathered_dims(index, space) == tuple(range(space.rank)) and len(index) == space.rank
+
+
+def gathered_dims(index: Any, space: Space) -> tuple[int, ...] | None:
+    """The dims ``d0 < d1 < ...`` of the space's mask whose coordinates
+    (``m.nonzero(as_tuple=True)[d]``) lead ``index``: ``x[index]`` reads ``x``'s leading dims only
+    where the mask, reduced over its other dims, selects (``pred[b, a]`` of a mask over
+    ``(b, g, a)``). None where no coordinate leads it or they are not in increasing order."""
+    if not isinstance(index, tuple):
+        return None
+    dims = []
+    for part in index:
+        d = _coordinate_part(part, space)
+        if d is None:
+            break
+        dims.append(d)
+    return tuple(dims) if dims and dims == sorted(set(dims)) else None
 
 
 def _coordinate_part(node: Any, space: Space) -> int | None:

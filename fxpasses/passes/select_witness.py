@@ -39,8 +39,8 @@ from torch.utils import _pytree as pytree
 
 from ..analysis.meta import value
 from ..analysis.witness import relative_gap
-from ..analysis.selection import (SpaceAnalysis, concrete_size, example_value, meta_value,
-                                  site_mask, site_source, subgraph, symbols_of)
+from ..analysis.selection import (SpaceAnalysis, concrete_size, example_value, gathered_dims,
+                                  meta_value, site_mask, site_source, subgraph, symbols_of)
 from ..certificates import Witness
 from ..pipeline import copy_graph_module
 from ..ir.runtime_op import RuntimeOp
@@ -96,8 +96,7 @@ def selection_witness(gm: fx.GraphModule, analyses: list[SpaceAnalysis], seed: i
     capacities = {space.mask: ops[space.capacities.op_id] for space in done.spaces}
     placeholders = [n for n in native.graph.nodes if n.op == "placeholder"]
     masks = sorted({a.space.mask for a in analyses})
-    sources = {site_source(n).name: site_mask(n).name for n in native.graph.nodes
-               if n.name in {s for a in analyses for s in a.space.sites} and site_source(n) is not None}
+    sources = _selected_from(native, analyses)
     written = {n.args[0].name for n in native.graph.nodes  # scatters' buffers: no gradient
                if n.name in {w.node for a in analyses for w in a.scatters}}
     indexing = {p.name for p in placeholders if _cast_to_integer(p)}
@@ -118,12 +117,40 @@ def selection_witness(gm: fx.GraphModule, analyses: list[SpaceAnalysis], seed: i
                            "traced_masks": {m: traced[m] for m in masks},
                            "witness_bucket": WITNESS_BUCKET,
                            "parent_rows": PARENT_ROWS if parents else None,
+                           "drawn_at_masks": {x: {"mask": m, "dims": d} for x, (m, d) in sorted(sources.items())},
                            "cases": {k: v[2] for k, v in cases.items()}},
                    max_abs_value_diff=max(v[0] for v in cases.values()),
                    max_abs_grad_diff=max(v[1] for v in cases.values()),
                    compared=("values (relative to 1 + |native|)", "input gradients",
                              "parameter gradients", "abandon on an empty selection",
                              "abandon on a count above its capacity"))
+
+
+def _selected_from(native: fx.GraphModule, analyses: list[SpaceAnalysis]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Each tensor the level reads at a mask's positions only, and that mask with the dims its
+    leading dims are: all of them for ``x[m]``; for a gather, ``x[m.nonzero(as_tuple=True)[0],
+    ...[2]]``, those it names, where every read of ``x`` is that gather. Those dims are drawn
+    as the (shrunk) mask's, the unselected positions poisoned."""
+    sources = {}
+    for a in analyses:
+        every = tuple(range(a.space.rank))
+        for n in native.graph.nodes:
+            if n.name in a.space.sites and site_source(n) is not None:
+                sources[site_source(n).name] = (site_mask(n).name, every)
+
+    def gathers(user: fx.Node, x: fx.Node) -> set:
+        """The (mask, dims) ``user`` reads ``x`` at; {None} for a read of any other kind."""
+        if user.op != "call_function" or user.target is not operator.getitem or user.args[0] is not x:
+            return {None}
+        found = {(a.space.mask, dims) for a in analyses
+                 if (dims := gathered_dims(user.args[1], a.space)) is not None}
+        return found or {None}
+
+    for x in native.graph.find_nodes(op="placeholder"):
+        claims = set().union(*(gathers(u, x) for u in x.users)) if x.users else {None}
+        if x.name not in sources and len(claims) == 1 and None not in claims:
+            sources[x.name] = claims.pop()
+    return sources
 
 
 def _shrunk(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -192,7 +219,11 @@ def _input(node: fx.Node, masks: dict, sources: dict, sizes: dict,
     val = meta_value(node)
     if isinstance(val, torch.dtype) and val.is_floating_point:
         return torch.float64
-    mask = masks.get(sources.get(node.name))  # the selected dims as the (shrunk) mask's
+    mask_name, dims = sources.get(node.name, (None, ()))
+    mask = masks.get(mask_name)
+    if mask is not None:  # the mask's positions, reduced over the dims the reads do not index
+        others = tuple(d for d in range(mask.dim()) if d not in dims)
+        mask = mask.any(dim=others) if others else mask
     x = example_value(val, sizes, generator, tuple(mask.shape) if mask is not None else (),
                       torch.float64)
     if not (isinstance(x, torch.Tensor) and x.is_floating_point()):

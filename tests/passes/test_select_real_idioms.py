@@ -295,6 +295,58 @@ def test_every_form_of_positions_is_rewritten_and_equal_to_native():
     assert fast.stats.optimized >= 3 and not fast.stats.exceptions  # (an empty `keep`: native)
 
 
+class GathersByCoordinates(nn.Module):
+    """The assigner's mask over (image, target, anchor) read by its coordinates, as the real loss
+    reads its predictions: ``pred[b, a]`` (dims 0 and 2), ``table[b, g]`` (dims 0 and 1); ``seen``
+    is also summed whole, outside the selection level."""
+
+    def forward(self, pred, table, seen, scores):
+        fg = scores > 0.5  # (B, G, A)
+        b, g, a = fg.nonzero(as_tuple=True)
+        rows = pred[b, a] * seen[b, a, None]  # (F, 2)
+        return ((rows - table[b, g]) ** 2).sum() + seen.sum()
+
+
+def test_the_witness_draws_what_is_gathered_by_coordinates_at_the_masks_positions():
+    """The float64 witness shrinks the mask (B, G, A); a tensor read only at its coordinates is
+    drawn at the shrunk mask's dims and poisoned where the mask selects nothing there, so a
+    rewrite reading an unselected position would show. What counts is the level's reads: the
+    whole sum of ``seen`` is computed outside it and reaches it as an input of its own."""
+    g = torch.Generator().manual_seed(0)
+    big = (4, 3, 200)  # more positions than the witness keeps (256): it shrinks them
+    loss = GathersByCoordinates()
+    fast = optimize(loss, passes=[SelectRows(min_bucket=4)])
+    for _ in range(3):
+        pred = torch.randn(big[0], big[2], 2, generator=g, dtype=torch.float64)
+        table = torch.randn(big[0], big[1], 2, generator=g, dtype=torch.float64)
+        seen = torch.rand(big[0], big[2], generator=g, dtype=torch.float64)
+        scores = torch.rand(big, generator=g, dtype=torch.float64)
+        assert_same(loss, fast, [pred, table, seen, scores])
+    (cert,) = [c for c in fast.certificates if c.pass_name == "SelectRows"]
+    assert cert.applied, cert.codes
+    shapes = cert.witness.shapes
+    (mask,) = shapes["masks"]
+    assert math.prod(shapes["masks"][mask]) <= 256 < math.prod(shapes["traced_masks"][mask])
+    drawn = shapes["drawn_at_masks"]
+    assert {name: d["dims"] for name, d in drawn.items()} == {"pred": (0, 2), "seen": (0, 2),
+                                                                "table": (0, 1)}
+
+
+def test_the_shrunk_gather_witness_still_catches_a_sum_over_padding(monkeypatch):
+    from fxpasses.passes import select_rewrite
+    monkeypatch.setattr(select_rewrite, "_mask_reduction", lambda *args: None)  # padding summed
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(4, 200, 2, generator=g, dtype=torch.float64),
+            torch.randn(4, 3, 2, generator=g, dtype=torch.float64),
+            torch.rand(4, 200, generator=g, dtype=torch.float64),
+            torch.rand(4, 3, 200, generator=g, dtype=torch.float64)]
+    loss = GathersByCoordinates()
+    fast = optimize(loss, passes=[SelectRows(min_bucket=4)])
+    assert_same(loss, fast, args)  # refused: the native level runs
+    (cert,) = [c for c in fast.certificates if c.pass_name == "SelectRows"]
+    assert cert.codes == ("select-witness-mismatch",)
+
+
 def _line(text: str) -> int:
     import inspect
     lines, start = inspect.getsourcelines(DecidesOnASize)
