@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from ..analysis.graph import downstream, to_digraph
-from ..analysis.meta import annotate_new, storages_of, value
+from ..analysis.meta import annotate_new, metadata_unchanged, storages_of, value
 from ..analysis.order import effects
 from ..certificates import Certificate, Check, Site
 from ..locations import node_location
@@ -38,30 +38,38 @@ def device_constants(gm: fx.GraphModule, pass_name: str, devices: Sequence[str])
     the module docstring); a certificate per site, applied or refused."""
     certificates = []
     graph = gm.graph
-    for node in list(graph.nodes):
-        chain = _chain(node, devices)
-        if chain is None:
-            continue
-        written = _written(node)
-        location = node_location(node)
-        site = Site(tuple(n.name for n in chain), (location,) if location else (),
-                    f"host-made tensor {node.name} copied to the device")
-        checks = [Check("made-from-numbers", True, {
-                      "ops": tuple(_op_name(n) for n in chain),
-                      "inputs": tuple(a.name for a in _inputs(chain))}),
-                  Check("never-written", written is None,
-                        {"written_by": written} if written else
-                        {"downstream": "no write of its memory, no node of unknown effects, "
-                                       "not handed out by an output"},
-                        None if written is None else "device-constant-written")]
-        if written is None:
-            _fold(gm, chain)
-        certificates.append(Certificate.from_checks(pass_name, site, checks, effect={
-            "folded": "computed on the first call with these inputs, kept: no copy from the host "
-                      "on later calls"} if written is None else {}))
+    with metadata_unchanged():  # a fold's node carries its last node's metadata
+        for node in list(graph.nodes):
+            certificates += _fold_site(gm, node, pass_name, devices)
     if any(c.applied for c in certificates):
         annotate_new(gm)
     return certificates
+
+
+def _fold_site(gm: fx.GraphModule, node: fx.Node, pass_name: str, devices: Sequence[str]
+               ) -> list[Certificate]:
+    """The certificate of ``node``'s site, folded where it is never written; none where
+    ``node`` is not a host-made tensor copied to one of ``devices``."""
+    chain = _chain(node, devices)
+    if chain is None:
+        return []
+    written = _written(node)
+    location = node_location(node)
+    site = Site(tuple(n.name for n in chain), (location,) if location else (),
+                f"host-made tensor {node.name} copied to the device")
+    checks = [Check("made-from-numbers", True, {
+                  "ops": tuple(_op_name(n) for n in chain),
+                  "inputs": tuple(a.name for a in _inputs(chain))}),
+              Check("never-written", written is None,
+                    {"written_by": written} if written else
+                    {"downstream": "no write of its memory, no node of unknown effects, "
+                                   "not handed out by an output"},
+                    None if written is None else "device-constant-written")]
+    if written is None:
+        _fold(gm, chain)
+    return [Certificate.from_checks(pass_name, site, checks, effect={
+        "folded": "computed on the first call with these inputs, kept: no copy from the host "
+                  "on later calls"} if written is None else {})]
 
 
 def _chain(node: fx.Node, devices: Sequence[str]) -> list[fx.Node] | None:

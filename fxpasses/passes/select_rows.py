@@ -51,7 +51,7 @@ import torch
 import torch.fx as fx
 
 from .. import options
-from ..analysis.meta import value
+from ..analysis.meta import metadata_unchanged, value
 from ..analysis.selection import Space, SpaceAnalysis, analyze_space, find_spaces, site_source
 from ..certificates import Certificate, Check, Site
 from ..ir.proofs import kept_whole, rely_on
@@ -129,7 +129,8 @@ class SelectRows:
             members = [a for a in applied.values() if a.space.level == level]
             proof = certificates[members[0].space.mask].id
             levels.append(rewrite_level(gm, members, f"level{level}", self.min_bucket, masks, proof))
-        placements, reads, size_guards = place_reads(gm, levels, defer_truths=True)
+        with metadata_unchanged():  # new nodes get theirs after the pass
+            placements, reads, size_guards = place_reads(gm, levels, defer_truths=True)
         for mask, placement in placements.items():
             cert = certificates[mask]
             certificates[mask] = dataclasses.replace(cert, effect={
