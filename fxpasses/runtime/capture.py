@@ -476,7 +476,10 @@ class CudaGraphRecorder(GraphRecorder):
         return torch.cuda.CUDAGraph()
 
     def _warm_up(self, fn: Callable, inputs: list[Any], grad_input_index: list[int]) -> None:
-        stream = torch.cuda.Stream()
+        """On the one capture stream, every recording: the caching allocator keeps a stream's
+        freed blocks for that stream, so warm-ups on a new stream each would leave their
+        temporaries reserved for streams nothing uses again."""
+        stream = _capture_stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), no_autocast_cache():
             super()._warm_up(fn, inputs, grad_input_index)
@@ -500,7 +503,8 @@ _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
 def _capture_stream() -> torch.cuda.Stream:
-    """One side stream per device for captures (as ``torch.cuda.graph``'s default)."""
+    """One side stream per device for warm-ups and captures (``torch.cuda.graph``'s default is one
+    side stream too)."""
     device = torch.cuda.current_device()
     if device not in _CAPTURE_STREAMS:
         _CAPTURE_STREAMS[device] = torch.cuda.Stream()

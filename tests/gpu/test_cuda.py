@@ -152,3 +152,32 @@ def test_tensor_alpha_changed_between_replays_is_honoured():
         out.total.backward()
     replays = [v.get("replayed", 0) for k, v in fast.stats.sites.items() if "capture_region" in k]
     assert replays and min(replays) == 3
+
+
+def test_recordings_warm_up_without_leaving_memory_reserved_per_recording():
+    """Each recording's warm-up allocates a region's temporaries outside its graph pool; warmed
+    up on a new stream each time, those blocks stayed reserved for streams nothing used again."""
+    from fxpasses.runtime.capture import CapturedRegion
+    temporaries = 2 * 64 * 2**20  # two 64 MiB temporaries alive at once per call
+
+    def region(x):
+        big = torch.ones(16 * 2**20, device=x.device) * x.sum()
+        return (x * big[:1]).exp()
+
+    site = CapturedRegion("r", region, max_recordings=8, record_after=1)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    for rows in range(1, 9):  # eight signatures, eight recordings
+        x = torch.randn(rows, 4, device="cuda", requires_grad=True)
+        site(x).sum().backward()
+        native = x.detach().clone().requires_grad_()
+        region(native).sum().backward()
+        assert torch.allclose(x.grad, native.grad, rtol=1e-5)
+    torch.cuda.synchronize()
+    assert site.counters["recorded"] == 8
+    pool = tuple(site._pool)
+    outside = sum(s["total_size"] for s in torch.cuda.memory_snapshot()
+                  if tuple(s.get("segment_pool_id", (0, 0))) != pool)
+    # the warm-ups share one stream's blocks, the native calls the default stream's: about two
+    # calls' temporaries in all, where a stream per warm-up left nine
+    assert outside - before < 4 * temporaries, (outside - before) / 2**20
