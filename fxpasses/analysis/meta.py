@@ -33,7 +33,11 @@ from .ops import NODE_FACTS, NodeFacts, aten_facts, is_torch_code, node_facts, w
 
 
 def fake_mode() -> FakeTensorMode:
-    return FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True, static_shapes=True)
+    """The fake mode of one graph's metadata. Its dispatch cache is off: few ops of a loss repeat
+    with equal metadata, so keying and storing every op cost more than the hits saved."""
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True, static_shapes=True)
+    mode.cache_enabled = False
+    return mode
 
 
 class _OpRecorder(TorchDispatchMode):
