@@ -239,6 +239,7 @@ class GuardKind(str):
 
     code: str
     description: str  # "{source}" and "{value}" are filled in
+    compares_identity = False  # its values are one only when they are the same object
 
     def __new__(cls, name: str, code: str, description: str) -> "GuardKind":
         kind = super().__new__(cls, name)
@@ -262,6 +263,18 @@ class GuardKind(str):
 
     def holds(self, a: "Assumption", roots: "LossRoots") -> bool:
         return self.same(self.read(a, roots), a.expected)
+
+    def same_recorded(self, a: Any, b: Any) -> bool:
+        """Whether two values recorded for this kind are one (then one check answers for both):
+        the same object, or, unless the kind compares identity, equal values of one type."""
+        if a is b:
+            return True
+        if self.compares_identity or type(a) is not type(b):
+            return False
+        try:
+            return (a == b) is True
+        except Exception:  # a value whose equality is not a bool (or raises): not one
+            return False
 
     def emit(self, w: Any, a: "Assumption", fail: str, indent: str) -> None:
         """Append to ``w`` (a :class:`fxpasses.guard_code.CheckWriter`) the lines that run ``fail``
@@ -416,9 +429,12 @@ MODES = WholeLossKind("modes", "mode-changed", "train/eval mode of every module 
 AUTOCAST = AutocastKind("autocast", "autocast-changed", "autocast enabled/dtype (cuda and cpu) as at tracing",
                         lambda r: autocast_state(), repr)
 
+IDENTITY = ValueKind("identity", _CHANGED, "{source} is the same object ({value})", "{v} is {e}")
+IDENTITY.compares_identity = True
+
 GUARD_KINDS: dict[str, GuardKind] = {str(k): k for k in (
     ValueKind("constant", _CHANGED, "{source} is {value}", "type({v}) is type({e}) and bool({v} == {e})"),
-    ValueKind("identity", _CHANGED, "{source} is the same object ({value})", "{v} is {e}"),
+    IDENTITY,
     ContentsKind("contents", _CHANGED, "{source} holds the same contents ({value})", "snapshot({v}) == {e}"),
     ValueKind("held", _CHANGED, "{source} holds the same contents, floats by value ({value})",
               "exact_snapshot({v}) == {e}"),

@@ -101,16 +101,7 @@ def same_checks(a: Specialization, b: Specialization) -> bool:
 
 
 def _same_assumption(x: Assumption, y: Assumption) -> bool:
-    if (x.kind, x.source) != (y.kind, y.source):
-        return False
-    if x.expected is y.expected:
-        return True
-    if x.kind == "identity" or type(x.expected) is not type(y.expected):
-        return False
-    try:
-        return (x.expected == y.expected) is True
-    except Exception:  # a value whose equality is not a bool (or raises): not shared
-        return False
+    return (x.kind, x.source) == (y.kind, y.source) and x.kind.same_recorded(x.expected, y.expected)
 
 
 def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pass],

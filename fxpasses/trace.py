@@ -45,11 +45,11 @@ from .signature import CallSignature, flatten_call, path_name
 from .tracing.guard_order import hoist_guards
 from .tracing.input_reads import InputReads
 from .tracing.objects import ObjectTracker
-from .tracing.patches import ModulePatcher, Patches, patched
+from .tracing.patches import patched
 from .tracing.recorder import Recorder, Unsupported
 from .ir.sources import ArgRoot, LossRoot, Source
-from .tracing.shadows import BuiltinShadows
-from .tracing.values import TracedScalar, recording
+from .tracing.session import TraceSession
+from .tracing.values import TracedScalar
 
 META_KEY = "fxpasses"
 
@@ -261,6 +261,27 @@ def _host_reads(graph: fx.Graph) -> int:
                and any(not isinstance(user.target, GuardOp) for user in n.users))
 
 
+
+def _unrecordable_state(rec: Recorder, tracker: ObjectTracker) -> list[str]:
+    """Every way the traced run used state that no later call could read or write again (each
+    one a refusal; all are reported, not only the first)."""
+    refusals = [f"the loss writes into {where}, a container it reads: such writes are not "
+                "recorded (keep that state in an attribute, or make the function that writes it "
+                "a leaf)" for where in tracker.container_writes()]
+    refusals += [f"the loss reads {where}, which holds state kept after the call that no later "
+                 "call can read again (the function was reached through a call's result, not an "
+                 "attribute, global or closure the trace follows): hold the function or its state "
+                 "on the loss, or make the function a leaf" for where in tracker.closure_state_kept()]
+    refusals += [f"the loss reads {where}, an object a cached call (functools.lru_cache or "
+                 "cache) keeps: no later call can read it again, so a change to it would go "
+                 "unseen; hold it on the loss, pass it as an argument or bind it to a global"
+                 for where in tracker.cached_state_read()]
+    refusals += [f"the loss writes in place into a tensor it reads from {where} (a container, a "
+                 "global or a closure variable): the graph reads that tensor as a constant and "
+                 "cannot record the write (keep the tensor in an attribute, or make the function "
+                 "that writes it a leaf)" for where in rec.unrecorded_writes()]
+    return refusals
+
 def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = None, *,
           policy: LeafPolicy | None = None) -> fx.GraphModule:
     """Trace ``loss_fn`` called on ``(example_args, example_kwargs)`` into one GraphModule.
@@ -282,62 +303,36 @@ def _trace(loss_fn: Any, example_args: tuple, example_kwargs: dict | None,
     root, owner, function = _loss_root(loss_fn)
     example_kwargs = dict(example_kwargs or {})
     signature = CallSignature.of_call(tuple(example_args), example_kwargs, positional_names(loss_fn))
-    rec = Recorder(root)
-    patcher = ModulePatcher(rec, Patches(), tuple(policy.density_methods), policy.is_leaf_instance)
-    tracker = ObjectTracker(rec, on_module=patcher)
-    rec.tracker = tracker
-    shadows = BuiltinShadows(rec, patcher.patches)
     leaves, _ = flatten_call(tuple(example_args), example_kwargs)
     placeholders: dict[int, fx.Node] = {}
-    try:
-        values = _inputs(rec, tracker, signature, leaves, placeholders)
-        args, kwargs = pytree.tree_unflatten(values, signature.in_spec)
-        if reads is not None:
-            args, kwargs = reads.wrap((args, kwargs))
-        if isinstance(owner, nn.Module):
-            rec.index_state(owner, "")  # the loss module's own parameters and buffers
-        if owner is not None:
-            tracker.track(owner, Source(LossRoot()))
-        elif inspect.isfunction(loss_fn):  # read again through the loss (its defaults)
-            tracker.track(loss_fn, Source(LossRoot()))
-        patcher(root)
-        _function_state(tracker, function, _bound_state(tracker, loss_fn))
-        with recording(rec), patched(rec, tracker, patcher, tuple(policy.leaf_functions), shadows,
-                                        reads):
-            out = loss_fn(*args, **kwargs)
-            spec = _output(rec, out)
-            rec.paused = True  # what the contexts do on exit is not the loss's
-        written = tracker.container_writes()
-        if written:
-            raise Unsupported(f"the loss writes into {written[0]}, a container it reads: such "
-                              "writes are not recorded (keep that state in an attribute, or make "
-                              "the function that writes it a leaf)")
-        kept = tracker.closure_state_kept()
-        if kept:
-            raise Unsupported(f"the loss reads {kept[0]}, which holds state kept after the call "
-                              "that no later call can read again (the function was reached through "
-                              "a call's result, not an attribute, global or closure the trace "
-                              "follows): hold the function or its state on the loss, or make the "
-                              "function a leaf")
-        cached = tracker.cached_state_read()
-        if cached:
-            raise Unsupported(f"the loss reads {cached[0]}, an object a cached call "
-                              "(functools.lru_cache or cache) keeps: no later call can read it "
-                              "again, so a change to it would go unseen; hold it on the loss, "
-                              "pass it as an argument or bind it to a global")
-        written = rec.unrecorded_writes()
-        if written:
-            raise Unsupported(f"the loss writes in place into a tensor it reads from {written[0]} "
-                              "(a container, a global or a closure variable): the graph reads that "
-                              "tensor as a constant and cannot record the write (keep the tensor "
-                              "in an attribute, or make the function that writes it a leaf)")
-    except Exception as exc:  # any failure becomes a refusal certificate naming the line
-        if reads is not None and reads.types_read_in is not None:
-            return None  # perhaps the stand-ins' doing
-        raise TraceFailure(_failure_certificate(loss_fn, exc), exc) from exc
-    finally:
-        tracker.restore()
-        patcher.state.restore()  # what the trace's run changed in the modules it met, kept whole calls' included
+    with TraceSession(root, tuple(policy.density_methods), policy.is_leaf_instance) as session:
+        rec, tracker = session.recorder, session.tracker
+        try:
+            values = _inputs(rec, tracker, signature, leaves, placeholders)
+            args, kwargs = pytree.tree_unflatten(values, signature.in_spec)
+            if reads is not None:
+                args, kwargs = reads.wrap((args, kwargs))
+            if isinstance(owner, nn.Module):
+                rec.index_state(owner, "")  # the loss module's own parameters and buffers
+            if owner is not None:
+                tracker.track(owner, Source(LossRoot()))
+            elif inspect.isfunction(loss_fn):  # read again through the loss (its defaults)
+                tracker.track(loss_fn, Source(LossRoot()))
+            session.patcher(root)
+            _function_state(tracker, function, _bound_state(tracker, loss_fn))
+            with session.recording(), patched(session, tuple(policy.leaf_functions), reads):
+                out = loss_fn(*args, **kwargs)
+                spec = _output(rec, out)
+                rec.paused = True  # what the contexts do on exit is not the loss's
+            refusals = _unrecordable_state(rec, tracker)
+            if refusals:
+                raise Unsupported("; and ".join(refusals))
+        except Exception as exc:  # any failure becomes a refusal certificate naming the line
+            if reads is not None and reads.types_read_in is not None:
+                return None  # perhaps the stand-ins' doing
+            raise TraceFailure(_failure_certificate(loss_fn, exc), exc) from exc
+        # leaving the session undoes what the trace changed: the modules it met (kept whole
+        # calls' included), the attributes the loss wrote, the patches
     if reads is not None and reads.types_read_in is not None:
         return None
     signature, unread = _without_unread(rec.graph, signature, placeholders, reads,
@@ -351,7 +346,7 @@ def _trace(loss_fn: Any, example_args: tuple, example_kwargs: dict | None,
                                   tuple(rec.guards), rec.writes_before_guards(), tuple(modules),
                                   len(rec.graph.nodes), tracker.written_state,
                                   tuple(places[node] for node in rec.guard_nodes),
-                                  tuple(shadows.covered), tuple(shadows.refused.items()),
+                                  tuple(session.shadows.covered), tuple(session.shadows.refused.items()),
                                   _host_reads(rec.graph),
                                   tuple(path_name(p, positional_names(loss_fn)) for p in unread))
     return gm

@@ -4,7 +4,7 @@ A small tensor the loss holds as state and never writes (a stride table, ``self.
 on the host on every call where an op takes its value as a number (``x.new_full(size,
 self.stride[i])``) or Python takes it (``int(self.n)``, a guard node): each read waits for the
 device, and no CUDA graph can hold it. Folded, the op receives the number itself and the guard
-goes; the value is an assumption of the rewrite (:func:`~fxpasses.facts.rely_on`, guard kind
+goes; the value is an assumption of the rewrite (:func:`~fxpasses.ir.proofs.rely_on`, guard kind
 ``unchanged``): before every call, the tensor is the same object with the same version counter
 (on the CPU, the same values too), else the loss is traced again and reads it anew.
 

@@ -26,5 +26,7 @@ _NEEDS_HYPOTHESIS = {"random_losses": "random_losses", "check_case": "loss_check
 def __getattr__(name: str) -> Any:
     if name in _NEEDS_HYPOTHESIS:
         import importlib
-        return getattr(importlib.import_module(f".{_NEEDS_HYPOTHESIS[name]}", __name__), name)
+        value = getattr(importlib.import_module(f".{_NEEDS_HYPOTHESIS[name]}", __name__), name)
+        globals()[name] = value  # importing the submodule bound its name here to the module
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,7 +13,9 @@ Reads of the loss's attributes (and of the objects it holds, globals and closure
 function loss, objects passed as arguments) are recorded as *assumptions* with their source;
 floats read as arithmetic become inputs read on every call.
 
-Modules: :mod:`.values` (the carriers), :mod:`.recorder` (graph building and torch calls),
+One trace is a :class:`~.session.TraceSession` (:mod:`.session`): the thread it runs on, its
+recorder and object tracker, and one undo journal of everything it changed; traces run one at a
+time in a process. Modules: :mod:`.values` (the carriers), :mod:`.recorder` (graph building and torch calls),
 :mod:`.objects` (attribute reads and writes), :mod:`.patches` (factories, grad-mode switches,
 density and leaf calls), :mod:`.shadows` (the ``len``/``int`` stand-ins), :mod:`.guard_order`
 (size guards moved forward), :mod:`.input_reads` (which values of the input dicts the loss read); where a value was read is a :mod:`fxpasses.ir.sources` Source.

@@ -40,6 +40,7 @@ Only the tracing thread's reads and writes are recorded: another thread's are na
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -60,7 +61,7 @@ from ..ir.trace_ops import ReadSource, WriteAttribute
 from .recorder import Recorder, user_location
 from ..ir.sources import ArgRoot, Attr, CellRoot, GlobalRoot, LossRoot, Source, step
 from ..snapshots import exact_snapshot, is_container, snapshot
-from .values import TracedScalar, TracedTensor, active_recorder
+from .values import TracedScalar, TracedTensor, active_session
 
 _CONSTANTS = (bool, int, str, bytes, type(None), enum.Enum, torch.dtype, torch.device)
 _NOT_DATA = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type,
@@ -122,8 +123,9 @@ def _holds_traced(value: Any) -> bool:
 class ObjectTracker:
     """The sources of the loss's objects and the assumptions read from them (see module doc)."""
 
-    def __init__(self, recorder: Recorder, on_module: Callable[[nn.Module], None]):
+    def __init__(self, recorder: Recorder, journal: Any, on_module: Callable[[nn.Module], None]):
         self.recorder = recorder
+        self.journal = journal  # the trace's undo journal: the hooks and stand-ins it installs
         self.on_module = on_module
         self.thread = recorder.thread  # the thread that runs the trace: only its reads count
         self.assumptions: dict[tuple[str, str], Assumption] = {}
@@ -135,7 +137,6 @@ class ObjectTracker:
         self._restore_items: list[tuple[Any, Any, float, TracedScalar]] = []  # (dict or cell, key, float, input)
         self._kept: dict[int, tuple[Any, Any, str]] = {}  # container -> (its items' holder, a copy, where)
         self.written_state: tuple = ()  # tensors of the loss's state the trace wrote (put back)
-        self._patched: list[tuple[type, str, Any]] = []
         self._seen_code: set[Any] = set()
         self._used: dict[int, nn.Module] = {}  # modules the traced code read an attribute of
         # code -> the functions with that code reached through a source (their cells and
@@ -148,7 +149,6 @@ class ObjectTracker:
         # mutable objects a cached function (functools.lru_cache / cache) named as a global
         # returned: held by the cache, read again by nothing (see cached_state_read)
         self._cached_results: dict[int, tuple[Any, str]] = {}
-        self._cached_patched: list[tuple[dict, str, Any]] = []  # (globals, name, the original)
 
     # -- sources ----------------------------------------------------------------------------------
     def track(self, obj: Any, source: Source, placeholder: fx.Node | None = None) -> None:
@@ -345,7 +345,6 @@ class ObjectTracker:
         (:meth:`container_writes`) and the values of the tensors it read from its state and
         wrote in place (the first call makes its writes once); and the cached functions the
         trace stood in for, if an error left them."""
-        self._unpatch_cached_calls()
         self._put_back_floats()
         for held, kept, _ in self._kept.values():
             if not _same_items(held, kept):
@@ -373,10 +372,8 @@ class ObjectTracker:
 
     def _watch_cached_call(self, f_globals: dict, name: str) -> None:
         """A cached function named as a global: for the trace, its stand-in
-        (:meth:`_cached_stand_in`); restored by :meth:`unpatch`."""
-        cached = f_globals[name]
-        self._cached_patched.append((f_globals, name, cached))
-        f_globals[name] = self._cached_stand_in(cached, name)
+        (:meth:`_cached_stand_in`), an entry of the journal."""
+        self.journal.set_item(f_globals, name, self._cached_stand_in(f_globals[name], name))
 
     def _cached_stand_in(self, cached: Callable, name: str) -> Callable:
         """A callable that calls ``cached`` and keeps what it returns when that is mutable and
@@ -394,11 +391,6 @@ class ObjectTracker:
 
         call._fxpasses_patch = True
         return call
-
-    def _unpatch_cached_calls(self) -> None:
-        for f_globals, name, cached in reversed(self._cached_patched):
-            f_globals[name] = cached
-        self._cached_patched.clear()
 
     def cached_state_read(self) -> list[str]:
         """Where the loss took a mutable object from a cached call (a settings object from an
@@ -651,59 +643,36 @@ class ObjectTracker:
         self._install(cls, "__setattr__", _setattr_hook(cls.__setattr__))
 
     def _install(self, cls: type, name: str, hook: Any) -> None:
-        self._patched.append((cls, name, cls.__dict__.get(name, _MISSING)))
-        setattr(cls, name, hook)
+        self.journal.set(cls, name, hook)
 
-    def hooks(self) -> "_Hooks":
-        return _Hooks(self)
-
-    def unpatch(self) -> None:
-        self._unpatch_cached_calls()
-        for cls, name, previous in reversed(self._patched):
-            if previous is _MISSING:
-                if name in cls.__dict__:  # a class patched twice had its own entry removed once
-                    delattr(cls, name)
-            else:
-                setattr(cls, name, previous)
-        self._patched.clear()
-
-
-class _Hooks:
-    """Context: nn.Module's attribute access through the tracker (user classes are patched as
-    their objects are tracked); everything restored on exit."""
-
-    def __init__(self, tracker: ObjectTracker):
-        self.tracker = tracker
-
-    def __enter__(self) -> ObjectTracker:
-        t = self.tracker
-        t._install(nn.Module, "__getattribute__", _getattribute_hook(object.__getattribute__))
-        t._install(nn.Module, "__getattr__", _module_getattr_hook(nn.Module.__getattr__))
-        t._install(nn.Module, "__setattr__", _setattr_hook(nn.Module.__setattr__))
-        return t
-
-    def __exit__(self, *exc: Any) -> None:
-        self.tracker.unpatch()
+    @contextlib.contextmanager
+    def hooks(self) -> Iterator["ObjectTracker"]:
+        """nn.Module's attribute access through the tracker while inside (user classes are
+        patched as their objects are tracked); what was installed inside is undone on exit."""
+        with self.journal.scope():
+            self._install(nn.Module, "__getattribute__", _getattribute_hook(object.__getattribute__))
+            self._install(nn.Module, "__getattr__", _module_getattr_hook(nn.Module.__getattr__))
+            self._install(nn.Module, "__setattr__", _setattr_hook(nn.Module.__setattr__))
+            yield self
 
 
 def _tracker() -> ObjectTracker | None:
     """The tracker of the trace in progress, for a read or write made on the thread that runs
     it; None otherwise (another thread's access is native and unrecorded)."""
-    rec = active_recorder()
-    if rec is None or rec.paused:
+    session = active_session()
+    if session is None or session.recorder.paused or session.thread != threading.get_ident():
         return None
-    tracker = getattr(rec, "tracker", None)
-    return tracker if tracker is not None and tracker.thread == threading.get_ident() else None
+    return session.tracker
 
 
 def _inside() -> ObjectTracker | None:
     """The tracker while the code of a call kept whole runs (its reads are recorded, not traced);
     None while torch.compile traces that code (what it compiles is its own to guard)."""
-    rec = active_recorder()
-    if rec is None or rec.kept_whole is None or rec.thread != threading.get_ident() \
-            or torch.compiler.is_compiling():
+    session = active_session()
+    if session is None or session.recorder.kept_whole is None \
+            or session.thread != threading.get_ident() or torch.compiler.is_compiling():
         return None
-    return getattr(rec, "tracker", None)
+    return session.tracker
 
 
 def _getattribute_hook(original: Any) -> Any:

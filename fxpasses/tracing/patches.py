@@ -1,4 +1,5 @@
-"""What a trace changes while it runs, all restored on exit (:func:`patched`).
+"""What a trace changes while it runs, entries of its session's journal (:mod:`.session`) undone
+when the loss has run (:func:`patched`) or, for the modules met, when the session ends.
 
 * factories: ``torch.zeros(batch, n, k)`` has no tensor argument, so ``__torch_function__`` never
   sees it; the torch-namespace factories are wrapped so each call is a node (sizes stay traced);
@@ -29,10 +30,8 @@ from torch import nn
 
 from ..isolation import ModuleState
 from ..locations import is_user_file
-from .objects import ObjectTracker
 from .recorder import Recorder, Unsupported
 from .input_reads import InputReads
-from .shadows import BuiltinShadows
 from .values import TracedScalar, TracedTensor, active_recorder
 
 FACTORIES = ("zeros ones empty full rand randn randint randperm arange linspace logspace eye tensor "
@@ -51,38 +50,6 @@ def _traced_in(values: Any) -> bool:
         elif isinstance(v, dict):
             stack.extend(v.values())
     return False
-
-
-_ABSENT = object()
-
-
-class Patches:
-    """The trace's undo journal: attributes and mapping entries it set, undone in reverse."""
-
-    def __init__(self) -> None:
-        self.undo: list[tuple[bool, Any, str, Any]] = []  # (an item?, owner, name, previous)
-
-    def set(self, owner: Any, name: str, value: Any) -> None:
-        previous = vars(owner).get(name, _ABSENT) if hasattr(owner, "__dict__") else _ABSENT
-        self.undo.append((False, owner, name, previous))
-        setattr(owner, name, value)
-
-    def set_item(self, mapping: dict, key: str, value: Any) -> None:
-        self.undo.append((True, mapping, key, mapping.get(key, _ABSENT)))
-        mapping[key] = value
-
-    def restore(self) -> None:
-        for item, owner, name, previous in reversed(self.undo):
-            if item:
-                if previous is _ABSENT:
-                    owner.pop(name, None)
-                else:
-                    owner[name] = previous
-            elif previous is _ABSENT:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, previous)
-        self.undo.clear()
 
 
 def _factory(original: Callable, thread: int) -> Callable:
@@ -143,9 +110,9 @@ def _opaque_function(rec: Recorder, fn: Callable) -> Callable:
 class ModulePatcher:
     """Patches density methods and leaf modules of every module the trace meets."""
 
-    def __init__(self, rec: Recorder, patches: Patches, methods: tuple[str, ...],
+    def __init__(self, rec: Recorder, journal: Any, methods: tuple[str, ...],
                  is_leaf: Callable[[nn.Module], bool]):
-        self.rec, self.patches, self.methods, self.is_leaf = rec, patches, methods, is_leaf
+        self.rec, self.journal, self.methods, self.is_leaf = rec, journal, methods, is_leaf
         self.seen: set[int] = set()
         self.state = ModuleState()  # every module met, as before the trace
 
@@ -159,31 +126,19 @@ class ModulePatcher:
             for name in self.methods:
                 bound = getattr(module, name, None)
                 if callable(bound) and getattr(nn.Module, name, None) is None:
-                    self.patches.set(module, name, _opaque_method(self.rec, module, name, bound, "call_method"))
+                    self.journal.set(module, name, _opaque_method(self.rec, module, name, bound, "call_method"))
             if self.is_leaf(module):
-                self.patches.set(module, "forward", _opaque_method(self.rec, module, "forward",
+                self.journal.set(module, "forward", _opaque_method(self.rec, module, "forward",
                                                                     module.forward, "call_module"))
 
 
 @contextlib.contextmanager
-def patched(rec: Recorder, tracker: ObjectTracker, patcher: ModulePatcher,
-            leaf_functions: tuple[Callable, ...], shadows: BuiltinShadows,
+def patched(session: Any, leaf_functions: tuple[Callable, ...],
             reads: InputReads | None = None) -> Iterator[None]:
-    """Everything the trace changes (see the module docstring), restored on every exit."""
-    thread = threading.get_ident()
-    patches = patcher.patches
-    for name in (*FACTORIES, *SIZE_ARGUMENTS):
-        original = getattr(torch, name, None)
-        if original is not None:
-            patches.set(torch, name, _factory(original, thread))
-    patches.set(torch._C, "_set_grad_enabled", _grad_switch(torch._C._set_grad_enabled, thread))
-    patches.set(torch, "set_autocast_enabled", _autocast_refused(torch.set_autocast_enabled, thread))
-    for fn in leaf_functions:
-        for module in list(sys.modules.values()):
-            namespace = getattr(module, "__dict__", None)
-            for key, value in list((namespace or {}).items()):
-                if value is fn:
-                    patches.set(module, key, _opaque_function(rec, fn))
+    """Everything the trace changes while the loss runs (see the module docstring), entries of
+    the session's journal undone on every exit."""
+    rec, tracker, shadows, journal = session.recorder, session.tracker, session.shadows, session.journal
+    thread = session.thread
     previous_profile = sys.getprofile()
 
     def profile(frame: Any, event: str, arg: Any) -> None:
@@ -199,13 +154,25 @@ def patched(rec: Recorder, tracker: ObjectTracker, patcher: ModulePatcher,
             reads.c_called(arg, frame)
 
     collecting = gc.isenabled()
-    gc.disable()  # a collection's callbacks (a test framework's, a profiler's) are not the loss
-    sys.setprofile(profile)
-    try:
-        with tracker.hooks():
-            yield
-    finally:
-        sys.setprofile(previous_profile)
-        if collecting:
-            gc.enable()
-        patches.restore()
+    with journal.scope():
+        for name in (*FACTORIES, *SIZE_ARGUMENTS):
+            original = getattr(torch, name, None)
+            if original is not None:
+                journal.set(torch, name, _factory(original, thread))
+        journal.set(torch._C, "_set_grad_enabled", _grad_switch(torch._C._set_grad_enabled, thread))
+        journal.set(torch, "set_autocast_enabled", _autocast_refused(torch.set_autocast_enabled, thread))
+        for fn in leaf_functions:
+            for module in list(sys.modules.values()):
+                namespace = getattr(module, "__dict__", None)
+                for key, value in list((namespace or {}).items()):
+                    if value is fn:
+                        journal.set(module, key, _opaque_function(rec, fn))
+        gc.disable()  # a collection's callbacks (a test framework's, a profiler's) are not the loss
+        sys.setprofile(profile)
+        try:
+            with tracker.hooks():
+                yield
+        finally:
+            sys.setprofile(previous_profile)
+            if collecting:
+                gc.enable()

@@ -76,13 +76,13 @@ class KeptTensor(NamedTuple):
 class Recorder:
     """Builds the graph of one concrete trace (see the module docstring)."""
 
-    def __init__(self, root: nn.Module):
+    def __init__(self, root: nn.Module, thread: int):
         self.graph = fx.Graph()
         self.root = root
         self.paused = False  # user code runs outside the trace (an opaque call)
         # while a call kept whole runs: what its code reads from and writes to the loss's state
         self.kept_whole: KeptWhole | None = None
-        self.thread = threading.get_ident()  # the thread that runs the trace: only it records
+        self.thread = thread  # the thread that runs the trace: only it records
         self.opaque_modules: dict[int, nn.Module] = {}  # modules called as one node
         self.busy = False  # inside a torch call being recorded: the recorder's own calls are plain
         self.guards: list[tuple[str, str]] = []  # (kind, location) of guard nodes, in order

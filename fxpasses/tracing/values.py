@@ -24,21 +24,29 @@ import torch.fx as fx
 
 from ..ir.carriers import ScalarCarrier
 
-_active: list[Any] = []  # the recorder of the trace in progress (it records its own thread only)
+# the sessions of the traces in progress, innermost last: all on the one thread that may trace
+# now (a session holds the process's trace lock: :mod:`.session`)
+_in_progress: list[Any] = []
+
+
+def active_session() -> Any:
+    """The innermost trace in progress (a :class:`~.session.TraceSession`), or None."""
+    return _in_progress[-1] if _in_progress else None
 
 
 def active_recorder() -> Any:
-    return _active[-1] if _active else None
+    """The recorder of the innermost trace in progress, or None."""
+    return _in_progress[-1].recorder if _in_progress else None
 
 
 @contextlib.contextmanager
-def recording(recorder: Any) -> Iterator[None]:
-    """``recorder`` is the active recorder inside (the innermost, for nested traces)."""
-    _active.append(recorder)
+def recording(session: Any) -> Iterator[None]:
+    """``session`` is the active trace inside (the innermost, for nested traces)."""
+    _in_progress.append(session)
     try:
         yield
     finally:
-        _active.pop()
+        _in_progress.pop()
 
 
 class TracedTensor(torch.Tensor):

@@ -3,8 +3,7 @@
 Realistic batches (persons per image vary, some images empty, unlabelled keypoints), each batch
 fed three times in a row so that CaptureLoss records (on a signature's second call) and replays
 (third), then fresh ones. Per call: the relative difference of each loss component and the
-relative L2 difference of every prediction's gradient and of the flow parameters' (added in the
-fourteenth session, not yet run on a GPU when written). In float32 they must be rounding-small;
+relative L2 difference of every prediction's gradient and of the flow parameters'. In float32 they must be rounding-small;
 under float16 autocast (the trainer's AMP) the optimized loss must stay as close to native AMP as
 native AMP itself is to native float32 (the *control*, measured on the same call), so AMP's own
 rounding is the yardstick, not a hand-picked tolerance. Everything measured goes to

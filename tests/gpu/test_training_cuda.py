@@ -18,7 +18,7 @@ replays the network too). The optimized arm may not drift from native by more th
 ``CONTROL_FACTOR`` times the controls' drift so far (the largest of either up to that step: a
 control's loss difference alone moves by an order of magnitude from one step to the next, 6.5e-4 at
 step 4 after 2.6e-3 at step 2 in one H200 run), or the fixed limit, whichever is larger. One H200
-run (13th session) drifted to 1.1e-2 at step 5 against 8.1e-3 from ``native-perturbed`` alone: a
+run drifted to 1.1e-2 at step 5 against 8.1e-3 from ``native-perturbed`` alone: a
 relative perturbation leaves zero-initialised biases exact, so it underestimates the replayed
 network's TF32 drift, which ``graphed`` measures. At equal parameters, fixed limits hold
 (``test_gradients_into_the_replayed_network_equal_native``).

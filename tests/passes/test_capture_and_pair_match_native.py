@@ -191,7 +191,7 @@ def test_pairing_gives_no_gradient_to_rows_whose_log_probs_are_read_only_without
 
 
 class OpaqueDetachedBranch(nn.Module):
-    """Census, seed 7777 (issue 23): one branch's log-probabilities pass an opaque identity (a
+    """Census, seed 7777: one branch's log-probabilities pass an opaque identity (a
     leaf function) and are only returned detached; the other branch scores selected rows."""
 
     def __init__(self) -> None:

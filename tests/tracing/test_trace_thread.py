@@ -81,3 +81,59 @@ def test_another_threads_reads_and_writes_during_a_trace_are_not_recorded():
     loss.pause = lambda: None
     out = gm.meta["fxpasses"].unflatten_output(gm(x))
     torch.testing.assert_close(out, loss(x))
+
+
+
+class Scaled(nn.Module):
+    """``(x * scale).sum()`` with a pause (``self.pause``) between its two ops."""
+
+    def __init__(self, scale, pause):
+        super().__init__()
+        self.scale, self.pause = scale, pause
+
+    def forward(self, x):
+        y = x * self.scale
+        self.pause()
+        return torch.exp(y).sum()
+
+
+def test_two_threads_tracing_at_once_each_get_their_own_graph():
+    """A trace started on another thread while one runs waits for it: both graphs compute
+    their own loss on new inputs. (Traces patch what the process shares; two at once saw each
+    other's recorder, and the first baked its later values into its graph as constants.)"""
+    second_asked, second_inside, first_done = threading.Event(), threading.Event(), threading.Event()
+
+    def first_pause():  # goes on once the second trace is inside its loss, or could not get there
+        second_asked.wait(5)
+        second_inside.wait(1)
+
+    def second_pause():
+        second_inside.set()
+        first_done.wait(5)
+
+    losses = {"first": Scaled(2.0, first_pause), "second": Scaled(3.0, second_pause)}
+    graphs, errors = {}, []
+
+    def run(name):
+        try:
+            if name == "second":
+                second_asked.set()
+            graphs[name] = trace(losses[name], (torch.ones(3),))
+        except Exception as exc:  # reported below
+            errors.append(exc)
+        finally:
+            if name == "first":
+                first_done.set()
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in losses]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    x = torch.tensor([0.5, -1.0, 2.0, 0.25])
+    for name, loss in losses.items():
+        loss.pause = lambda: None
+        got = graphs[name](x)
+        got = got[0] if isinstance(got, tuple) else got
+        torch.testing.assert_close(got, loss(x), rtol=0, atol=0, msg=name)
