@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from .cli import EXIT_USAGE, CliError, check_device
+from .cli_errors import EXIT_USAGE, CliError, check_device
 from .optimize import optimize
 from .passes import CaptureLoss, PairRLE
 from .report import build_report

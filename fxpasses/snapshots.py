@@ -12,11 +12,12 @@ from __future__ import annotations
 import enum
 import types
 from dataclasses import fields, is_dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
 from .ir.carriers import ScalarCarrier
+from .ir.sources import Attr, Item, Step
 
 _PLAIN = (bool, int, float, str, bytes, type(None), enum.Enum, torch.dtype, torch.device)
 FLOAT_READ = "a float, read on every call"  # a snapshot's record of a float held in a dict or namespace
@@ -28,30 +29,30 @@ def snapshot(value: Any, depth: int = 4, floats: list | None = None, path: tuple
     (tensors, modules, objects) by identity; dicts, lists, tuples, sets, namespaces and
     dataclass instances recursively. A float held in a dict or a namespace is recorded by type
     only (:data:`FLOAT_READ`): a trace reads it on every call, as an input; ``floats``, when
-    given, collects where each is: ``(path from value, its container, key)``. ``exact``: every
+    given, collects where each is: ``(path from value (its steps), its container, key)``. ``exact``: every
     float by value (what code the trace does not follow read, see ``held``)."""
     if isinstance(value, _PLAIN):
         return (type(value), value)
     if depth <= 0:
         return ("id", id(value))
     if isinstance(value, dict):
-        return ("dict", _held_items(value, value.items(), "item", depth, floats, path, exact))
+        return ("dict", _held_items(value, value.items(), Item, depth, floats, path, exact))
     if isinstance(value, (list, tuple)):
-        return (type(value), tuple(snapshot(v, depth - 1, floats, (*path, ("item", i)), exact)
+        return (type(value), tuple(snapshot(v, depth - 1, floats, (*path, Item(i)), exact)
                                    for i, v in enumerate(value)))
     if isinstance(value, (set, frozenset)):
         return (type(value), frozenset(snapshot(v, depth - 1, exact=exact) for v in value))
     if isinstance(value, types.SimpleNamespace):
-        return ("namespace", ("dict", _held_items(value, vars(value).items(), "attr", depth - 1, floats,
+        return ("namespace", ("dict", _held_items(value, vars(value).items(), Attr, depth - 1, floats,
                                                   path, exact)))
     if is_dataclass(value) and not isinstance(value, type):
         return (type(value), tuple((f.name, snapshot(getattr(value, f.name), depth - 1, floats,
-                                                     (*path, ("attr", f.name)), exact))
+                                                     (*path, Attr(f.name)), exact))
                                    for f in fields(value)))
     return ("id", id(value))
 
 
-def _held_items(owner: Any, items: Iterable, step: str, depth: int, floats: list | None,
+def _held_items(owner: Any, items: Iterable, step: Callable[[Any], Step], depth: int, floats: list | None,
                 path: tuple, exact: bool = False) -> tuple:
     """A dict's or namespace's items for :func:`snapshot`: floats (and, during a trace, the
     inputs standing in for them) by type only, unless ``exact``."""
@@ -62,11 +63,11 @@ def _held_items(owner: Any, items: Iterable, step: str, depth: int, floats: list
         if not exact and (type(v) is float or isinstance(v, ScalarCarrier)):
             held.append((k, (float, FLOAT_READ)))
             if floats is not None:
-                floats.append(((*path, (step, k)), owner, k))
+                floats.append(((*path, step(k)), owner, k))
         elif isinstance(v, ScalarCarrier):  # a trace's stand-in for the float it holds
             held.append((k, (float, v.value)))
         else:
-            held.append((k, snapshot(v, depth - 1, floats, (*path, (step, k)), exact)))
+            held.append((k, snapshot(v, depth - 1, floats, (*path, step(k)), exact)))
     return tuple(held)
 
 

@@ -182,11 +182,6 @@ class Item:
 Step = Attr | Item
 
 
-def step(kind: str, key: Any) -> Step:
-    """The step a ``(kind, key)`` pair names (a snapshot's path: "attr" or "item")."""
-    return Attr(key) if kind == "attr" else Item(key)
-
-
 def read_path(value: Any, path: Sequence[Step]) -> Any:
     for s in path:
         value = s.read(value)

@@ -59,7 +59,7 @@ from ..guards import Assumption, callable_object
 from ..locations import is_user_class, is_user_file
 from ..ir.trace_ops import ReadSource, WriteAttribute
 from .recorder import Recorder, user_location
-from ..ir.sources import ArgRoot, Attr, CellRoot, GlobalRoot, LossRoot, Source, step
+from ..ir.sources import ArgRoot, Attr, CellRoot, GlobalRoot, LossRoot, Source
 from ..snapshots import exact_snapshot, is_container, snapshot
 from .values import TracedScalar, TracedTensor, active_session
 
@@ -135,7 +135,8 @@ class ObjectTracker:
         self._written: dict[tuple[int, str], Any] = {}
         self._restore: list[tuple[Any, str, Any]] = []
         self._restore_items: list[tuple[Any, Any, float, TracedScalar]] = []  # (dict or cell, key, float, input)
-        self._kept: dict[int, tuple[Any, Any, str]] = {}  # container -> (its items' holder, a copy, where)
+        # id(container) -> (its items' holder, a copy of them as first read, where it was read)
+        self._container_copies: dict[int, tuple[Any, Any, str]] = {}
         self.written_state: tuple = ()  # tensors of the loss's state the trace wrote (put back)
         self._seen_code: set[Any] = set()
         self._used: dict[int, nn.Module] = {}  # modules the traced code read an attribute of
@@ -346,7 +347,7 @@ class ObjectTracker:
         wrote in place (the first call makes its writes once); and the cached functions the
         trace stood in for, if an error left them."""
         self._put_back_floats()
-        for held, kept, _ in self._kept.values():
+        for held, kept, _ in self._container_copies.values():
             if not _same_items(held, kept):
                 _put_back(held, kept)
         self.written_state = self.recorder.put_back()
@@ -564,11 +565,11 @@ class ObjectTracker:
         input's stand-in replaced): the graph cannot record such writes, so the trace must be
         refused (:meth:`restore` undoes them). Ends the floats' stand-ins."""
         self._put_back_floats()
-        return [where for held, kept, where in self._kept.values() if not _same_items(held, kept)]
+        return [where for held, kept, where in self._container_copies.values() if not _same_items(held, kept)]
 
     def _keep_contents(self, value: Any, where: str, depth: int = 4) -> None:
         """A shallow copy of a container and of those in it, as deep as a snapshot compares."""
-        if depth <= 0 or id(value) in self._kept:
+        if depth <= 0 or id(value) in self._container_copies:
             return
         held = vars(value) if isinstance(value, types.SimpleNamespace) or (
             dataclasses.is_dataclass(value) and hasattr(value, "__dict__")) else value
@@ -583,7 +584,7 @@ class ObjectTracker:
         else:
             return
         if kept is not None:
-            self._kept[id(value)] = (held, kept, where)
+            self._container_copies[id(value)] = (held, kept, where)
         for item in (held.values() if isinstance(held, dict) else held):
             if is_container(item):
                 self._keep_contents(item, where, depth - 1)
@@ -597,7 +598,7 @@ class ObjectTracker:
         self._keep_contents(value, str(source))
         floats: list = []
         expected = snapshot(value, floats=floats)
-        inputs = ", ".join(_path_text(path) for path, _, _ in floats)
+        inputs = ", ".join("".join(map(str, path)) for path, _, _ in floats)
         self._assume("contents", source, expected,
                      f"floats read on every call: {inputs}; {_shown(value)}" if inputs else _shown(value))
         for path, owner, key in floats:
@@ -605,7 +606,7 @@ class ObjectTracker:
             seen = dict.__getitem__(held, key)
             if type(seen) is not float:  # already an input (reached before)
                 continue
-            where = Source(source.root, (*source.path, *(step(kind, name) for kind, name in path)))
+            where = Source(source.root, (*source.path, *path))
             self._stand_in(held, key, seen, where)
 
     def _stand_in(self, held: Any, key: Any, seen: float, source: Source) -> None:
@@ -789,10 +790,6 @@ def _hint(source: Source) -> str:
         last = source.path[-1]
         return str(last.name if isinstance(last, Attr) else last.key)
     return source.root.name
-
-
-def _path_text(path: tuple) -> str:
-    return "".join(f".{key}" if kind == "attr" else f"[{key!r}]" for kind, key in path)
 
 
 def _shown(value: Any) -> str:

@@ -63,6 +63,14 @@ def _is_tensor_method(func: Any) -> bool:
     return getattr(func, "__qualname__", "").startswith(("TensorBase.", "Tensor."))
 
 
+class WrittenState(NamedTuple):
+    """A tensor of the loss's state that a run wrote in place, and its value before that run."""
+
+    tensor: torch.Tensor
+    version: int  # its version counter when ``value`` was put back (-1: put it back regardless)
+    value: torch.Tensor
+
+
 class KeptTensor(NamedTuple):
     """A tensor of the loss's state as the trace first reached it (see :meth:`Recorder.keep`)."""
 
@@ -189,12 +197,12 @@ class Recorder:
         """Where a tensor the trace does not follow was written in place during the trace."""
         return [k.where for k in self._kept.values() if not k.followed and k.tensor._version != k.version]
 
-    def put_back(self) -> tuple[tuple[torch.Tensor, int, torch.Tensor], ...]:
+    def put_back(self) -> tuple[WrittenState, ...]:
         """The kept tensors' values as before the trace (see :meth:`keep`). Returns those that
-        were written, as ``(tensor, version now, value)``: what ran the graph before its first
-        call (the passes' propagation) must put them back again (:func:`put_back`)."""
-        written = tuple((k.tensor, k.value) for k in self._kept.values() if k.tensor._version != k.version)
-        return put_back(tuple((t, -1, saved) for t, saved in written))
+        were written, with their versions now: what ran the graph before its first call (the
+        passes' propagation) must put them back again (:func:`put_back`)."""
+        return put_back(tuple(WrittenState(k.tensor, -1, k.value) for k in self._kept.values()
+                              if k.tensor._version != k.version))
 
     # -- values into nodes, nodes into values -------------------------------------------------
     def arg(self, value: Any) -> Any:
@@ -454,15 +462,15 @@ _TENSOR_METHODS: dict[str, Callable[[Recorder, tuple, dict], Any]] = {
 }
 
 
-def put_back(kept: tuple[tuple[torch.Tensor, int, torch.Tensor], ...]) -> tuple:
-    """Each ``(tensor, version, value)`` whose version moved gets its value back, the last
-    kept first (two views of one storage: the later one was kept with the earlier one's
-    write in it); returns them all with their versions now."""
+def put_back(kept: tuple[WrittenState, ...]) -> tuple[WrittenState, ...]:
+    """Each kept tensor whose version moved gets its value back, the last kept first (two
+    views of one storage: the later one was kept with the earlier one's write in it); returns
+    them all with their versions now."""
     with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
-        for tensor, version, saved in reversed(kept):
-            if tensor._version != version:
-                tensor.copy_(saved)
-    return tuple((t, t._version, saved) for t, _, saved in kept)
+        for k in reversed(kept):
+            if k.tensor._version != k.version:
+                k.tensor.copy_(k.value)
+    return tuple(k._replace(version=k.tensor._version) for k in kept)
 
 
 def _storage(tensor: torch.Tensor) -> int:
