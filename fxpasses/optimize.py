@@ -372,18 +372,30 @@ class OptimizedLoss(nn.Module):
     # -- what happened ----------------------------------------------------------------------
     @property
     def certificates(self) -> list[Certificate]:
-        """Every certificate of every specialization (the trace's, then each pass's), in the
-        order they were made."""
+        """Every certificate of every specialization (the trace's, then each pass's).
+
+        Returns:
+            list[Certificate]: in the order they were made.
+        """
         return [c for s in self.specializations for c in s.certificates]
 
     @property
     def graph_module(self) -> fx.GraphModule | None:
-        """The rewritten graph of the specialization used last (None before the first call)."""
+        """The rewritten graph of the specialization used last.
+
+        Returns:
+            Optional[fx.GraphModule]: None before the first call (or after a specialization
+            that could not be traced).
+        """
         return self._current.graph_module if self._current else None
 
     @property
     def specializations(self) -> list[Specialization]:
-        """Every specialization, in the order they were made."""
+        """Every specialization: its trace, certificates and rewritten graph.
+
+        Returns:
+            list[Specialization]: in the order they were made.
+        """
         return self._cache.in_made_order()
 
     def disabled(self, special: Specialization) -> str | None:
@@ -401,9 +413,14 @@ class OptimizedLoss(nn.Module):
 
     @property
     def stats(self) -> RunStats:
-        """A snapshot: calls by path and reason, with the run-time ops' counters of every
-        specialization (keyed ``index:op``; ops that counted nothing are left out). From
-        another thread it waits for the call in progress."""
+        """A snapshot of what the calls so far did. From another thread it waits for the call
+        in progress.
+
+        Returns:
+            RunStats: calls by path (optimized, native by reason, abandoned by code and place),
+            the run-time ops' counters of every specialization (keyed ``index:op``; ops that
+            counted nothing are left out), re-recordings and the guards' cost.
+        """
         mine = self._owner == threading.get_ident()
         with contextlib.nullcontext() if mine else self._lock, self._counting:
             ops = [(f"{special.index}:{op.op_id}", op) for special in self.specializations
@@ -440,7 +457,16 @@ class OptimizedLoss(nn.Module):
             self._current = None
 
     def train(self, mode: bool = True) -> "OptimizedLoss":
-        """Set training mode on this module and on the original loss (as ``nn.Module.train``)."""
+        """Set training mode on this module and on the original loss (as ``nn.Module.train``).
+
+        Args:
+            mode (bool): training (True) or evaluation (False) mode. A specialization traced in
+                the other mode does not run (its whole-loss guard on modes fails; the call is
+                native or traced again).
+
+        Returns:
+            OptimizedLoss: self.
+        """
         if isinstance(self._loss, nn.Module):
             self._loss.train(mode)
         return super().train(mode)

@@ -282,13 +282,31 @@ def _unrecordable_state(rec: Recorder, tracker: ObjectTracker) -> list[str]:
                  "that writes it a leaf)" for where in rec.unrecorded_writes()]
     return refusals
 
+
 def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = None, *,
           policy: LeafPolicy | None = None) -> fx.GraphModule:
     """Trace ``loss_fn`` called on ``(example_args, example_kwargs)`` into one GraphModule.
 
-    Call the result with ``signature.inputs(leaves)`` of a call's pytree leaves;
-    ``gm.meta['fxpasses']`` (a :class:`TraceInfo`) rebuilds structured outputs and lists what
-    the trace assumed. Raises :class:`TraceFailure`.
+    The loss runs once on the example inputs; nothing it changes stays changed (inputs are
+    copies, attributes and buffers are put back, random state is kept). A trace started while
+    another thread traces waits for it.
+
+    Args:
+        loss_fn: an ``nn.Module``, a plain function, a bound method, a ``functools.partial`` or
+            a callable object holding modules.
+        example_args (tuple): the call's positional arguments (any pytrees).
+        example_kwargs (dict, optional): its keyword arguments.
+        policy (LeafPolicy, optional): which calls stay one node (default: ``log_prob``
+            methods of submodules).
+
+    Returns:
+        fx.GraphModule: call it with ``signature.inputs(leaves)`` of a call's pytree leaves;
+        ``gm.meta['fxpasses']`` (a :class:`TraceInfo`) rebuilds structured outputs and lists
+        what the trace assumed.
+
+    Raises:
+        TraceFailure: the loss cannot be recorded (its certificate names the line and why), or
+            it raised on the example inputs.
     """
     gm = _trace(loss_fn, example_args, example_kwargs, policy, InputReads())
     return gm if gm is not None else _trace(loss_fn, example_args, example_kwargs, policy, None)

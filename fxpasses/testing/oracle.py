@@ -40,10 +40,16 @@ from torch.utils import _pytree as pytree
 class Comparison:
     """One compared item: an output leaf, an input gradient or a parameter gradient.
 
-    ``where`` names it (``output .total``, ``grad args[0].o2m.scores``, ``grad param flow.w``);
-    ``kind`` says what differed (value, shape, nan, missing, type, structure, requires-grad);
-    ``ratio`` is the worst ``|cand - ref| / (atol + rtol |ref|)``, inf for a structural
-    difference; ``index``, ``reference`` and ``candidate`` locate and show the worst element.
+    Attributes:
+        where (str): what was compared (``output .total``, ``grad args[0].o2m.scores``,
+            ``grad param flow.w``).
+        ok (bool): within the tolerances, structure and non-finite positions equal.
+        kind (str): what differed: value, shape, nan, missing, type, structure, requires-grad.
+        ratio (float): the worst ``|cand - ref| / (atol + rtol |ref|)``; inf for a structural
+            difference.
+        max_abs (float), max_rel (float): the largest absolute and relative differences.
+        index (tuple[int, ...]): where the worst element is.
+        reference, candidate: the worst element's two values (or a description).
     """
 
     where: str  # "output .total", "grad args[0].o2m.scores", "grad param flow.masks"
@@ -67,8 +73,14 @@ class Comparison:
 class EquivalenceReport:
     """Every comparison made, the tolerances, and the worst difference.
 
-    ``ok``: every comparison passed; ``failures``: those that did not; ``worst``: the largest
-    ratio, failures first; ``str(report)`` is the readable summary.
+    Attributes:
+        comparisons (tuple[Comparison, ...]): one per output leaf and gradient.
+        rtol (float), atol (float): the tolerances they were judged by.
+        ok (bool): every comparison passed.
+        failures (tuple[Comparison, ...]): those that did not.
+        worst (Optional[Comparison]): the largest ratio, failures first (None: nothing compared).
+
+    ``str(report)`` is the readable summary.
     """
 
     comparisons: tuple[Comparison, ...]
