@@ -167,6 +167,7 @@ def _run_cases(native: fx.GraphModule, rewritten: fx.GraphModule, capacities: di
                indexing: set[str]) -> dict[str, tuple[float, float, dict]]:
     masks = sorted(shapes)
     out = {}
+    weights: dict = {}  # the objective's random weights, drawn once for every run of every case
     for case, counts, caps in _cases([math.prod(shapes[m]) for m in masks]):
         generator = torch.Generator().manual_seed(seed + len(out))
         chosen = {m: _mask(shapes[m], n, generator) for m, n in zip(masks, counts)}
@@ -176,7 +177,7 @@ def _run_cases(native: fx.GraphModule, rewritten: fx.GraphModule, capacities: di
             capacities[m].value = cap
         expect = "selection-empty" if 0 in counts else \
             "selection-capacity" if any(n > c for n, c in zip(counts, caps)) else None
-        gaps = _compare(native, rewritten, inputs, seed, expect)
+        gaps = _compare(native, rewritten, inputs, seed, expect, weights)
         out[case] = (gaps[0], gaps[1], {"selected": tuple(counts), "capacities": tuple(caps), **gaps[2]})
     return out
 
@@ -259,22 +260,30 @@ def _float64(module: fx.GraphModule) -> fx.GraphModule:
     return module
 
 
-def _run(module: fx.GraphModule, inputs: list[Any], seed: int) -> tuple[list[Any], list[Any]]:
+def _run(module: fx.GraphModule, inputs: list[Any], seed: int,
+         weights: dict) -> tuple[list[Any], list[Any]]:
     """Outputs, and gradients of every input that requires grad and every parameter (taken with
-    ``autograd.grad``: ``module`` keeps no state from one run to the next)."""
+    ``autograd.grad``: ``module`` keeps no state from one run to the next) of the outputs'
+    sum weighted by random numbers of ``seed`` (drawn once per output place, shape and dtype:
+    ``weights`` keeps them)."""
     inputs = [x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor)
               else x for x in inputs]  # a copy each run: a scatter writes its buffer in place
     outputs = pytree.tree_leaves(_Witnessed(module).run(*inputs))
     wrt = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
     wrt += [p for p in module.parameters() if p.requires_grad]
-    objective = sum(((o * torch.randn(o.shape, generator=torch.Generator().manual_seed(seed + i),
-                                      dtype=o.dtype)).sum()
-                     for i, o in enumerate(outputs)
+    objective = sum(((o * _weights(weights, seed + i, o)).sum() for i, o in enumerate(outputs)
                      if isinstance(o, torch.Tensor) and o.requires_grad), torch.zeros(()))
     if not objective.requires_grad or not wrt:
         return outputs, []
     grads = torch.autograd.grad(objective, wrt, allow_unused=True)
     return outputs, [torch.zeros_like(w) if g is None else g for g, w in zip(grads, wrt)]
+
+
+def _weights(drawn: dict, seed: int, like: torch.Tensor) -> torch.Tensor:
+    key = (seed, tuple(like.shape), like.dtype)
+    if key not in drawn:
+        drawn[key] = torch.randn(like.shape, generator=torch.Generator().manual_seed(seed), dtype=like.dtype)
+    return drawn[key]
 
 
 _CASTS = ("float", "half", "bfloat16")  # x.float() and its kind: casts the graph writes as methods
@@ -294,12 +303,12 @@ def _float64_dtype_arguments(module: fx.GraphModule) -> None:
 
 
 def _compare(native: fx.GraphModule, rewritten: fx.GraphModule, inputs: list[Any],
-             seed: int, expect: str | None) -> tuple[float, float, dict]:
+             seed: int, expect: str | None, weights: dict) -> tuple[float, float, dict]:
     """The gaps of values and gradients; an abandon is no gap exactly when ``expect`` names
     its code (an empty selection, a count above its capacity: never a value)."""
-    expected, expected_grads = _run(native, inputs, seed)
+    expected, expected_grads = _run(native, inputs, seed, weights)
     try:
-        got, got_grads = _run(rewritten, inputs, seed)
+        got, got_grads = _run(rewritten, inputs, seed, weights)
     except Abandon as stop:
         gap = 0.0 if stop.code == expect else math.inf
         return gap, gap, {"outcome": f"abandoned ({stop.code})"}
