@@ -3,9 +3,11 @@ objects while a trace runs is native and leaves the trace as it would be without
 
 from __future__ import annotations
 
+import sys
 import threading
 import types
 
+import pytest
 import torch
 from torch import nn
 
@@ -137,3 +139,55 @@ def test_two_threads_tracing_at_once_each_get_their_own_graph():
         got = graphs[name](x)
         got = got[0] if isinstance(got, tuple) else got
         torch.testing.assert_close(got, loss(x), rtol=0, atol=0, msg=name)
+
+
+class Flow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def log_prob(self, x):
+        return self.lin(x).sum(-1)
+
+
+class Gains:
+    def __init__(self):
+        self.scale = 2.0
+
+
+class FlowLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.flow = Flow()
+
+    def forward(self, x, gains):
+        return self.flow.log_prob(x).mean() * gains.scale
+
+
+def test_a_trace_failing_before_the_loss_runs_leaves_nothing_patched(monkeypatch):
+    """The trace's journal undoes what it set before the loss ran (the density method made one
+    node, the attribute hooks of a tracked object's class), not only what it set while the loss
+    ran. (The hooks of an argument's class had been undone only on leaving the loss's run: a
+    trace failing before it left ``Gains.__getattribute__`` patched for the process.)"""
+    trace_module = sys.modules["fxpasses.trace"]  # (the package's ``trace`` is the function)
+
+    loss = FlowLoss()
+    before = (dict(vars(loss.flow)), nn.Module.__getattribute__, nn.Module.__setattr__,
+              dict(vars(Gains)), torch.zeros)
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("failed before the loss ran")
+
+    monkeypatch.setattr(trace_module, "_function_state", failing)
+    with pytest.raises(trace_module.TraceFailure, match="failed before the loss ran"):
+        trace(loss, (torch.ones(3, 2), Gains()))
+    assert "log_prob" not in vars(loss.flow)  # patched on the instance by the trace, undone
+    after = (dict(vars(loss.flow)), nn.Module.__getattribute__, nn.Module.__setattr__,
+             dict(vars(Gains)), torch.zeros)
+    assert after[0].keys() == before[0].keys() and after[1:] == before[1:]
+    monkeypatch.undo()
+    gains = Gains()
+    gm = trace(loss, (torch.ones(3, 2), gains))  # and the next trace is whole
+    x = torch.randn(4, 2)
+    out = gm(*gm.meta["fxpasses"].signature.inputs([x, gains]))
+    torch.testing.assert_close(out[0] if isinstance(out, tuple) else out, loss(x, gains))
