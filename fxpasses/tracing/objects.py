@@ -344,8 +344,8 @@ class ObjectTracker:
         """Put back every attribute the trace wrote (the graph writes them on each call), every
         float that an input stood in for, the contents of every container the loss wrote into
         (:meth:`container_writes`) and the values of the tensors it read from its state and
-        wrote in place (the first call makes its writes once); and the cached functions the
-        trace stood in for, if an error left them."""
+        wrote in place (the first call makes its writes once). An entry of the trace's journal
+        (:mod:`.session`), which undoes the hooks and stand-ins itself."""
         self._put_back_floats()
         for held, kept, _ in self._container_copies.values():
             if not _same_items(held, kept):
