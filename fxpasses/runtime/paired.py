@@ -43,6 +43,12 @@ def _same_size(a: Any, b: Any) -> bool:
     return isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt) and a.node.expr == b.node.expr
 
 
+def _one_row_per_row(out: list[Any], rows: torch.Tensor) -> bool:
+    """Every result is a tensor on the rows' device with one row per row and static trailing sizes."""
+    return all(isinstance(t, torch.Tensor) and t.dim() >= 1 and t.device == rows.device
+               and _same_size(t.shape[0], rows.shape[0]) and _static(t.shape[1:]) for t in out)
+
+
 def _propagation_key(module: nn.Module, method: str, rows: torch.Tensor) -> tuple | None:
     """What a branch's propagated results depend on besides its row count; None (run it every
     time) where the rows are real (``propagate`` also computes values: a witness runs the flow
@@ -109,8 +115,7 @@ class PairedCall(RuntimeOp):
             return [rows.new_empty((rows.shape[0], *trailing), dtype=dtype).requires_grad_(grad)
                     for trailing, dtype, grad in leaves], spec
         out, spec = pytree.tree_flatten(call(rows))
-        if key is not None and all(isinstance(t, torch.Tensor) and t.dim() >= 1 and t.device == rows.device
-                                   and _same_size(t.shape[0], rows.shape[0]) and _static(t.shape[1:]) for t in out):
+        if key is not None and _one_row_per_row(out, rows):
             self._propagated[key] = ([(tuple(t.shape[1:]), t.dtype, t.requires_grad) for t in out], spec)
         return out, spec
 

@@ -3,10 +3,11 @@
 A trace patches objects the whole process shares (torch's factories, ``nn.Module``'s attribute
 hooks, user modules' globals), so traces run one at a time: a :class:`TraceSession` holds a
 re-entrant process lock from its start to its end (and, as ``optimize()`` does, the module-state
-lock of :mod:`fxpasses.runtime.module_state`, so no native call of another thread runs meanwhile). A trace started on another thread meanwhile
-waits for it (it would otherwise see this trace's patches and record nothing: a graph with the
-other loss's values baked in); a trace nested on the same thread goes on. Only the session's
-thread records; another thread's torch calls, attribute reads and writes run natively.
+lock of :mod:`fxpasses.runtime.module_state`, so no native call of another thread runs
+meanwhile). A trace started on another thread meanwhile waits for it (it would otherwise see
+this trace's patches and record nothing: a graph with the other loss's values baked in); a trace
+nested on the same thread goes on. Only the session's thread records; another thread's torch
+calls, attribute reads and writes run natively.
 
 Everything the trace changes is an entry of the session's :class:`Journal`: an attribute or a
 mapping entry set, or a component's own undo (the tracker's writes and container copies, the
