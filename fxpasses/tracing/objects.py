@@ -127,7 +127,6 @@ class ObjectTracker:
         self.recorder = recorder
         self.journal = journal  # the trace's undo journal: the hooks and stand-ins it installs
         self.on_module = on_module
-        self.thread = recorder.thread  # the thread that runs the trace: only its reads count
         self.assumptions: dict[tuple[str, str], Assumption] = {}
         self._inside: dict[tuple[str, str], Assumption] = {}  # read only by calls kept whole
         self._inside_code: dict[Any, tuple[Assumption, ...]] = {}  # code -> its globals' assumptions
