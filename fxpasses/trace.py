@@ -100,6 +100,8 @@ class TraceInfo:
     host_reads: int = 0  # values read to the host on every call for the graph's own use (.item())
     # the input values the loss never read (tracing.input_reads): free in ``signature``
     unread_inputs: tuple[str, ...] = ()
+    # the grad mode the loss was traced in (the graph's grad switches restore it: its runs too)
+    grad_enabled: bool = True
 
     def unflatten_output(self, flat: Any) -> Any:
         return pytree.tree_unflatten(list(flat), self.out_spec)
@@ -323,6 +325,7 @@ def _trace(loss_fn: Any, example_args: tuple, example_kwargs: dict | None,
     signature = CallSignature.of_call(tuple(example_args), example_kwargs, positional_names(loss_fn))
     leaves, _ = flatten_call(tuple(example_args), example_kwargs)
     placeholders: dict[int, fx.Node] = {}
+    grad_enabled = torch.is_grad_enabled()
     with TraceSession(root, tuple(policy.density_methods), policy.is_leaf_instance) as session:
         rec, tracker = session.recorder, session.tracker
         try:
@@ -366,6 +369,7 @@ def _trace(loss_fn: Any, example_args: tuple, example_kwargs: dict | None,
                                   tuple(places[node] for node in rec.guard_nodes),
                                   tuple(session.shadows.covered), tuple(session.shadows.refused.items()),
                                   _host_reads(rec.graph),
-                                  tuple(path_name(p, positional_names(loss_fn)) for p in unread))
+                                  tuple(path_name(p, positional_names(loss_fn)) for p in unread),
+                                  grad_enabled)
     return gm
 

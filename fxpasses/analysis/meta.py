@@ -228,7 +228,7 @@ def annotate(gm: fx.GraphModule, example_tensors: Sequence[torch.Tensor]) -> lis
     with quiet_shape_env():
         prop.propagate_dont_convert_inputs(*fakes)
     for node in gm.graph.nodes:
-        node.meta[ANNOTATED] = _input_names(node)
+        node.meta[ANNOTATED] = input_names(node)
     gm.meta[FAKE_MODE] = mode
     gm.meta[FAKE_INPUTS] = dict(zip((n.name for n in gm.graph.find_nodes(op="placeholder")), fakes))
     return prop.failures
@@ -260,7 +260,7 @@ def annotate_new(gm: fx.GraphModule) -> list[tuple[fx.Node, Exception]]:
             if node.op == "get_attr":  # a module, a constant: what propagation fetched
                 prop.env[node] = prop.fetch_attr(node.target)
                 continue
-            if node.meta.get(ANNOTATED) == _input_names(node) and fresh.isdisjoint(node.all_input_nodes):
+            if node.meta.get(ANNOTATED) == input_names(node) and fresh.isdisjoint(node.all_input_nodes):
                 prop.env[node] = _FAILED if "val" not in node.meta and node.op.startswith("call") \
                     and NODE_FACTS not in node.meta else node.meta.get("val")
                 continue
@@ -270,10 +270,10 @@ def annotate_new(gm: fx.GraphModule) -> list[tuple[fx.Node, Exception]]:
                    if key in node.meta}  # stale: computed from other inputs
             replaced.append(old)
             result = prop.run_node(node)
-            node.meta[ANNOTATED] = _input_names(node)
+            node.meta[ANNOTATED] = input_names(node)
             if node.op in ("call_function", "call_method") and "val" in old and "val" in node.meta \
                     and not {"unbacked_bindings"} & (old.keys() | node.meta.keys()) \
-                    and not any(_resizes_in_place(u) for u in node.users) \
+                    and not any(resizes_in_place(u) for u in node.users) \
                     and not _writes(old.get(NODE_FACTS)) and not _writes(node.meta.get(NODE_FACTS)) \
                     and _same_allocation(old["val"], node.meta["val"],
                                          lambda t: first_holder.get(storage_id(t)) is node,
@@ -305,17 +305,17 @@ def carry_fused_metadata(call: fx.Node, inner: fx.GraphModule) -> bool:
         tuple(dict.fromkeys(op for f in facts for op in f.ops)), bool(writes), writes,
         any(f.host_read for f in facts), any(f.random for f in facts), any(f.computes for f in facts),
         all(f.complete for f in facts), is_torch_code(call))
-    call.meta[ANNOTATED] = _input_names(call)
+    call.meta[ANNOTATED] = input_names(call)
     handed = [call]
     for user in call.users if isinstance(returned, (tuple, list)) else ():  # an output each
         if user.target is operator.getitem and isinstance(user.args[1], int) and "val" in user.meta:
             user.meta[NODE_FACTS] = NodeFacts((), False, frozenset(), False, False, False, True,
                                               is_torch_code(user))
-            user.meta[ANNOTATED] = _input_names(user)
+            user.meta[ANNOTATED] = input_names(user)
             handed.append(user)
     names = {h.name for h in handed}
     for reader in {u for h in handed for u in h.users if u not in handed and ANNOTATED in u.meta}:
-        old, now = reader.meta[ANNOTATED], _input_names(reader)
+        old, now = reader.meta[ANNOTATED], input_names(reader)
         if len(old) == len(now) and all(a == b or b in names for a, b in zip(old, now)):
             reader.meta[ANNOTATED] = now  # rewired to a node holding the same value, nothing else
     return True
@@ -327,7 +327,7 @@ _RESIZING = frozenset({"unsqueeze_", "squeeze_", "t_", "transpose_", "swapdims_"
                        "resize_", "resize_as_", "as_strided_", "set_", "detach_", "requires_grad_"})
 
 
-def _resizes_in_place(user: fx.Node) -> bool:
+def resizes_in_place(user: fx.Node) -> bool:
     name = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", "")
     return user.op in ("call_method", "call_function") and name in _RESIZING
 
@@ -379,7 +379,7 @@ def _layout(t: torch.Tensor) -> tuple | None:
     return (tuple(sizes), t.dim(), t.dtype, t.device, t.layout, t.requires_grad)
 
 
-def _input_names(node: fx.Node) -> tuple[str, ...]:
+def input_names(node: fx.Node) -> tuple[str, ...]:
     """What a node's metadata was computed from (names survive graph copies)."""
     return tuple(a.name for a in node.all_input_nodes)
 

@@ -235,6 +235,23 @@ _CODES = (
          "pad with); the call ran natively.",
          "Expected now and then (a batch without foreground); frequent ones cost a native call."),
     # -- loss capture (CaptureLoss) -------------------------------------------------------
+    Code("duplicate-impure", "refusal",
+         "A node computes what an earlier one did, but one of the two may write memory, draws "
+         "random numbers or was not propagated to the end: it is not shared, both run.",
+         "Nothing to do; the two computations stay separate."),
+    Code("duplicate-written", "refusal",
+         "A node computes what an earlier one did, but the memory of one of them or of an input "
+         "is written in place somewhere in the loss (or resized in place): sharing one value "
+         "could let one branch's write reach the other, so both run.",
+         "Write out of place (x = x * 2) where a value is computed twice."),
+    Code("duplicate-autograd", "refusal",
+         "A node computes what an earlier one did, but a value or an input carries autograd "
+         "history: a grad mode switched between them could differ, so both run.",
+         "Nothing to do; the two computations stay separate."),
+    Code("duplicate-metadata-differs", "refusal",
+         "A node calls the same op on the same inputs as an earlier one, but their results differ "
+         "in dtype, device or kind (an autocast region between them): both run.",
+         "Nothing to do; the two computations stay separate."),
     Code("not-on-capture-device", "refusal",
          "The loss's tensors are on devices CaptureLoss does not capture (CPU tensors with the "
          "default capture devices, cuda): nothing to capture.",

@@ -2,7 +2,7 @@
 
 * :class:`ExpectValue`, :class:`ExpectTruth`, :class:`ExpectLength`: a value Python took during
   tracing (a size turned into an int, ``if mask.any():``, the length of a split) is the same in
-  this call, else the call is abandoned (:class:`~fxpasses.ir.abandon.Abandon`, code
+  this call (:class:`ExpectEqualSizes`: two sizes a pass took to be equal are), else the call is abandoned (:class:`~fxpasses.ir.abandon.Abandon`, code
   ``guard-failed``) and runs natively. Counted per guard.
 * :class:`ReadSource`: a value read on every call from the loss's state (a float weight decayed
   each epoch, a tensor attribute): an input of the graph, never a baked constant.
@@ -81,6 +81,23 @@ class ExpectLength(GuardOp):
     def __call__(self, value: Any) -> None:
         if len(value) != self.expected:
             self._fail(len(value))
+
+
+class ExpectEqualSizes(GuardOp):
+    """Two sizes read from the metadata of two inputs (the two branches' predictions' batch
+    dims) are equal, as they were when a pass chose to compute with one of them for both."""
+
+    reads_values = False
+
+    def __init__(self, op_id: str, location: str):
+        super().__init__(op_id, True, location)
+
+    def propagate(self, first: Any, second: Any) -> None:
+        return None
+
+    def __call__(self, first: Any, second: Any) -> None:
+        if first != second:
+            self._fail(f"{first} != {second}")
 
 
 class ReadSource(RuntimeOp):

@@ -9,7 +9,9 @@ code), and one per call proven row-independent by an earlier pass (``fxpasses.ir
 a capture device and zero padding rows are inert (a float64 witness), its one flow call is recorded
 per power-of-two row bucket (:mod:`fxpasses.runtime.paired_capture`).
 
-Before planning, host reads of the loss's constant tensor state are folded into the graph
+Before planning, work the loss does twice on the same inputs is done once (:mod:`.share_duplicates`:
+the two branches' packing of the same targets, each with its host reads; a certificate per group
+of shared nodes and per duplicate kept), host reads of the loss's constant tensor state are folded into the graph
 (:mod:`.fold_state`, a certificate and an ``unchanged`` assumption each), list indices of device
 tensors become constant index tensors on the device (no copy from the host each call), and in-place writes of
 the loss's own memory that no region could hold run on a copy where that computes the same
@@ -47,6 +49,7 @@ from .copy_writes import plan_with_copies
 from .fold_constants import device_constants
 from .fold_state import device_indices, fold_constant_reads
 from .pad_capacity import pad_capacities
+from .share_duplicates import share_duplicates
 
 _PREFIX = "capture_region_"
 def _histogram(nodes: Sequence[fx.Node], verdicts: dict[fx.Node, Verdict]) -> dict[str, int]:
@@ -157,6 +160,7 @@ class CaptureLoss:
                             None if cuda_ok else "cuda-unavailable")]
             return PassResult(gm, False, [Certificate.from_checks(self.name, Site((), (), "whole loss"),
                                                                   checks)])
+        shared = share_duplicates(gm, self.name)
         folded = fold_constant_reads(gm, self.name) + device_indices(gm, self.name, self.devices) + \
             device_constants(gm, self.name, self.devices)
         padded = pad_capacities(gm, self.name)
@@ -166,7 +170,7 @@ class CaptureLoss:
             gm = unfolded_copies
             plan = plan_regions(gm, self.devices, self.min_region_ops, self.count_copies)
             writes = [c for c in writes if not c.applied]
-        certificates = folded + padded + writes + self._refusals(plan) + self._too_small(plan)
+        certificates = shared + folded + padded + writes + self._refusals(plan) + self._too_small(plan)
         region_certs = [self._region_certificate(gm, i, nodes, plan) for i, nodes in enumerate(plan.regions)]
         names = [f"{_PREFIX}{i}" for i, cert in enumerate(region_certs) if cert.applied]
         plan.regions = [nodes for nodes, cert in zip(plan.regions, region_certs) if cert.applied]
@@ -179,7 +183,8 @@ class CaptureLoss:
             regions += self._fuse(gm, plan, names)
         if regions:
             self._own_outputs(gm, regions)
-        return PassResult(gm, bool(regions or folded or any(c.applied for c in padded)),
+        modified = regions or folded or any(c.applied for c in shared + padded)
+        return PassResult(gm, bool(modified),
                           region_certs + paired + certificates)
 
     def _capture_padded(self, gm: fx.GraphModule, node: fx.Node, fact: RowIndependentCall) -> CapturedRegion:

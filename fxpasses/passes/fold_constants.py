@@ -85,7 +85,8 @@ def _chain(node: fx.Node, devices: Sequence[str]) -> list[fx.Node] | None:
             isinstance(node.args[0], fx.Node):
         made = node.args[0]
         if made.op == "call_function" and made.target in _FACTORIES and \
-                made.kwargs.get("device") is None and len(made.users) == 1 and _numbers_only(made) \
+                made.kwargs.get("device") is None and _numbers_only(made) \
+                and all(u.op == "call_method" and u.target in _MOVES for u in made.users) \
                 and all(not isinstance(a, fx.Node) or isinstance(value(a), torch.Tensor) or
                         _number(value(a)) for a in node.args[1:]):
             return [made, node]
@@ -145,5 +146,6 @@ def _fold(gm: fx.GraphModule, chain: list[fx.Node]) -> None:
         new = gm.graph.call_function(constant, tuple(inputs))
     new.meta = dict(last.meta)
     last.replace_all_uses_with(new)
-    for n in reversed(chain):
-        gm.graph.erase_node(n)
+    for n in reversed(chain):  # a factory moved twice (made once for two uses) stays for the other
+        if not n.users:
+            gm.graph.erase_node(n)

@@ -85,11 +85,12 @@ def padding_sites(gm: fx.GraphModule) -> list[tuple[fx.Node, int]]:
     return found
 
 
-def _insert(gm: fx.GraphModule, factory: fx.Node, index: int, op: PaddedSize) -> fx.Node:
-    """``factory`` with its size at ``index`` read through ``op``; the op's node."""
+def _insert(gm: fx.GraphModule, factory: fx.Node, index: int, op: PaddedSize | fx.Node) -> fx.Node:
+    """``factory`` with its size at ``index`` read through ``op`` (or through the node of an op
+    inserted for an earlier factory of the same size); the op's node."""
     where, sizes = _sizes(factory)
     with gm.graph.inserting_before(factory):
-        capacity = gm.graph.call_function(op, (sizes[index],))
+        capacity = op if isinstance(op, fx.Node) else gm.graph.call_function(op, (sizes[index],))
         first = gm.graph.call_function(operator.getitem, (capacity, 0))
     new_sizes = (*sizes[:index], first, *sizes[index + 1:])
     if where == -1:
@@ -218,6 +219,7 @@ def pad_capacities(gm: fx.GraphModule, pass_name: str) -> list[Certificate]:
                        f"{WITNESS_SLOTS} slots"}, None if holds else "padding-not-inert"))
     applied = all(c.ok for c in checks)
     certificates = []
+    read: dict[fx.Node, fx.Node] = {}  # size node -> its capacity: one host read per size
     for factory, index in sites:
         location = node_location(factory)
         size = _sizes(factory)[1][index]
@@ -226,10 +228,16 @@ def pad_capacities(gm: fx.GraphModule, pass_name: str) -> list[Certificate]:
                   "records": "one recording per bucket instead of one per count"} if applied else {}
         site = Site((factory.name,), (location,) if location else (), f"zero buffer {factory.name}")
         if applied:
-            op = PaddedSize(f"capacity_{factory.name}", location, MIN_BUCKET, _sole_symbol(factory, index))
+            shared = read.get(size) if isinstance(size, fx.Node) else None
+            op = shared or PaddedSize(f"capacity_{factory.name}", location, MIN_BUCKET, _sole_symbol(factory, index))
             capacity = _insert(gm, factory, index, op)
+            if isinstance(size, fx.Node):
+                read.setdefault(size, capacity)
+            if shared is not None:
+                effect |= {"capacity_read": f"shared with {shared.name}: the same size, read once"}
             cert = Certificate.from_checks(pass_name, site, checks, effect=effect, witness=witness)
-            prove(capacity, BucketedSizes(cert.id, 1))
+            if shared is None:
+                prove(capacity, BucketedSizes(cert.id, 1))
         else:
             cert = Certificate.from_checks(pass_name, site, checks, witness=witness)
         certificates.append(cert)

@@ -57,7 +57,12 @@ def test_the_real_criterion_captured_with_folds_and_copies_equals_native(pose_mo
     assert len(strides) == 12 and all("ultralytics/utils/tal.py:" in c.site.locations[0] for c in strides)
     constants = [c for c in folds if "copied to the device" in c.site.description]
     made_once = {c.site.locations[0].rsplit("/", 1)[-1] for c in constants}  # made on the host
-    assert made_once == {"tal.py:560", "tal.py:561", "loss.py:441", "loss.py:873", "tal.py:349"}
+    assert made_once == {"tal.py:560", "tal.py:561", "loss.py:873", "tal.py:349"}
+    shared = [c for c in certificates if c.applied and "nodes_removed" in c.effect]
+    lines = {loc.rsplit("/", 1)[-1] for c in shared for loc in c.site.locations}
+    # loss.py:441's image-size tensor is loss.py:873's, made once; the one2one branch's packing of
+    # the targets (loss.py:399-410: unique, counts.max()) is the one2many branch's
+    assert {"loss.py:441", "loss.py:400", "loss.py:402"} <= lines
     indices = {c.site.locations[0].rsplit("/", 1)[-1] for c in folds
                if c not in strides and c not in constants}
     assert indices == {"loss.py:445", "loss.py:793", "loss.py:920", "loss.py:921"}  # x[[1, 0]]

@@ -1,0 +1,248 @@
+"""Work the loss does twice on the same inputs, done once: common subexpressions, proven pure.
+
+A dual-branch loss prepares the same targets in each branch (the real YOLO26 criterion packs the
+batch's boxes and keypoints per image in ``one2many`` and again in ``one2one``: ``unique``,
+``bincount``, ``int(counts.max())``); each preparation reads a count on the host, a
+synchronisation per branch. :func:`share_duplicates` keeps the first of two nodes that compute
+the same thing and hands its value to the second's users.
+
+Two nodes compute the same thing when they call the same torch op (function or method) with
+the same arguments, node arguments compared after sharing (so a chain of duplicates is shared
+node by node). That is enough for equal values when, besides, (checked per pair, each failure a
+refusal with its code):
+
+- the op is pure: no write to its inputs (``NodeFacts.writes_input``), no random draw, facts
+  complete; fxpasses' own ops (guards, reads of the loss's state, set-item) are never shared;
+- no node of the graph writes in place to the memory of either node's value or of their inputs
+  (the union of every node's written storages from shape propagation), and no user resizes
+  either value in place: the shared value is the same at every use as the two were;
+- both run in the same grad mode (a ``no_grad`` block around one of them gives it no autograd
+  history; shape metadata cannot tell, its inputs are detached), no use of either sets autograd
+  state (a hook), and the two values have the same dtypes, devices and kinds. A value with
+  gradients shared by two uses gets their sum through one backward node: native's gradient up
+  to rounding.
+
+torch's own CSE (``torch.fx.passes.dialect.common.cse_pass``) assumes a functional graph; this
+graph has in-place ops, hence the write check. The second node's unbacked sizes are renamed to
+the first's in the shape environment (``rebind_unbacked``), so the metadata of everything
+downstream stays true without propagating it again.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import rebind_unbacked
+from torch.utils import _pytree as pytree
+
+from ..analysis.meta import ANNOTATED, FAKE_MODE, input_names, resizes_in_place, storages_of, value
+from ..analysis.ops import is_torch_code, node_facts
+from ..ir.trace_ops import ExpectEqualSizes, set_item
+from ..certificates import Certificate, Check, Guard, Site
+from ..locations import node_location
+from ..trace import META_KEY
+
+# methods that set a tensor's autograd state: on a shared value they would reach both uses
+_AUTOGRAD_STATE = frozenset({"register_hook", "retain_grad", "requires_grad_",
+                             "register_post_accumulate_grad_hook"})
+_ATOMS = (int, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format,
+          type(Ellipsis))
+
+
+def _key(arg: Any, name: Callable[[fx.Node], Any]) -> Any:
+    """A hashable form of an argument, nodes by ``name``; None for an argument that cannot be
+    compared (then the node is not shared)."""
+    if isinstance(arg, fx.Node):
+        return name(arg)
+    if isinstance(arg, float):  # 0.0 and -0.0, nan and nan: by their text
+        return ("float", repr(arg) if not math.isnan(arg) else "nan")
+    if isinstance(arg, _ATOMS):
+        return (type(arg).__name__, arg)
+    if isinstance(arg, (tuple, list)):
+        items = tuple(_key(a, name) for a in arg)
+        return None if None in items else (type(arg).__name__, items)
+    if isinstance(arg, dict):
+        items = tuple((k, _key(v, name)) for k, v in sorted(arg.items()))
+        return None if any(v is None for _, v in items) else ("dict", items)
+    if isinstance(arg, slice):
+        parts = tuple(_key(p, name) for p in (arg.start, arg.stop, arg.step))
+        return None if None in parts else ("slice", parts)
+    return None
+
+
+def _node_key(node: fx.Node, name: Callable[[fx.Node], Any]) -> Any:
+    if node.op not in ("call_function", "call_method"):
+        return None
+    if not is_torch_code(node) or node.target is set_item or not node.users \
+            or getattr(node.target, "__name__", "").startswith("_"):
+        return None  # (a write; an effect, as a grad-mode or autocast switch; torch's internals)
+    args, kwargs = _key(node.args, name), _key(dict(node.kwargs), name)
+    if args is None or kwargs is None:
+        return None
+    return (node.op, node.target if node.op == "call_method" else id(node.target), args, kwargs)
+
+
+def _equal_sizes(nodes: list[fx.Node]) -> dict[fx.Node, fx.Node]:
+    """``t2.size(d) -> t1.size(d)`` for sizes of two tensors made by the same ops from inputs
+    of the same shape and dtype (the two branches' predictions): equal in this call, and
+    equal in every call that the guard a share of them adds lets through."""
+    provenance: dict[fx.Node, Any] = {}
+    for node in nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(val, torch.Tensor) and \
+                all(type(d) is int for d in val.shape):
+            provenance[node] = ("input", tuple(val.shape), str(val.dtype))
+        elif node.op in ("call_function", "call_method") and is_torch_code(node):
+            provenance[node] = _node_key(node, lambda n: provenance.get(n, ("node", n.name)))
+        if provenance.get(node) is None:
+            provenance[node] = ("node", node.name)
+    first: dict[Any, fx.Node] = {}
+    equal: dict[fx.Node, fx.Node] = {}
+    for node in nodes:
+        if node.op == "call_method" and node.target == "size" and len(node.args) == 2 and \
+                type(node.args[1]) is int and not node.kwargs and type(node.meta.get("val")) is int:
+            kept = first.setdefault((provenance[node.args[0]], node.args[1], node.meta["val"]), node)
+            if kept.args[0] is not node.args[0]:
+                equal[node] = kept
+    return equal
+
+
+def _grad_modes(gm: fx.GraphModule, nodes: list[fx.Node]) -> dict[fx.Node, Any]:
+    """The grad mode each node runs in: the one the loss was traced in (``TraceInfo``; the
+    graph's switches restore it, so its runs have it) until the graph's first
+    ``_set_grad_enabled`` (the only mode switch a trace records: it refuses autocast switches),
+    then the value set (an unknown one: the switch's own name); unknown without a trace's record."""
+    info = gm.meta.get(META_KEY)
+    modes, mode = {}, getattr(info, "grad_enabled", "unknown")
+    for node in nodes:
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            mode = node.args[0] if len(node.args) == 1 and type(node.args[0]) is bool else node.name
+        modes[node] = mode
+    return modes
+
+
+def _kind(val: Any) -> tuple:
+    """What must agree between two shared values: per leaf, its type, and for a tensor its
+    dtype, device, rank and whether it requires grad (sizes may be different symbols)."""
+    return tuple((type(leaf).__name__, leaf.dtype, leaf.device, leaf.dim(), leaf.requires_grad)
+                 if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+                 for leaf in pytree.tree_leaves(val))
+
+
+def _refusal(kept: fx.Node, other: fx.Node, written: frozenset[int],
+             grad_modes: dict[fx.Node, Any]) -> tuple[str, dict] | None:
+    """Why ``other`` may not take ``kept``'s value (a code and its evidence), or None."""
+    for node in (kept, other):
+        facts = node_facts(node)
+        if facts is None or not facts.complete or facts.writes_input or facts.random:
+            return "duplicate-impure", {"node": node.name, "facts": "none" if facts is None else {
+                "complete": facts.complete, "writes_input": facts.writes_input, "random": facts.random}}
+    touched = [n for n in (kept, other, *kept.all_input_nodes, *other.all_input_nodes)
+               if storages_of(n) & written]
+    if touched:
+        return "duplicate-written", {"written_in_place": sorted({n.name for n in touched})}
+    resized = [u.name for n in (kept, other) for u in n.users if resizes_in_place(u)]
+    if resized:
+        return "duplicate-written", {"resized_in_place_by": resized}
+    if grad_modes[kept] != grad_modes[other]:
+        return "duplicate-autograd", {"grad_mode": {kept.name: str(grad_modes[kept]),
+                                                    other.name: str(grad_modes[other])}}
+    hooked = [u.name for n in (kept, other) for u in n.users
+              if u.op == "call_method" and u.target in _AUTOGRAD_STATE]
+    if hooked:
+        return "duplicate-autograd", {"autograd_state_set_by": hooked}
+    if _kind(value(kept)) != _kind(value(other)):
+        return "duplicate-metadata-differs", {"kept": str(_kind(value(kept))), "other": str(_kind(value(other)))}
+    return None
+
+
+def share_duplicates(gm: fx.GraphModule, pass_name: str) -> list[Certificate]:
+    """Give each node that duplicates an earlier one (see the module docstring) the earlier
+    one's value, erase it, and certify each group of shared nodes (one certificate per source
+    location pair) and each duplicate refused. ``gm`` must carry shape metadata (annotate)."""
+    nodes = list(gm.graph.nodes)
+    if any(n.op.startswith("call") and node_facts(n) is None and "val" not in n.meta for n in nodes):
+        return []  # propagation stopped somewhere: writes are not all known
+    written = frozenset().union(*(f.writes for n in nodes if (f := node_facts(n)) is not None))
+    equal = _equal_sizes(nodes)
+    grad_modes = _grad_modes(gm, nodes)
+    shared: dict[fx.Node, fx.Node] = {}
+    first: dict[Any, fx.Node] = {}
+    refused: list[Certificate] = []
+    for node in nodes:
+        key = _node_key(node, lambda n: ("node", (shared.get(n) or equal.get(n) or n).name))
+        if key is None:
+            continue
+        kept = first.setdefault(key, node)
+        if kept is node:
+            continue
+        why = _refusal(kept, node, written, grad_modes)
+        if why is None:
+            shared[node] = kept
+        else:
+            refused.append(_certificate(pass_name, kept, [node], why))
+    equal = {other: kept for other, kept in equal.items()  # only where it let a duplicate share
+             if any(u in shared for u in other.users)}
+    if not shared:
+        return refused
+    guards = {other: _guard(gm, kept, other) for other, kept in equal.items()}
+    guarded_by = {n: [guards[o] for o in n.all_input_nodes if o in guards] for n in shared}
+    mode = gm.meta[FAKE_MODE]
+    for other, kept in shared.items():
+        rebind_unbacked(mode.shape_env, other, value(kept))
+    readers = {u for other in [*shared, *equal] for u in other.users if u not in shared}
+    for other, kept in shared.items():
+        other.replace_all_uses_with(kept)
+    for other, kept in equal.items():  # the guard alone reads the second size
+        other.replace_all_uses_with(kept, delete_user_cb=lambda user, g=guards[other]: user is not g)
+    for reader in readers:  # rewired to a node of the same value: nothing to propagate again
+        if ANNOTATED in reader.meta:
+            reader.meta[ANNOTATED] = input_names(reader)
+    groups: dict[tuple[str, str], list[fx.Node]] = defaultdict(list)
+    for other in shared:
+        groups[(node_location(shared[other]), node_location(other))].append(other)
+    for other in reversed(list(shared)):
+        gm.graph.erase_node(other)
+    gm.recompile()
+    return [_certificate(pass_name, shared[group[0]], group, None, [shared[o] for o in group],
+                         [_guard_record(g) for g in dict.fromkeys(g for n in group for g in guarded_by[n])])
+            for group in groups.values()] + refused
+
+
+def _guard(gm: fx.GraphModule, kept: fx.Node, other: fx.Node) -> fx.Node:
+    """``ExpectEqualSizes(kept, other)`` just after ``other``: a call whose sizes differ is
+    abandoned before anything computed with ``kept`` for ``other`` is used."""
+    location = node_location(other)
+    with gm.graph.inserting_after(other):
+        guard = gm.graph.call_function(ExpectEqualSizes(f"expect_equal_{other.name}", location or other.name),
+                                       (kept, other))
+    guard.meta["stack_trace"] = other.meta.get("stack_trace")
+    return guard
+
+
+def _guard_record(guard: fx.Node) -> Guard:
+    kept, other = guard.args
+    return Guard(guard.name, f"{other.name} == {kept.name}: the sizes the shared nodes took as "
+                 "equal are, else the call is abandoned", "guard-failed",
+                 {"kept": kept.name, "other": other.name, "location": node_location(other)})
+
+
+def _certificate(pass_name: str, kept: fx.Node, others: list[fx.Node], why: tuple[str, dict] | None,
+                 kept_all: list[fx.Node] | None = None, guards: list[Guard] = ()) -> Certificate:
+    kept_all = kept_all or [kept]
+    where = [loc for loc in dict.fromkeys(node_location(n) for n in (*kept_all, *others)) if loc]
+    names = [n.name for n in others]
+    evidence = {"kept": [n.name for n in kept_all], "shared": names,
+                "ops": sorted({str(n.target) for n in others})}
+    checks = [Check("duplicate-computes-the-same", why is None,
+                    evidence | (why[1] if why else {}), why[0] if why else None)]
+    site = Site(tuple(names), tuple(where),
+                f"{len(names)} node(s) computing what {', '.join(n.name for n in kept_all[:3])}"
+                f"{'...' if len(kept_all) > 3 else ''} computed: "
+                f"{'shared' if why is None else 'kept separate'}")
+    effect = {"nodes_removed": len(names)} if why is None else {}
+    return Certificate.from_checks(pass_name, site, checks, effect=effect, guards=tuple(guards))

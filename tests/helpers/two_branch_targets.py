@@ -1,0 +1,48 @@
+"""A dual-branch loss that packs the same targets once per branch, as the real YOLO26 criterion
+does (``one2many`` and ``one2one`` each call ``_batch_keypoints``): a ``bincount``, a host read
+``int(counts.max())``, a zero buffer written in place and scaled in place per branch. (Outside
+the test modules: pytest's assertion rewriting makes a test module's ``int`` loads non-calls.)"""
+
+import torch
+from torch import nn
+
+
+class TwoBranches(nn.Module):
+    """Each branch packs ``values`` per image and scores its own predictions against them;
+    ``scales`` differ per branch and are applied in place to that branch's packed buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.scales = (2.0, 3.0)
+
+    def pack(self, batch_idx, values, images, scale):
+        counts = torch.bincount(batch_idx, minlength=images)
+        packed = values.new_zeros((images, int(counts.max()), values.shape[1]))
+        within = torch.arange(len(batch_idx)) - (counts.cumsum(0) - counts)[batch_idx]
+        packed[batch_idx, within] = values
+        packed[..., :1] *= scale
+        return packed
+
+    def branch(self, preds, batch_idx, values, scale):
+        packed = self.pack(batch_idx, values, preds.shape[0], scale)
+        present = (packed != 0).any(-1, keepdim=True).to(preds.dtype)
+        error = (preds.unsqueeze(1) - packed).square() * present
+        return error.sum() / present.sum().clamp_min(1) + preds.tanh().sum()
+
+    def forward(self, many, one, batch_idx, values):
+        return self.branch(many, batch_idx, values, self.scales[0]) + \
+            self.branch(one, batch_idx, values, self.scales[1])
+
+
+class TwiceUnderNoGrad(nn.Module):
+    """The same computation twice under ``no_grad`` and once with gradients, on an input that
+    requires them: the grad-mode switches are effects, and ``x * 2`` with gradients is not
+    ``x * 2`` without."""
+
+    def forward(self, x):
+        with torch.no_grad():
+            a = (x * 2).sum()
+        with torch.no_grad():
+            b = (x * 2).sum()
+        c = (x * 2).square().sum()
+        return a + b + c

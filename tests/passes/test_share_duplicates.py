@@ -1,0 +1,129 @@
+"""Work a loss does twice on the same inputs (each branch packing the same targets) is done once
+by CaptureLoss, where no write reaches the shared memory; everything else stays as it was, and
+values and gradients are native's (float64)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fxpasses import optimize
+from fxpasses.cli import import_file
+from fxpasses.passes import CaptureLoss
+from fxpasses.runtime.emulated import EmulatedRecorder
+
+pytestmark = pytest.mark.skipif(torch.__version__ < "2.5", reason="torch 2.4 has no fake kernel for "
+                                "bincount: the packed buffer's size has no metadata, so nothing is shared")
+
+helpers = import_file(Path(__file__).parents[1] / "helpers" / "two_branch_targets.py")
+
+
+class _Counted(TorchDispatchMode):
+    """The aten ops a call runs, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+def _capture():
+    return CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder(), min_region_ops=1)
+
+
+def _inputs(counts, seed):
+    g = torch.Generator().manual_seed(seed)
+    many, one = (torch.randn(len(counts), 2, generator=g, dtype=torch.float64, requires_grad=True)
+                 for _ in range(2))
+    batch_idx = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.long))
+    values = torch.rand(len(batch_idx), 2, generator=g, dtype=torch.float64) + 0.5
+    return many, one, batch_idx, values
+
+
+def _shared(fast):
+    return [c for c in fast.certificates if c.applied and "nodes_removed" in c.effect]
+
+
+def test_the_second_branch_packs_nothing_again_and_matches_native():
+    loss = helpers.TwoBranches()
+    fast = optimize(loss, passes=[_capture()])
+    for seed, counts in enumerate([(2, 1, 3), (1, 4, 0), (3, 3, 3), (1, 2, 5)]):
+        inputs, reference = _inputs(counts, seed), _inputs(counts, seed)
+        with _Counted() as ours:  # (the first call's also counts the trace and the pipeline)
+            got = fast(*inputs)
+        with _Counted() as native:
+            want = loss(*reference)
+        got.backward()
+        want.backward()
+        assert abs(float(got.detach()) - float(want.detach())) <= 1e-10 * (1 + abs(float(want.detach())))
+        for a, b in zip(inputs[:2], reference[:2]):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)
+        assert native.ops.count("bincount") == 2
+        if seed:  # a steady call: one bincount, one host read of the most persons in an image
+            assert ours.ops.count("bincount") == 1 and ours.ops.count("_local_scalar_dense") == 1
+    assert fast.stats.optimized == 4 and not fast.stats.native
+    shared = _shared(fast)
+    assert shared and all(c.site.locations for c in shared)
+    kept = [c for c in fast.certificates if "duplicate-written" in c.codes]
+    # each branch's buffer is written in place (packed, then scaled by its own factor): kept apart
+    assert any("new_zeros" in c.checks[0].evidence["ops"] for c in kept)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 6), min_size=1, max_size=5), min_size=1, max_size=4))
+def test_shared_packing_equals_native_over_count_vectors(batches):
+    """Empty images, all persons in one image, one person, the largest count exceeded, a batch
+    with no person at all: the same values and gradients as native, in float64."""
+    loss = helpers.TwoBranches()
+    fast = optimize(loss, passes=[_capture()])
+    for seed, counts in enumerate([(2, 1, 3), *batches]):
+        inputs, reference = _inputs(counts, seed), _inputs(counts, seed)
+        got, want = fast(*inputs), loss(*reference)
+        got.backward()
+        want.backward()
+        assert abs(float(got.detach()) - float(want.detach())) <= 1e-10 * (1 + abs(float(want.detach())))
+        for a, b in zip(inputs[:2], reference[:2]):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_grad_mode_switches_and_values_with_gradients_are_not_shared():
+    loss = helpers.TwiceUnderNoGrad()
+    fast = optimize(loss, passes=[_capture()])
+    for seed in range(2):
+        x = torch.randn(5, dtype=torch.float64, generator=torch.Generator().manual_seed(seed),
+                        requires_grad=True)
+        y = x.detach().clone().requires_grad_(True)
+        got, want = fast(x), loss(y)
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-12, atol=0)
+        torch.testing.assert_close(x.grad, y.grad, rtol=1e-12, atol=0)
+    shared = [name for c in _shared(fast) for name in c.site.nodes]
+    assert "mul_1" in shared  # x * 2 in the second no_grad block: the first block's
+    assert not any(name.startswith("_set_grad_enabled") for name in shared)  # switches: effects
+    refused = [c for c in fast.certificates if "duplicate-autograd" in c.codes]
+    assert [c.site.nodes for c in refused] == [("mul_2",)]  # x * 2 with gradients
+
+
+def test_branches_whose_batch_sizes_differ_fail_the_equal_size_guard_and_run_natively():
+    """The second branch's packing reads the first branch's batch size in place of its own,
+    under a guard: a call whose two predictions differ in rows is abandoned, and native."""
+    loss = helpers.TwoBranches()
+    fast = optimize(loss, passes=[_capture()])
+    fast(*_inputs((2, 1, 3), 0))  # traced with equal batch sizes
+    guards = [g for c in _shared(fast) for g in c.guards]
+    assert guards and all(g.code == "guard-failed" for g in guards)
+    many, one, batch_idx, values = _inputs((2, 1, 3), 1)
+    one = torch.cat([one.detach(), torch.ones(1, 2, dtype=torch.float64)]).requires_grad_(True)
+    reference = [t.detach().clone().requires_grad_(t.requires_grad) for t in (many, one, batch_idx, values)]
+    got, want = fast(many, one, batch_idx, values), loss(*reference)
+    got.backward()
+    want.backward()
+    assert abs(float(got.detach()) - float(want.detach())) <= 1e-10 * (1 + abs(float(want.detach())))
+    torch.testing.assert_close(one.grad, reference[1].grad, rtol=1e-10, atol=1e-12)
+    assert sum(fast.stats.abandoned.values()) == 1
