@@ -14,7 +14,8 @@ refusal with its code):
 - the op is pure: no write to its inputs (``NodeFacts.writes_input``), no random draw, facts
   complete; fxpasses' own ops (guards, reads of the loss's state, set-item) are never shared;
 - no node of the graph writes in place to the memory of either node's value or of their inputs
-  (the union of every node's written storages from shape propagation), and no user resizes
+  (the union of every node's written storages from shape propagation; a node whose facts are
+  partial or absent may write all its inputs), and no user resizes
   either value in place: the shared value is the same at every use as the two were;
 - both run in the same grad mode (a ``no_grad`` block around one of them gives it no autograd
   history; shape metadata cannot tell, its inputs are detached), no use of either sets autograd
@@ -84,6 +85,17 @@ def _node_key(node: fx.Node, name: Callable[[fx.Node], Any]) -> Any:
     if args is None or kwargs is None:
         return None
     return (node.op, node.target if node.op == "call_method" else id(node.target), args, kwargs)
+
+
+def _may_write(node: fx.Node) -> frozenset[int]:
+    """The storages ``node`` writes; all its inputs' where its facts are partial or absent (a
+    run-time op of an earlier pass, a node propagation did not finish)."""
+    facts = node_facts(node)
+    if facts is not None and facts.complete:
+        return facts.writes
+    if not node.op.startswith("call"):
+        return frozenset()
+    return frozenset().union(*(storages_of(a) for a in node.all_input_nodes))
 
 
 def _equal_sizes(nodes: list[fx.Node]) -> dict[fx.Node, fx.Node]:
@@ -167,7 +179,7 @@ def share_duplicates(gm: fx.GraphModule, pass_name: str) -> list[Certificate]:
     nodes = list(gm.graph.nodes)
     if any(n.op.startswith("call") and node_facts(n) is None and "val" not in n.meta for n in nodes):
         return []  # propagation stopped somewhere: writes are not all known
-    written = frozenset().union(*(f.writes for n in nodes if (f := node_facts(n)) is not None))
+    written = frozenset().union(*(_may_write(n) for n in nodes))
     equal = _equal_sizes(nodes)
     grad_modes = _grad_modes(gm, nodes)
     shared: dict[fx.Node, fx.Node] = {}

@@ -23,15 +23,16 @@ class TwoBranches(nn.Module):
         packed[..., :1] *= scale
         return packed
 
-    def branch(self, preds, batch_idx, values, scale):
-        packed = self.pack(batch_idx, values, preds.shape[0], scale)
+    def score(self, preds, packed):
         present = (packed != 0).any(-1, keepdim=True).to(preds.dtype)
         error = (preds.unsqueeze(1) - packed).square() * present
         return error.sum() / present.sum().clamp_min(1) + preds.tanh().sum()
 
     def forward(self, many, one, batch_idx, values):
-        return self.branch(many, batch_idx, values, self.scales[0]) + \
-            self.branch(one, batch_idx, values, self.scales[1])
+        # both packed before either is scored: one buffer for both would be read after the other
+        # branch's writes
+        packed = [self.pack(batch_idx, values, p.shape[0], s) for p, s in zip((many, one), self.scales)]
+        return self.score(many, packed[0]) + self.score(one, packed[1])
 
 
 class TwiceUnderNoGrad(nn.Module):

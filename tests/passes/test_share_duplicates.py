@@ -75,20 +75,24 @@ def test_the_second_branch_packs_nothing_again_and_matches_native():
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.lists(st.lists(st.integers(0, 6), min_size=1, max_size=5), min_size=1, max_size=4))
+@given(st.lists(st.tuples(st.lists(st.integers(0, 6), min_size=1, max_size=5),
+                          st.sampled_from([None, float("nan"), float("inf")])), min_size=1, max_size=4))
 def test_shared_packing_equals_native_over_count_vectors(batches):
     """Empty images, all persons in one image, one person, the largest count exceeded, a batch
-    with no person at all: the same values and gradients as native, in float64."""
+    with no person at all, a non-finite target value: the same values and gradients as native,
+    in float64 (NaN where native's is NaN)."""
     loss = helpers.TwoBranches()
     fast = optimize(loss, passes=[_capture()])
-    for seed, counts in enumerate([(2, 1, 3), *batches]):
+    for seed, (counts, odd) in enumerate([((2, 1, 3), None), *batches]):
         inputs, reference = _inputs(counts, seed), _inputs(counts, seed)
+        if odd is not None and len(inputs[3]):
+            inputs[3][0, 1] = reference[3][0, 1] = odd
         got, want = fast(*inputs), loss(*reference)
         got.backward()
         want.backward()
-        assert abs(float(got.detach()) - float(want.detach())) <= 1e-10 * (1 + abs(float(want.detach())))
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-10, atol=1e-12, equal_nan=True)
         for a, b in zip(inputs[:2], reference[:2]):
-            torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12, equal_nan=True)
 
 
 def test_grad_mode_switches_and_values_with_gradients_are_not_shared():
