@@ -249,7 +249,8 @@ def _certificate(pass_name: str, kept: fx.Node, others: list[fx.Node], why: tupl
     where = [loc for loc in dict.fromkeys(node_location(n) for n in (*kept_all, *others)) if loc]
     names = [n.name for n in others]
     evidence = {"kept": [n.name for n in kept_all], "shared": names,
-                "ops": sorted({str(n.target) for n in others})}
+                "ops": sorted({n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+                               for n in others})}
     checks = [Check("duplicate-computes-the-same", why is None,
                     evidence | (why[1] if why else {}), why[0] if why else None)]
     site = Site(tuple(names), tuple(where),
