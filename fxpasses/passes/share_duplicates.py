@@ -40,6 +40,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import rebind_unbacked
 from torch.utils import _pytree as pytree
 
+from ..analysis.capture import is_state
 from ..analysis.meta import ANNOTATED, FAKE_MODE, input_names, resizes_in_place, storages_of, value
 from ..analysis.ops import is_torch_code, node_facts
 from ..ir.trace_ops import ExpectEqualSizes, set_item
@@ -98,10 +99,25 @@ def _may_write(node: fx.Node) -> frozenset[int]:
     return frozenset().union(*(storages_of(a) for a in node.all_input_nodes))
 
 
+def _visible_writes(nodes: list[fx.Node]) -> dict[fx.Node, fx.Node | None]:
+    """Per node, the first earlier node that may write memory of an input or of the loss's state
+    (a guard placed after it could not abandon the call without a visible effect), or None."""
+    outside = frozenset().union(*(storages_of(n) for n in nodes if n.op == "placeholder" or is_state(n)))
+    found: dict[fx.Node, fx.Node | None] = {}
+    first = None
+    for node in nodes:
+        found[node] = first
+        if first is None and _may_write(node) & outside:
+            first = node
+    return found
+
+
 def _equal_sizes(nodes: list[fx.Node]) -> dict[fx.Node, fx.Node]:
     """``t2.size(d) -> t1.size(d)`` for sizes of two tensors made by the same ops from inputs
     of the same shape and dtype (the two branches' predictions): equal in this call, and
-    equal in every call that the guard a share of them adds lets through."""
+    equal in every call that the guard a share of them adds lets through (taken only where no
+    write of an input or of the loss's state precedes the second size: an abandoned call has
+    shown nothing)."""
     provenance: dict[fx.Node, Any] = {}
     for node in nodes:
         val = node.meta.get("val")
@@ -180,7 +196,8 @@ def share_duplicates(gm: fx.GraphModule, pass_name: str) -> list[Certificate]:
     if any(n.op.startswith("call") and node_facts(n) is None and "val" not in n.meta for n in nodes):
         return []  # propagation stopped somewhere: writes are not all known
     written = frozenset().union(*(_may_write(n) for n in nodes))
-    equal = _equal_sizes(nodes)
+    visible = _visible_writes(nodes)  # a guard after a write of an input or state: not abandonable
+    equal = {other: kept for other, kept in _equal_sizes(nodes).items() if visible[other] is None}
     grad_modes = _grad_modes(gm, nodes)
     shared: dict[fx.Node, fx.Node] = {}
     first: dict[Any, fx.Node] = {}

@@ -47,3 +47,16 @@ class TwiceUnderNoGrad(nn.Module):
             b = (x * 2).sum()
         c = (x * 2).square().sum()
         return a + b + c
+
+
+class CountingTwoBranches(TwoBranches):
+    """:class:`TwoBranches` that counts its calls in a buffer first: a call abandoned after that
+    write would show it, so no guard may be added after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, many, one, batch_idx, values):
+        self.calls += 1
+        return super().forward(many, one, batch_idx, values)

@@ -131,3 +131,20 @@ def test_branches_whose_batch_sizes_differ_fail_the_equal_size_guard_and_run_nat
     assert abs(float(got.detach()) - float(want.detach())) <= 1e-10 * (1 + abs(float(want.detach())))
     torch.testing.assert_close(one.grad, reference[1].grad, rtol=1e-10, atol=1e-12)
     assert sum(fast.stats.abandoned.values()) == 1
+
+
+def test_no_equal_size_guard_after_a_write_of_the_loss_state():
+    """A loss that writes its own buffer first: a guard added later could abandon a call whose
+    write is already done, so the two branches keep their own batch sizes (and bincounts)."""
+    loss, reference_loss = helpers.CountingTwoBranches(), helpers.CountingTwoBranches()
+    fast = optimize(loss, passes=[_capture()])
+    for seed, counts in enumerate([(2, 1, 3), (1, 4, 0), (3, 3, 3)]):
+        inputs, reference = _inputs(counts, seed), _inputs(counts, seed)
+        with _Counted() as ours:
+            got = fast(*inputs)
+        want = reference_loss(*reference)
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-10, atol=1e-12)
+        if seed:
+            assert ours.ops.count("bincount") == 2
+    assert float(loss.calls) == float(reference_loss.calls) == 3
+    assert not [g for c in _shared(fast) for g in c.guards]
