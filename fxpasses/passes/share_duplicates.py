@@ -15,13 +15,18 @@ refusal with its code):
   complete; fxpasses' own ops (guards, reads of the loss's state, set-item) are never shared;
 - no node of the graph writes in place to the memory of either node's value or of their inputs
   (the union of every node's written storages from shape propagation; a node whose facts are
-  partial or absent may write all its inputs), and no user resizes
-  either value in place: the shared value is the same at every use as the two were;
+  partial or absent may write all its inputs), and no user resizes either value in place: the
+  shared value is the same at every use as the two were;
 - both run in the same grad mode (a ``no_grad`` block around one of them gives it no autograd
   history; shape metadata cannot tell, its inputs are detached), no use of either sets autograd
   state (a hook), and the two values have the same dtypes, devices and kinds. A value with
   gradients shared by two uses gets their sum through one backward node: native's gradient up
   to rounding.
+
+Sizes read from two inputs of the same shape through the same ops (each branch's batch size,
+read from its own predictions) count as one when that lets a duplicate share; the second is then
+checked against the first on every call (``ExpectEqualSizes``: a call where they differ is
+abandoned and runs natively), and none is taken after a write of an input or of the loss's state.
 
 torch's own CSE (``torch.fx.passes.dialect.common.cse_pass``) assumes a functional graph; this
 graph has in-place ops, hence the write check. The second node's unbacked sizes are renamed to
