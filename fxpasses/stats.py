@@ -10,6 +10,12 @@ import torch.fx as fx
 
 from .locations import failing_node, node_location
 
+# what each counted abandon was followed by: a run-time op that adjusted itself (a selection's
+# capacity grew) lets the call run again at once, optimized; another specialization may take it;
+# else it ran natively
+ABANDONED = ("abandoned attempts (each call then ran again: optimized where a capacity grew or "
+             "another specialization took it, else natively, counted under native):")
+
 
 @dataclass
 class RecordedException:
@@ -77,8 +83,10 @@ class RunStats:
         lines = [f"calls: {self.calls}  optimized: {self.optimized}  native: "
                  f"{sum(self.native.values())} ({native})  guard checks: "
                  f"{self.guard_ms_per_call:.3f} ms per call"]
+        if self.abandoned:
+            lines.append(f"  {ABANDONED}")
         for where, n in self.abandoned.most_common():
-            lines.append(f"  abandoned (ran natively): {where}: {n}")
+            lines.append(f"    {where}: {n}")
         for what, n in self.retraced.most_common():
             lines.append(f"  traced again, an assumption changed: {what}: {n}")
         if self.exact_checks:
