@@ -129,6 +129,9 @@ def test_the_read_comes_before_a_write_to_state_so_a_call_run_again_writes_once(
     assert _read(fast)["because"] == "a write to an input, parameter or buffer"
     assert any(k.startswith("selection-capacity") for k in fast.stats.abandoned)  # it grew
     assert not fast.stats.native
+    # explain() says the abandoned attempt was run again, optimized: no call ran natively
+    assert "abandoned attempts (each call then ran again: optimized where a capacity grew" in fast.explain()
+    assert "native: 0 (none)" in fast.stats.render()
 
 
 def test_the_read_comes_before_a_host_read_of_the_rows():
