@@ -23,7 +23,7 @@ from .certificates.digest import content_digest
 from .certificates.io import REPORT_SCHEMA
 from .certificates.model import as_evidence, to_json_data
 from .locations import shown
-from .stats import ABANDONED, rerecorded_lines
+from .stats import abandoned_lines, rerecorded_lines
 from .version import __version__
 
 if TYPE_CHECKING:
@@ -94,10 +94,7 @@ def _render_runtime(report: dict[str, Any]) -> list[str]:
     native = ", ".join(f"{k}: {v}" for k, v in stats["native"].items()) or "none"
     lines = [f"calls: {stats['calls']}  optimized: {stats['optimized']}  "
              f"native: {sum(stats['native'].values())} ({native})"]
-    if stats.get("abandoned"):
-        lines.append(f"  {ABANDONED}")
-    for where, n in stats.get("abandoned", {}).items():
-        lines.append(f"    {shown(where)}: {n}")
+    lines += abandoned_lines((shown(where), n) for where, n in stats.get("abandoned", {}).items())
     for what, n in stats.get("retraced", {}).items():
         lines.append(f"  traced again, an assumption changed: {shown(what)}: {n}")
     for site, counters in stats["sites"].items():

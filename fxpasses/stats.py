@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import torch.fx as fx
 
@@ -13,7 +13,7 @@ from .locations import failing_node, node_location
 # what each counted abandon was followed by: a run-time op that adjusted itself (a selection's
 # capacity grew) lets the call run again at once, optimized; another specialization may take it;
 # else it ran natively
-ABANDONED = ("abandoned attempts (each call then ran again: optimized where a capacity grew or "
+_ABANDONED = ("abandoned attempts (each call then ran again: optimized where a capacity grew or "
              "another specialization took it, else natively, counted under native):")
 
 
@@ -83,10 +83,7 @@ class RunStats:
         lines = [f"calls: {self.calls}  optimized: {self.optimized}  native: "
                  f"{sum(self.native.values())} ({native})  guard checks: "
                  f"{self.guard_ms_per_call:.3f} ms per call"]
-        if self.abandoned:
-            lines.append(f"  {ABANDONED}")
-        for where, n in self.abandoned.most_common():
-            lines.append(f"    {where}: {n}")
+        lines += abandoned_lines(self.abandoned.most_common())
         for what, n in self.retraced.most_common():
             lines.append(f"  traced again, an assumption changed: {what}: {n}")
         if self.exact_checks:
@@ -102,6 +99,12 @@ class RunStats:
             if exc.statement:
                 lines.append(f"    while executing {exc.statement} ({exc.location or 'no source line'})")
         return "\n".join(lines)
+
+
+def abandoned_lines(abandoned: Iterable[tuple[str, int]]) -> list[str]:
+    """The abandoned attempts, "code at file:line" and count each, under one heading."""
+    lines = [f"    {where}: {n}" for where, n in abandoned]
+    return [f"  {_ABANDONED}", *lines] if lines else []
 
 
 def rerecorded_lines(rerecorded: dict[str, dict[str, int]]) -> list[str]:

@@ -140,7 +140,8 @@ class NoGradBlock:
     inner: tuple[fx.Node, ...]  # the nodes between, in graph order
 
 
-def _is_switch(node: fx.Node) -> bool:
+def is_grad_switch(node: fx.Node) -> bool:
+    """A ``torch._C._set_grad_enabled`` node: the one mode switch a trace records."""
     return node.op == "call_function" and node.target is torch._C._set_grad_enabled
 
 
@@ -148,7 +149,7 @@ def no_grad_blocks(graph: fx.Graph) -> list[NoGradBlock]:
     """Every off-then-on pair of grad-mode switches with no other switch between them."""
     blocks, off, inner, mode = [], None, [], True
     for node in graph.nodes:
-        if not _is_switch(node):
+        if not is_grad_switch(node):
             if off is not None:
                 inner.append(node)
             continue

@@ -2,8 +2,9 @@
 
 * :class:`ExpectValue`, :class:`ExpectTruth`, :class:`ExpectLength`: a value Python took during
   tracing (a size turned into an int, ``if mask.any():``, the length of a split) is the same in
-  this call (:class:`ExpectEqualSizes`: two sizes a pass took to be equal are), else the call is abandoned (:class:`~fxpasses.ir.abandon.Abandon`, code
-  ``guard-failed``) and runs natively. Counted per guard.
+  this call (:class:`ExpectEqualSizes`: two sizes a pass took to be equal are), else the call is
+  abandoned (:class:`~fxpasses.ir.abandon.Abandon`, code ``guard-failed``) and runs natively.
+  Counted per guard.
 * :class:`ReadSource`: a value read on every call from the loss's state (a float weight decayed
   each epoch, a tensor attribute): an input of the graph, never a baked constant.
 * :class:`ReadState`: a parameter or buffer, read live from the module holding it.

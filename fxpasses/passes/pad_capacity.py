@@ -228,11 +228,9 @@ def pad_capacities(gm: fx.GraphModule, pass_name: str) -> list[Certificate]:
                   "records": "one recording per bucket instead of one per count"} if applied else {}
         site = Site((factory.name,), (location,) if location else (), f"zero buffer {factory.name}")
         if applied:
-            shared = read.get(size) if isinstance(size, fx.Node) else None
+            shared = read.get(size)
             op = shared or PaddedSize(f"capacity_{factory.name}", location, MIN_BUCKET, _sole_symbol(factory, index))
-            capacity = _insert(gm, factory, index, op)
-            if isinstance(size, fx.Node):
-                read.setdefault(size, capacity)
+            capacity = read.setdefault(size, _insert(gm, factory, index, op))
             if shared is not None:
                 effect |= {"capacity_read": f"shared with {shared.name}: the same size, read once"}
             cert = Certificate.from_checks(pass_name, site, checks, effect=effect, witness=witness)

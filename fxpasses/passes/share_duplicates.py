@@ -18,8 +18,9 @@ refusal with its code):
   partial or absent may write all its inputs), and no user resizes either value in place: the
   shared value is the same at every use as the two were;
 - both run in the same grad mode (a ``no_grad`` block around one of them gives it no autograd
-  history; shape metadata cannot tell, its inputs are detached), no use of either sets autograd
-  state (a hook), and the two values have the same dtypes, devices and kinds. A value with
+  history; shape metadata cannot tell, its inputs are detached; hooks on a traced tensor are
+  refused by the trace, ``requires_grad_`` is a resize above), and the two values have the same
+  dtypes, devices and kinds. A value with
   gradients shared by two uses gets their sum through one backward node: native's gradient up
   to rounding.
 
@@ -45,7 +46,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import rebind_unbacked
 from torch.utils import _pytree as pytree
 
-from ..analysis.capture import is_state
+from ..analysis.capture import is_grad_switch, is_state
 from ..analysis.meta import ANNOTATED, FAKE_MODE, input_names, resizes_in_place, storages_of, value
 from ..analysis.ops import is_torch_code, node_facts
 from ..ir.trace_ops import ExpectEqualSizes, set_item
@@ -53,9 +54,6 @@ from ..certificates import Certificate, Check, Guard, Site
 from ..locations import node_location
 from ..trace import META_KEY
 
-# methods that set a tensor's autograd state: on a shared value they would reach both uses
-_AUTOGRAD_STATE = frozenset({"register_hook", "retain_grad", "requires_grad_",
-                             "register_post_accumulate_grad_hook"})
 _ATOMS = (int, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format,
           type(Ellipsis))
 
@@ -104,15 +102,15 @@ def _may_write(node: fx.Node) -> frozenset[int]:
     return frozenset().union(*(storages_of(a) for a in node.all_input_nodes))
 
 
-def _visible_writes(nodes: list[fx.Node]) -> dict[fx.Node, fx.Node | None]:
+def _visible_writes(writes: dict[fx.Node, frozenset[int]]) -> dict[fx.Node, fx.Node | None]:
     """Per node, the first earlier node that may write memory of an input or of the loss's state
     (a guard placed after it could not abandon the call without a visible effect), or None."""
-    outside = frozenset().union(*(storages_of(n) for n in nodes if n.op == "placeholder" or is_state(n)))
+    outside = frozenset().union(*(storages_of(n) for n in writes if n.op == "placeholder" or is_state(n)))
     found: dict[fx.Node, fx.Node | None] = {}
     first = None
-    for node in nodes:
+    for node, written in writes.items():
         found[node] = first
-        if first is None and _may_write(node) & outside:
+        if first is None and written & outside:
             first = node
     return found
 
@@ -152,7 +150,7 @@ def _grad_modes(gm: fx.GraphModule, nodes: list[fx.Node]) -> dict[fx.Node, Any]:
     info = gm.meta.get(META_KEY)
     modes, mode = {}, getattr(info, "grad_enabled", "unknown")
     for node in nodes:
-        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+        if is_grad_switch(node):
             mode = node.args[0] if len(node.args) == 1 and type(node.args[0]) is bool else node.name
         modes[node] = mode
     return modes
@@ -184,10 +182,6 @@ def _refusal(kept: fx.Node, other: fx.Node, written: frozenset[int],
     if grad_modes[kept] != grad_modes[other]:
         return "duplicate-autograd", {"grad_mode": {kept.name: str(grad_modes[kept]),
                                                     other.name: str(grad_modes[other])}}
-    hooked = [u.name for n in (kept, other) for u in n.users
-              if u.op == "call_method" and u.target in _AUTOGRAD_STATE]
-    if hooked:
-        return "duplicate-autograd", {"autograd_state_set_by": hooked}
     if _kind(value(kept)) != _kind(value(other)):
         return "duplicate-metadata-differs", {"kept": str(_kind(value(kept))), "other": str(_kind(value(other)))}
     return None
@@ -200,8 +194,9 @@ def share_duplicates(gm: fx.GraphModule, pass_name: str) -> list[Certificate]:
     nodes = list(gm.graph.nodes)
     if any(n.op.startswith("call") and node_facts(n) is None and "val" not in n.meta for n in nodes):
         return []  # propagation stopped somewhere: writes are not all known
-    written = frozenset().union(*(_may_write(n) for n in nodes))
-    visible = _visible_writes(nodes)  # a guard after a write of an input or state: not abandonable
+    writes = {n: _may_write(n) for n in nodes}
+    written = frozenset().union(*writes.values())
+    visible = _visible_writes(writes)  # a guard after a write of an input or state: not abandonable
     equal = {other: kept for other, kept in _equal_sizes(nodes).items() if visible[other] is None}
     grad_modes = _grad_modes(gm, nodes)
     shared: dict[fx.Node, fx.Node] = {}
