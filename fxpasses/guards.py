@@ -409,10 +409,19 @@ class AutocastKind(WholeLossKind):
         w.lines.append(f"{indent}if not ({test}): {fail}")
 
 
+class DefaultDtypeKind(WholeLossKind):
+    """torch's default dtype (the dtype of ``torch.zeros(n)`` and of a Python float made a
+    tensor); the generated check reads it inline."""
+
+    def emit(self, w: Any, a: "Assumption", fail: str, indent: str) -> None:
+        w.lines.append(f"{indent}if get_default_dtype() is not {w.constant(a.expected, 'expected_')}: {fail}")
+
+
 READ_ERRORS_TEXT = f"({', '.join(e.__name__ for e in READ_ERRORS)})"
 GUARD_HELPERS = {"snapshot": snapshot, "exact_snapshot": exact_snapshot, "unchanged": _unchanged,
                  "autocast_state": autocast_state, "same_flat": same_flat, "autocast_off": autocast_off,
-                 "certainly_absent": certainly_absent, "Tensor": torch.Tensor}
+                 "certainly_absent": certainly_absent, "Tensor": torch.Tensor,
+                 "get_default_dtype": torch.get_default_dtype}
 
 _CHANGED = "assumption-changed"
 HOOKS = HooksKind("hooks", "hook-added", "no module or global hook registered since optimization",
@@ -428,6 +437,8 @@ MODES = WholeLossKind("modes", "mode-changed", "train/eval mode of every module 
                       lambda r: tuple([m.training for m in r.modules]))
 AUTOCAST = AutocastKind("autocast", "autocast-changed", "autocast enabled/dtype (cuda and cpu) as at tracing",
                         lambda r: autocast_state(), repr)
+DEFAULT_DTYPE = DefaultDtypeKind("default-dtype", "default-dtype-changed", "torch's default dtype as at tracing",
+                                 lambda r: torch.get_default_dtype(), str)
 
 IDENTITY = ValueKind("identity", _CHANGED, "{source} is the same object ({value})", "{v} is {e}")
 IDENTITY.compares_identity = True
@@ -448,10 +459,12 @@ GUARD_KINDS: dict[str, GuardKind] = {str(k): k for k in (
     HOOKS, METHODS, MODULES, MODES,
     WholeLossKind("grad-mode", "grad-mode-changed", "grad mode as at tracing", lambda r: torch.is_grad_enabled(), str),
     AUTOCAST,
+    DEFAULT_DTYPE,
 )}
 WHOLE_LOSS_KINDS = tuple(k for k in GUARD_KINDS.values() if isinstance(k, WholeLossKind))  # in recording order
 CHECKED_PER_CALL = (HOOKS, METHODS, MODULES, MODES)  # over the loss and its traces' modules, before each call
-CHECKED_PER_TRACE = (AUTOCAST,)  # a specialization's own (a trace under autocast is another trace)
+CHECKED_PER_TRACE = (AUTOCAST, DEFAULT_DTYPE)  # a specialization's own (a trace under autocast,
+# or with another default dtype, is another trace: its factories made other dtypes)
 
 
 def kind_named(name: str) -> GuardKind:

@@ -31,7 +31,7 @@ _CODES = (
     Code("trace-unsupported", "refusal",
          "The loss does something a concrete trace cannot record (its values leave torch: "
          ".numpy(), backward() inside the loss, an in-place write to a tensor the trace does not "
-         "follow, autocast switched inside the loss).",
+         "follow, a switch of autocast, inference mode or the default dtype or device inside the loss).",
          "Declare the function that does it a leaf: optimize(..., leaf_functions=[fn])."),
     Code("trace-failed", "refusal",
          "Tracing the loss raised an exception.",
@@ -83,6 +83,10 @@ _CODES = (
     Code("autocast-changed", "guard",
          "The autocast state (enabled, dtype) differs from the one recorded at tracing.",
          "Optimize under the autocast context you train with."),
+    Code("default-dtype-changed", "guard",
+         "torch's default dtype (torch.set_default_dtype) differs from the one at tracing: the "
+         "loss's factories and Python floats would make other dtypes than the trace recorded.",
+         "Set the default dtype before the first call; a call under another one is traced apart."),
     Code("grad-mode-changed", "guard",
          "Grad mode differs from the one recorded at tracing (e.g. a no_grad validation call).",
          "Expected under torch.no_grad(): such calls run natively."),
@@ -237,7 +241,9 @@ _CODES = (
     # -- loss capture (CaptureLoss) -------------------------------------------------------
     Code("duplicate-impure", "refusal",
          "A node computes what an earlier one did, but one of the two may write memory, draws "
-         "random numbers or was not propagated to the end: it is not shared, both run.",
+         "random numbers or was not propagated to the end, or the two made values of different "
+         "dtypes, devices or kinds from the same arguments (the op reads state they do not "
+         "show): it is not shared, both run.",
          "Nothing to do; the two computations stay separate."),
     Code("duplicate-written", "refusal",
          "A node computes what an earlier one did, but the memory of one of them or of an input "
@@ -247,10 +253,6 @@ _CODES = (
     Code("duplicate-autograd", "refusal",
          "A node computes what an earlier one did, but a value or an input carries autograd "
          "history: a grad mode switched between them could differ, so both run.",
-         "Nothing to do; the two computations stay separate."),
-    Code("duplicate-metadata-differs", "refusal",
-         "A node calls the same op on the same inputs as an earlier one, but their results differ "
-         "in dtype, device or kind (an autocast region between them): both run.",
          "Nothing to do; the two computations stay separate."),
     Code("not-on-capture-device", "refusal",
          "The loss's tensors are on devices CaptureLoss does not capture (CPU tensors with the "

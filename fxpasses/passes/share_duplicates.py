@@ -20,7 +20,7 @@ refusal with its code):
 - both run in the same grad mode (a ``no_grad`` block around one of them gives it no autograd
   history; shape metadata cannot tell, its inputs are detached; hooks on a traced tensor are
   refused by the trace, ``requires_grad_`` is a resize above), and the two values have the same
-  dtypes, devices and kinds. A value with
+  dtypes, devices and kinds (else the op read state its arguments do not show: impure). A value with
   gradients shared by two uses gets their sum through one backward node: native's gradient up
   to rounding.
 
@@ -183,7 +183,8 @@ def _refusal(kept: fx.Node, other: fx.Node, written: frozenset[int],
         return "duplicate-autograd", {"grad_mode": {kept.name: str(grad_modes[kept]),
                                                     other.name: str(grad_modes[other])}}
     if _kind(value(kept)) != _kind(value(other)):
-        return "duplicate-metadata-differs", {"kept": str(_kind(value(kept))), "other": str(_kind(value(other)))}
+        return "duplicate-impure", {"kinds_differ": {kept.name: str(_kind(value(kept))),
+                                                     other.name: str(_kind(value(other)))}}
     return None
 
 

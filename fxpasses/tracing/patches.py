@@ -7,7 +7,8 @@ when the loss has run (:func:`patched`) or, for the modules met, when the sessio
   ``__index__`` before any ``__torch_function__`` runs (``torch.bincount(idx, minlength=batch)``:
   the minimum length stays the traced size, not an exact guard on it);
 * grad-mode switches (``torch.no_grad()``, ``@torch.no_grad()``, ``set_grad_enabled``) become
-  ``_set_grad_enabled`` nodes in place; an autocast switch inside the loss is refused;
+  ``_set_grad_enabled`` nodes in place; a switch of autocast, inference mode or the default
+  dtype, tensor type or device inside the loss is refused (:data:`REFUSED_SWITCHES`);
 * density methods (``flow.log_prob``), leaf modules and leaf functions become one node each:
   the call runs on plain values with recording paused, its results are traced;
 * the globals of each user module whose code the trace runs get stand-ins for ``len`` and
@@ -72,13 +73,26 @@ def _grad_switch(original: Callable, thread: int) -> Callable:
     return switch
 
 
-def _autocast_refused(original: Callable, thread: int) -> Callable:
+# State switches a graph cannot replay: each is refused when the loss makes one while traced.
+REFUSED_SWITCHES = (
+    (torch, "set_autocast_enabled", "autocast is switched inside the loss; optimize under the "
+     "autocast context instead"),
+    (torch._C, "_InferenceMode", "inference mode is switched inside the loss (tensors made "
+     "under it have no autograd history, and a graph does not record the switch)"),
+    (torch._C, "_set_default_dtype", "the default dtype is set inside the loss (a graph does "
+     "not record it: its factories would make the dtype of the call's time)"),
+    (torch._C, "_set_default_tensor_type", "the default tensor type is set inside the loss"),
+    (torch, "set_default_device", "the default device is set inside the loss"),
+)
+
+
+def _refused(original: Callable, thread: int, why: str) -> Callable:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         rec = active_recorder()
         if rec is not None and not rec.paused and threading.get_ident() == thread:
-            raise Unsupported("autocast is switched inside the loss; optimize under the autocast "
-                              "context instead")
+            raise Unsupported(why)
         return original(*args, **kwargs)
+    refuse.__wrapped__ = original
     return refuse
 
 
@@ -160,7 +174,10 @@ def patched(session: Any, leaf_functions: tuple[Callable, ...],
             if original is not None:
                 journal.set(torch, name, _factory(original, thread))
         journal.set(torch._C, "_set_grad_enabled", _grad_switch(torch._C._set_grad_enabled, thread))
-        journal.set(torch, "set_autocast_enabled", _autocast_refused(torch.set_autocast_enabled, thread))
+        for owner, name, why in REFUSED_SWITCHES:
+            original = getattr(owner, name, None)
+            if original is not None:
+                journal.set(owner, name, _refused(original, thread, why))
         for fn in leaf_functions:
             for module in list(sys.modules.values()):
                 namespace = getattr(module, "__dict__", None)

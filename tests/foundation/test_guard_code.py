@@ -47,7 +47,7 @@ def _assumptions(state, arg):
         Assumption("constant", Source(GlobalRoot(GLOBALS, "K")), 3, "", shown),
         Assumption("float", Source(GlobalRoot(GLOBALS, "GAIN")), None, "", shown),
     ]
-    return tuple(made) + whole_loss_assumptions(LossRoots(state, ()))[-1:]  # + autocast
+    return tuple(made) + whole_loss_assumptions(LossRoots(state, ()))[-2:]  # + autocast, default dtype
 
 
 _VALUES = st.sampled_from([0, 1, 10, 10.0, True, False, "o2m", "x", None, 0.5, torch.ones(17),
@@ -235,8 +235,23 @@ def test_autocast_is_checked_inline_and_a_change_is_found():
     assert "autocast_state() ==" in check.source and "holds(" not in check.source
     assert check(state, leaves) is None
     with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert check(state, leaves) == len(assumptions) - 2
+        assert first_failure(assumptions, LossRoots(state, leaves)) is assumptions[-2]
+
+
+def test_the_default_dtype_is_checked_inline_and_a_change_is_found():
+    state, arg = _state(), types.SimpleNamespace(extra=3)
+    assumptions = _assumptions(state, arg)
+    check, leaves = compile_check(assumptions), [torch.zeros(1), arg]
+    assert "get_default_dtype() is not" in check.source and "holds(" not in check.source
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64 if previous is torch.float32 else torch.float32)
+    try:
         assert check(state, leaves) == len(assumptions) - 1
         assert first_failure(assumptions, LossRoots(state, leaves)) is assumptions[-1]
+    finally:
+        torch.set_default_dtype(previous)
+    assert check(state, leaves) is None
 
 
 _PLAIN_VALUES = st.sampled_from([0, 1, 1.0, True, False, 0.5, float("nan"), "a", None, torch.float32])

@@ -129,6 +129,58 @@ def test_no_grad_runs_natively_and_autocast_gets_its_own_trace(two_branch_loss):
     assert reason.startswith("None")  # a whole-loss kind: autocast (no source)
 
 
+class _SwitchesInside(nn.Module):
+    """Makes ``x * 2`` under inference mode (no autograd history: native's gradient is 2), or a
+    zero vector under another default dtype (native's value is float64): neither is a switch a
+    graph replays."""
+
+    def __init__(self, switch):
+        super().__init__()
+        self.switch = switch
+
+    def forward(self, a, b):
+        if self.switch == "inference mode":
+            with torch.inference_mode():
+                twice = a * 2
+            return (a * 2).sum() + twice.sum() + b.sum()
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        zeros = torch.zeros(2)
+        torch.set_default_dtype(previous)
+        return (a + zeros).sum() + b.sum()
+
+
+@pytest.mark.parametrize("switch", ["inference mode", "default dtype"])
+def test_a_switch_inside_the_loss_that_a_graph_cannot_replay_is_refused(switch):
+    loss = _SwitchesInside(switch)
+    fast = optimize(loss)
+    for seed in range(2):
+        a, b = _inputs(3, 2, seed)
+        got, want = fast(a, b), loss(a.detach().requires_grad_(), b)
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        (grad,) = torch.autograd.grad(got, [a])
+        torch.testing.assert_close(grad, torch.full_like(a, 2.0 if switch == "inference mode" else 1.0))
+    assert fast.stats.native == {"trace-unsupported": 2} and not fast.stats.optimized
+    assert switch in fast.certificates[0].message
+
+
+def test_a_call_under_another_default_dtype_gets_its_own_trace():
+    previous = torch.get_default_dtype()
+    fast = optimize(lambda a, b: (a + torch.zeros(2)).sum() + b.sum())
+    a, b = _inputs(3, 2)
+    assert fast(a, b).dtype == torch.float32
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert fast(a, b).dtype == torch.float64  # native's: a float32 plus float64 zeros
+    finally:
+        torch.set_default_dtype(previous)
+    fast(a, b)  # the first trace again
+    assert fast.stats.optimized == 3 and len(fast.specializations) == 2
+    (reason,) = fast.stats.retraced
+    assert reason.startswith("None")  # a whole-loss kind: the default dtype (no source)
+
+
 def test_a_call_with_grad_disabled_runs_natively_without_a_warning(two_branch_loss, caplog):
     fast = optimize(two_branch_loss)
     a, b = _inputs(4, 3)

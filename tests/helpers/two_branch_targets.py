@@ -60,3 +60,10 @@ class CountingTwoBranches(TwoBranches):
     def forward(self, many, one, batch_idx, values):
         self.calls += 1
         return super().forward(many, one, batch_idx, values)
+
+
+class TwoDraws(nn.Module):
+    """The same random draw made twice: two draws, not one."""
+
+    def forward(self, x):
+        return torch.rand_like(x) - torch.rand_like(x)

@@ -148,3 +148,14 @@ def test_no_equal_size_guard_after_a_write_of_the_loss_state():
             assert ours.ops.count("bincount") == 2
     assert float(loss.calls) == float(reference_loss.calls) == 3
     assert not [g for c in _shared(fast) for g in c.guards]
+
+
+def test_random_draws_with_equal_arguments_stay_two_draws():
+    """``rand_like(x)`` twice: equal calls, different values; sharing them would make the
+    difference zero."""
+    fast = optimize(helpers.TwoDraws(), passes=[_capture()])
+    x = torch.ones(64, dtype=torch.float64)
+    assert float(fast(x).abs().sum()) > 0
+    refused = [c for c in fast.certificates if "duplicate-impure" in c.codes]
+    assert [c.site.nodes for c in refused] == [("rand_like_1",)]
+    assert refused[0].checks[0].evidence["facts"]["random"] is True
