@@ -45,6 +45,11 @@ class RuntimeOp:
         self.__qualname__ = self.__name__
         self.counters: Counter[str] = Counter()
 
+    def held_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Tensors this op keeps across calls and hands out again (its outputs in every call
+        that reads them): not memory a recording owns."""
+        return ()
+
     def count_code(self, code: str) -> None:
         """Count a reason code: why this call, or this site of it, left the rewritten path (a
         registered code, noted as occurring; an unknown one raises KeyError)."""

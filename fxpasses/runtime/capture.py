@@ -225,17 +225,19 @@ class Recording:
     used: int = 0  # when its region last replayed (or made) it: the least recent goes first
     _storages: list[tuple[StorageWeakRef, int]] = field(default_factory=list)
 
-    def track_memory(self) -> None:
+    def track_memory(self, held: Sequence[torch.Tensor] = ()) -> None:
         """Note this recording's own references to its static memory (right after recording).
 
         Static memory is what replays write: the static input buffers and the outputs, less any
-        storage of an identity input (live parameters, which replays only read).
+        storage of an identity input (live parameters, which replays only read) or of ``held``
+        (tensors the recorded code's ops keep across calls and return again, as a device
+        constant: every recording's outputs refer to them, and replays only read them).
         Storages are told apart by identity, not address: an empty tensor's storage has no
         address, yet a replay's copy into it moves its version, which a tensor saved for an
         earlier call's backward would then see (a loud error where native has none).
         """
         live = {ref.cdata for ref, _ in _storage_refs(
-            [self.inputs[i] for i in self.identity if isinstance(self.inputs[i], torch.Tensor)], set())}
+            [self.inputs[i] for i in self.identity if isinstance(self.inputs[i], torch.Tensor)] + list(held), set())}
         tensors = [t for i, t in enumerate(self.inputs) if isinstance(t, torch.Tensor) and i not in self.identity]
         tensors += [t for t in self.outputs if isinstance(t, torch.Tensor)]
         refs = _storage_refs(tensors, live)
@@ -702,8 +704,14 @@ class CapturedRegion(RuntimeOp):
 
         call = _reading_state(call, n_args, modules, flat[n_args:])
         recording = self.recorder.record(call, flat, self._pool, identity)
-        recording.track_memory()
+        recording.track_memory(self._held())
         return recording
+
+    def _held(self) -> list[torch.Tensor]:
+        """The tensors the recorded code's run-time ops keep across calls (RuntimeOp.held_tensors)."""
+        graph = getattr(self.fn, "graph", None)
+        return [t for n in (graph.nodes if graph is not None else ())
+                if n.op == "call_function" and isinstance(n.target, RuntimeOp) for t in n.target.held_tensors()]
 
     def memory(self) -> frozenset[int]:
         """Data pointers of every recording's static memory (what replays write)."""

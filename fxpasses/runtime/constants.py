@@ -43,6 +43,9 @@ class DeviceConstant(RuntimeOp):
         self.compute = compute
         self.kept: dict[Any, torch.Tensor] = {}  # never evicted: a recording may read one
 
+    def held_tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(self.kept.values())
+
     def __call__(self, *inputs: Any) -> torch.Tensor:
         key = tuple(map(_key, inputs))
         found = self.kept.get(key)

@@ -25,6 +25,13 @@ def written_loss(x):
     return (x * sx).exp().mean()
 
 
+def sized_loss(x):
+    size = torch.tensor(x.shape[1:], device=x.device, dtype=x.dtype)  # kept: a region's output
+    y = (x.sum(1) / size[0]).exp()
+    kept = y[y > 1]  # a data-dependent count: the regions end here, the next reads size
+    return y.mean() + (kept * size).sum()
+
+
 def _fast(loss):
     return optimize(loss, passes=[CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder(),
                                               min_region_ops=1, count_copies=False)])
@@ -55,6 +62,18 @@ def test_host_made_tensors_are_made_once_and_the_call_waits_for_no_copy():
     assert native.total == 2 and optimized.total == 0, (native.counts, optimized.counts)
     assert _constants(fast) == [(True, ())] * 2
     assert fast.stats.optimized == 4 and not fast.stats.native
+
+
+def test_a_kept_tensor_that_leaves_a_region_does_not_hold_its_recordings():
+    """Every recording of the region outputs the same kept tensor; replays never write it, so
+    it is not a recording's memory: with two row counts alternating, each replays (before, a
+    recording saw the other's reference to the kept tensor as a caller's, and ran eagerly)."""
+    fast = _fast(sized_loss)
+    for rows in (4, 5) * 4:
+        _check(sized_loss, fast, torch.randn(rows, 6, dtype=torch.float64))
+    regions = {k: v for k, v in fast.stats.sites.items() if "capture_region" in k}
+    assert len(regions) == 2 and all(v == {"awaiting-repeat": 2, "recorded": 2, "replayed": 6}
+                                     for v in regions.values()), regions
 
 
 def test_a_new_dtype_gets_its_own_tensor():
