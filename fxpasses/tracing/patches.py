@@ -8,7 +8,10 @@ when the loss has run (:func:`patched`) or, for the modules met, when the sessio
   the minimum length stays the traced size, not an exact guard on it);
 * grad-mode switches (``torch.no_grad()``, ``@torch.no_grad()``, ``set_grad_enabled``) become
   ``_set_grad_enabled`` nodes in place; a switch of autocast, inference mode or the default
-  dtype, tensor type or device inside the loss is refused (:data:`REFUSED_SWITCHES`);
+  dtype, tensor type or device, and a seed or state given to the random number generators,
+  inside the loss are refused (:data:`REFUSED_SWITCHES`, and ``torch.default_generator``'s
+  own methods; one reached otherwise, ``torch._C.default_generator``, is found only where it
+  changed the initial seed);
 * density methods (``flow.log_prob``), leaf modules and leaf functions become one node each:
   the call runs on plain values with recording paused, its results are traced;
 * the globals of each user module whose code the trace runs get stand-ins for ``len`` and
@@ -73,6 +76,8 @@ def _grad_switch(original: Callable, thread: int) -> Callable:
     return switch
 
 
+RANDOM_REFUSED = ("the random number generator is seeded or its state set inside the loss (a graph "
+                  "does not record it: its draws would continue the stream instead)")
 # State switches a graph cannot replay: each is refused when the loss makes one while traced.
 REFUSED_SWITCHES = (
     (torch, "set_autocast_enabled", "autocast is switched inside the loss; optimize under the "
@@ -83,6 +88,10 @@ REFUSED_SWITCHES = (
      "not record it: its factories would make the dtype of the call's time)"),
     (torch._C, "_set_default_tensor_type", "the default tensor type is set inside the loss"),
     (torch, "set_default_device", "the default device is set inside the loss"),
+    *((owner, name, RANDOM_REFUSED)
+      for owner in (torch, torch.random, torch.cuda)
+      for name in ("manual_seed", "manual_seed_all", "seed", "seed_all", "set_rng_state",
+                   "set_rng_state_all")),
 )
 
 
@@ -94,6 +103,21 @@ def _refused(original: Callable, thread: int, why: str) -> Callable:
         return original(*args, **kwargs)
     refuse.__wrapped__ = original
     return refuse
+
+
+class _GeneratorSeen:
+    """``torch.default_generator`` while a trace runs: the generator, except that seeding it or
+    setting its state from the loss is refused (its methods are C methods: they cannot be
+    patched on it)."""
+
+    def __init__(self, generator: torch.Generator, thread: int):
+        self._generator, self._thread = generator, thread
+
+    def __getattr__(self, name: str) -> Any:
+        found = getattr(self._generator, name)
+        if name in ("manual_seed", "seed", "set_state"):
+            return _refused(found, self._thread, RANDOM_REFUSED)
+        return found
 
 
 def _opaque_method(rec: Recorder, module: nn.Module, name: str, bound: Callable, kind: str) -> Callable:
@@ -178,6 +202,7 @@ def patched(session: Any, leaf_functions: tuple[Callable, ...],
             original = getattr(owner, name, None)
             if original is not None:
                 journal.set(owner, name, _refused(original, thread, why))
+        journal.set(torch, "default_generator", _GeneratorSeen(torch.default_generator, thread))
         for fn in leaf_functions:
             for module in list(sys.modules.values()):
                 namespace = getattr(module, "__dict__", None)
@@ -185,10 +210,13 @@ def patched(session: Any, leaf_functions: tuple[Callable, ...],
                     if value is fn:
                         journal.set(module, key, _opaque_function(rec, fn))
         gc.disable()  # a collection's callbacks (a test framework's, a profiler's) are not the loss
+        seed = torch.initial_seed()
         sys.setprofile(profile)
         try:
             with tracker.hooks():
                 yield
+            if torch.initial_seed() != seed:  # torch.default_generator.manual_seed(...), unpatched
+                raise Unsupported(RANDOM_REFUSED)
         finally:
             sys.setprofile(previous_profile)
             if collecting:
