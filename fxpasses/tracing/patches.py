@@ -16,6 +16,8 @@ when the loss has run (:func:`patched`) or, for the modules met, when the sessio
   the call runs on plain values with recording paused, its results are traced;
 * the globals of each user module whose code the trace runs get stand-ins for ``len`` and
   ``int`` where that module cannot tell them from the builtins (:mod:`.shadows`);
+* a call of the loss's code whose value changes per call (``random.random()``, ``time.time()``:
+  :mod:`.impure_calls`) is refused;
 * a profile hook records the globals of every user function the trace executes (garbage
   collection is off meanwhile, so that no collection callback's globals are taken for the loss's;
   a profiler already installed with ``sys.setprofile`` is off during the trace).
@@ -35,6 +37,7 @@ from torch import nn
 from ..isolation import ModuleState
 from ..locations import is_user_file
 from .recorder import Recorder, Unsupported
+from .impure_calls import per_call_sources
 from .input_reads import InputReads
 from .values import TracedScalar, TracedTensor, active_recorder
 
@@ -99,6 +102,19 @@ def _refused(original: Callable, thread: int, why: str) -> Callable:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         rec = active_recorder()
         if rec is not None and not rec.paused and threading.get_ident() == thread:
+            raise Unsupported(why)
+        return original(*args, **kwargs)
+    refuse.__wrapped__ = original
+    return refuse
+
+
+def _refused_to_the_loss(original: Callable, thread: int, why: str) -> Callable:
+    """``original``, refused where the loss's code calls it while traced (a library's call of
+    a clock, as logging's, is not the loss's value)."""
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        rec = active_recorder()
+        if rec is not None and not rec.paused and threading.get_ident() == thread \
+                and is_user_file(sys._getframe(1).f_code.co_filename):
             raise Unsupported(why)
         return original(*args, **kwargs)
     refuse.__wrapped__ = original
@@ -203,6 +219,10 @@ def patched(session: Any, leaf_functions: tuple[Callable, ...],
             if original is not None:
                 journal.set(owner, name, _refused(original, thread, why))
         journal.set(torch, "default_generator", _GeneratorSeen(torch.default_generator, thread))
+        for module, name in per_call_sources():
+            journal.set(module, name, _refused_to_the_loss(getattr(module, name), thread, f"the loss "
+                        f"calls {module.__name__}.{name}() while traced: its value changes from call "
+                        "to call, and a graph would keep the first"))
         for fn in leaf_functions:
             for module in list(sys.modules.values()):
                 namespace = getattr(module, "__dict__", None)
