@@ -124,7 +124,7 @@ def test_optimized_public_loss_equals_native_in_float64_sweep(shared, inputs):
 def test_the_shared_loss_ran_optimized(shared):
     """The property above compared optimized calls, not only native fallbacks."""
     criterion, fast = shared
-    for seed in range(3):
+    for seed in range(6):  # alone (the fixture fresh), a branch at wild.py:269 may take a second trace
         preds, batch = _batch(seed)
         _assert_same(_run(fast, preds, batch, criterion), _run(criterion, preds, batch, criterion))
     assert fast.stats.optimized >= 3, fast.stats.render()
