@@ -44,6 +44,7 @@ from ..runtime.copy_on_write import OnACopy
 from ..runtime.grad_mode import GradOff, GradRestore
 from ..runtime.ownership import OwnedOutputs
 from ..runtime.paired_capture import PADDED_GUARDS, CapturedPairedCall
+from ..runtime.select import Capacities
 from ..locations import node_location
 from .copy_writes import plan_with_copies
 from .fold_constants import device_constants
@@ -208,10 +209,13 @@ class CaptureLoss:
         for node in fused:
             # parameters, buffers and other state read by the graph are used in place, never copied
             identity = frozenset(i for i, a in enumerate(node.args) if is_state(a))
+            growing = frozenset(i for i, a in enumerate(node.args)
+                                if isinstance(a, fx.Node) and isinstance(a.target, Capacities))
             region = CapturedRegion(node.target, gm.get_submodule(node.target), identity=identity,
                                     max_recordings=self.max_recordings, record_after=self.record_after,
                                     recorder=self.recorder,
-                                    input_names=[a.name if isinstance(a, fx.Node) else repr(a) for a in node.args])
+                                    input_names=[a.name if isinstance(a, fx.Node) else repr(a) for a in node.args],
+                                    growing=growing)
             with gm.graph.inserting_before(node):
                 call = gm.graph.call_function(region, node.args, node.kwargs)
             call.meta = dict(node.meta)

@@ -559,8 +559,12 @@ class CapturedRegion(RuntimeOp):
 
     def __init__(self, op_id: str, fn: Callable, *, max_recordings: int = 4, record_after: int = 1,
                  recorder: CaptureRecorder | None = None, identity: frozenset[int] = frozenset(),
-                 counters: Any = None, input_names: Sequence[str] = ()):
+                 counters: Any = None, input_names: Sequence[str] = (),
+                 growing: frozenset[int] = frozenset()):
         super().__init__(op_id)
+        # argument positions holding capacities that only grow (SelectRows'): a recording made
+        # for a smaller one than a call's can never be replayed again
+        self.growing = frozenset(growing)
         self.input_names = tuple(input_names)  # the graph's names of its arguments (for reports)
         self.changes: Counter[str] = Counter()  # what a new recording changed from the nearest held
         self.fn = fn
@@ -653,6 +657,7 @@ class CapturedRegion(RuntimeOp):
                 self.changes[describe_change(key, held, self.input_names, starts)] += 1
             self.recordings[key] = recording
             self.count_event("recorded")
+            self._evict_outgrown(flat, starts)
         if self._pending is not None:
             return BACKWARD_DONE.code, None, flat
         if recording.referenced():
@@ -675,6 +680,21 @@ class CapturedRegion(RuntimeOp):
                 self.count_event("evicted")
                 return True
         return False
+
+    def _evict_outgrown(self, flat: list[Any], starts: list[int]) -> None:
+        """Drop the recordings (no tensor refers to) made for a capacity below this call's: the
+        capacity never shrinks, so their signatures cannot recur, and their memory would be held
+        until ``max_recordings`` newer ones pushed them out."""
+        if not self.growing:
+            return
+        positions = [k for i in sorted(self.growing) for k in range(starts[i], starts[i + 1])]
+        now = [flat[k] for k in positions]
+        for key, recording in list(self.recordings.items()):
+            old = [recording.inputs[k] for k in positions]
+            if any(type(a) is int and type(b) is int and a < b for a, b in zip(old, now)) \
+                    and not recording.referenced():
+                del self.recordings[key]
+                self.count_event("evicted")
 
     def _seen_enough(self, key: tuple) -> bool:
         """Whether ``key`` has now been seen ``record_after`` times (a signature seen once, as a

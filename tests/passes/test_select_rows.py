@@ -433,3 +433,24 @@ def test_the_witness_computes_in_float64_through_a_dtype_written_in_the_graph():
     (cert,) = [c for c in fast.certificates if c.pass_name == "SelectRows"]
     assert cert.applied, cert.codes
     assert cert.witness.max_abs_value_diff <= 1e-12
+
+
+def test_a_recording_made_for_a_capacity_since_grown_is_dropped():
+    """Capacities only grow: a region's recording made for a smaller one cannot be replayed
+    again, and is evicted when the region records for the grown one (its memory freed then,
+    not after max_recordings newer recordings)."""
+    from fxpasses.runtime.capture import CapturedRegion
+
+    loss = FiveLevels().double()
+    fast = optimize(loss, passes=[SelectRows(min_bucket=4), CaptureLoss(
+        devices=("cpu",), recorder=EmulatedRecorder(), min_region_ops=1, record_after=1)])
+    rows = lambda n, seed: [torch.randn(n, 6, dtype=torch.float64,  # noqa: E731
+                                        generator=torch.Generator().manual_seed(seed))]
+    for n, seed in ((64, 0), (64, 1), (4096, 2), (4096, 3), (4096, 4)):
+        assert_same(loss, fast, rows(n, seed))
+    regions = [n.target for n in fast.graph_module.graph.nodes if isinstance(n.target, CapturedRegion)]
+    growing = [r for r in regions if r.growing]
+    assert growing and all(r.counters["evicted"] >= 1 for r in growing), [dict(r.counters) for r in growing]
+    # what is held: the current capacities' recording alone (one shape of rows per call here)
+    assert all(len(r.recordings) == 1 for r in growing), [len(r.recordings) for r in growing]
+    assert not fast.stats.native
