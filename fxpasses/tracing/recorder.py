@@ -55,6 +55,11 @@ class Unsupported(Exception):
     """The loss does something a concrete trace cannot record (the message says what)."""
 
 
+def _mode_depths() -> tuple[int, int]:
+    """How many torch function and torch dispatch modes are on this thread's stacks."""
+    return torch._C._len_torch_function_stack(), torch._C._len_torch_dispatch_stack()
+
+
 def _name(func: Any) -> str:
     return getattr(func, "__name__", "")
 
@@ -93,6 +98,7 @@ class Recorder:
         self.thread = thread  # the thread that runs the trace: only it records
         self.opaque_modules: dict[int, nn.Module] = {}  # modules called as one node
         self.busy = False  # inside a torch call being recorded: the recorder's own calls are plain
+        self.modes = _mode_depths()  # the caller's torch function and dispatch modes, kept
         self.guards: list[tuple[str, str]] = []  # (kind, location) of guard nodes, in order
         self.guard_nodes: list[fx.Node] = []  # the guard nodes, in the same order
         self._events: list[tuple[str, str]] = []  # ("guard" | "write", location), in order
@@ -298,6 +304,10 @@ class Recorder:
 
     # -- torch calls -----------------------------------------------------------------------------
     def torch_function(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if _mode_depths() != self.modes:
+            raise Unsupported("a torch function or dispatch mode is entered inside the loss (a "
+                              "torch.device(...) context, a TorchFunctionMode or TorchDispatchMode): "
+                              "it changes what the ops do, and a graph does not replay it")
         self.busy = True
         try:
             return self._torch_function(func, args, kwargs)

@@ -378,3 +378,19 @@ def test_an_abandoned_call_runs_natively_and_keeps_the_specialization(two_branch
     assert stats.optimized == 2 and stats.native == {"optimized-path-raised": 1}  # its code
     assert stats.abandoned == {"optimized-path-raised at here.py:1": 1}
     assert all(fast.disabled(s) is None for s in fast.specializations)
+
+
+def test_a_mode_entered_inside_the_loss_is_refused():
+    """``with torch.device(d):`` inside the loss is a torch function mode: it gave native's
+    factories ``device=d``, and the graph, which does not replay it, made them on the CPU."""
+
+    def loss(a):
+        with torch.device("meta"):
+            made = torch.zeros(2)
+        return a.sum(), made
+
+    fast = optimize(loss)
+    for _ in range(2):
+        assert fast(torch.ones(2))[1].device == loss(torch.ones(2))[1].device == torch.device("meta")
+    assert fast.stats.native == {"trace-unsupported": 2}
+    assert "mode is entered inside the loss" in fast.certificates[0].message
