@@ -103,5 +103,14 @@ def test_select_before_pair_matches_native(batch):
         test_select_before_pair_matches_native.optimized = _optimized([SelectRows(min_bucket=8), PairRLE()])
     loss, fast = test_select_before_pair_matches_native.optimized
     assert_same(loss, fast, batch)
-    refused = {c.codes for c in fast.certificates if c.pass_name in ("SelectRows", "PairRLE") and not c.applied}
-    assert not refused, refused
+    refused = [c for c in fast.certificates if c.pass_name in ("SelectRows", "PairRLE") and not c.applied]
+    first = fast.specializations[0].certificates  # traced on two images with persons
+    assert not [c for c in refused if any(c is f for f in first)], [c.codes for c in refused]
+    # a later specialization traced on a batch whose targets have an empty dim (one image, no
+    # person: hypothesis draws such batches) has no rows for the row analysis to run on: its
+    # selections stay unrewritten there, said so (and their children's), values native's
+    for c in refused:
+        (code,) = c.codes
+        evidence = {k: str(v) for ch in c.checks for k, v in ch.evidence.items()}
+        assert code == "select-parent-refused" or code == "rows-analysis-failed" and \
+            "dimension with size 0" in evidence.get("exception", ""), (code, evidence)
