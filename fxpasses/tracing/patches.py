@@ -32,6 +32,7 @@ import threading
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.utils._device
 from torch import nn
 
 from ..isolation import ModuleState
@@ -186,6 +187,17 @@ class ModulePatcher:
                                                                     module.forward, "call_module"))
 
 
+def _warm_torch_tables() -> None:
+    """Build now the tables torch builds once, on first use, from its module's attributes:
+    built while the factories are patched (by code the loss runs, as Dynamo compiling a
+    submodule), one would hold the patches for good. ``torch.utils._device``'s factories are the
+    ones a ``torch.device(d)`` context gives ``device=d``: built from the patches, no device
+    context would apply to ``torch.zeros`` and the others again, in the whole process."""
+    constructors = getattr(torch.utils._device, "_device_constructors", None)
+    if constructors is not None:
+        constructors()
+
+
 @contextlib.contextmanager
 def patched(session: Any, leaf_functions: tuple[Callable, ...],
             reads: InputReads | None = None) -> Iterator[None]:
@@ -209,6 +221,7 @@ def patched(session: Any, leaf_functions: tuple[Callable, ...],
 
     collecting = gc.isenabled()
     with journal.scope():
+        _warm_torch_tables()
         for name in (*FACTORIES, *SIZE_ARGUMENTS):
             original = getattr(torch, name, None)
             if original is not None:

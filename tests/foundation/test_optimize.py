@@ -394,3 +394,18 @@ def test_a_mode_entered_inside_the_loss_is_refused():
         assert fast(torch.ones(2))[1].device == loss(torch.ones(2))[1].device == torch.device("meta")
     assert fast.stats.native == {"trace-unsupported": 2}
     assert "mode is entered inside the loss" in fast.certificates[0].message
+
+
+def test_a_trace_leaves_device_contexts_working_in_the_whole_process():
+    """torch builds the table of factories a ``torch.device(d)`` context gives ``device=d`` once,
+    on first use, from ``torch``'s attributes; a compiled function the loss calls built it while
+    the trace had the factories patched, and from then on no device context applied to
+    ``torch.zeros`` anywhere in the process (a tensor made on the CPU, silently)."""
+    from torch.utils._device import _device_constructors
+
+    _device_constructors.cache_clear()  # as in a process where no device context ran yet
+    compiled = nn.Linear(2, 2)
+    compiled.compile()  # compiled on its first call: inside the trace
+    optimize(lambda a: compiled(a).sum() + torch.zeros(2).sum())(torch.ones(2))
+    with torch.device("meta"):
+        assert torch.zeros(2).device == torch.device("meta")
