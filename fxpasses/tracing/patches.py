@@ -187,6 +187,19 @@ class ModulePatcher:
                                                                     module.forward, "call_module"))
 
 
+def _left_state(root: Any) -> tuple[bool, list]:
+    """Grad mode and the train/eval mode of the loss's modules (as the trace starts): a loss that
+    changes them and does not put them back leaves the change to its caller, which a graph would
+    not (:func:`_left_changed`)."""
+    modules = root.modules() if isinstance(root, nn.Module) else ()
+    return torch.is_grad_enabled(), [(m, m.training) for m in modules]
+
+
+def _left_changed(state: tuple[bool, list]) -> bool:
+    grad, modes = state
+    return torch.is_grad_enabled() != grad or any(m.training != mode for m, mode in modes)
+
+
 def _warm_torch_tables() -> None:
     """Build now the tables torch builds once, on first use, from its module's attributes:
     built while the factories are patched (by code the loss runs, as Dynamo compiling a
@@ -243,13 +256,16 @@ def patched(session: Any, leaf_functions: tuple[Callable, ...],
                     if value is fn:
                         journal.set(module, key, _opaque_function(rec, fn))
         gc.disable()  # a collection's callbacks (a test framework's, a profiler's) are not the loss
-        seed = torch.initial_seed()
+        seed, left = torch.initial_seed(), _left_state(rec.root)
         sys.setprofile(profile)
         try:
             with tracker.hooks():
                 yield
             if torch.initial_seed() != seed:  # torch.default_generator.manual_seed(...), unpatched
                 raise Unsupported(RANDOM_REFUSED)
+            if _left_changed(left):
+                raise Unsupported("the loss leaves grad mode or a module's train/eval mode changed "
+                                  "(self.teacher.eval() in forward): a graph does not replay it")
         finally:
             sys.setprofile(previous_profile)
             if collecting:

@@ -409,3 +409,36 @@ def test_a_trace_leaves_device_contexts_working_in_the_whole_process():
     optimize(lambda a: compiled(a).sum() + torch.zeros(2).sum())(torch.ones(2))
     with torch.device("meta"):
         assert torch.zeros(2).device == torch.device("meta")
+
+
+class _LeavesStateChanged(nn.Module):
+    """Switches state and does not put it back: native leaves the change to its caller."""
+
+    def __init__(self, what):
+        super().__init__()
+        self.what, self.teacher = what, nn.Dropout(0.5)
+
+    def forward(self, a):
+        if self.what == "module mode":
+            self.teacher.eval()  # as a distillation loss keeps its teacher in eval mode
+            return self.teacher(a).sum()
+        torch.set_grad_enabled(False)
+        return (a * 2).sum()
+
+
+@pytest.mark.parametrize("what", ["module mode", "grad mode"])
+def test_a_loss_that_leaves_a_mode_changed_is_refused(what):
+    """Before, the graph kept the values but not the change: the teacher stayed in training
+    mode after an optimized call, or grad mode came back on after the second."""
+    loss = _LeavesStateChanged(what)
+    fast = optimize(loss)
+    try:
+        for _ in range(2):
+            loss.teacher.train()
+            fast(torch.ones(3, requires_grad=True))
+            assert not loss.teacher.training if what == "module mode" else not torch.is_grad_enabled()
+            torch.set_grad_enabled(True)
+    finally:
+        torch.set_grad_enabled(True)
+    assert fast.stats.native == {"trace-unsupported": 2} and not fast.stats.optimized
+    assert "leaves grad mode or a module's train/eval mode changed" in fast.certificates[0].message
