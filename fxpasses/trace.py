@@ -314,6 +314,25 @@ def trace(loss_fn: Any, example_args: tuple = (), example_kwargs: dict | None = 
     return gm if gm is not None else _trace(loss_fn, example_args, example_kwargs, policy, None)
 
 
+def _containers(value: Any) -> Any:
+    """The containers of the call's inputs as the loss could change them: each dict's keys and
+    each list's, dict's or plain object's entries by identity, recursively (tuples are
+    immutable: their items only). Read through ``dict``'s and ``list``'s own methods, outside
+    the trace: the input stand-ins count no key as read."""
+    if isinstance(value, torch.Tensor) or isinstance(value, nn.Module):
+        return None
+    if isinstance(value, dict):
+        return ("dict", tuple((k, id(v), _containers(v)) for k, v in zip(dict.keys(value), dict.values(value))))
+    if isinstance(value, list):
+        return ("list", tuple((id(v), _containers(v)) for v in list.__iter__(value)))
+    if isinstance(value, tuple):
+        return ("tuple", tuple(_containers(v) for v in value))
+    attributes = getattr(value, "__dict__", None)
+    if type(attributes) is dict and not isinstance(value, type) and not callable(value):
+        return ("object", tuple((k, id(v), _containers(v)) for k, v in attributes.items()))
+    return None
+
+
 def _trace(loss_fn: Any, example_args: tuple, example_kwargs: dict | None,
            policy: LeafPolicy | None, reads: InputReads | None) -> fx.GraphModule | None:
     """One run of the trace, the input dicts handed over as ``reads``' stand-ins (None: as
@@ -341,10 +360,15 @@ def _trace(loss_fn: Any, example_args: tuple, example_kwargs: dict | None,
                 tracker.track(loss_fn, Source(LossRoot()))
             session.patcher(root)
             _function_state(tracker, function, _bound_state(tracker, loss_fn))
+            containers = _containers((args, kwargs))
             with session.recording(), patched(session, tuple(policy.leaf_functions), reads):
                 out = loss_fn(*args, **kwargs)
                 spec = _output(rec, out)
                 rec.paused = True  # what the contexts do on exit is not the loss's
+            if _containers((args, kwargs)) != containers:
+                raise Unsupported("the loss writes into the containers of its inputs (batch[key] = "
+                                  "..., a list appended to): a graph returns values, it does not "
+                                  "write the caller's containers")
             refusals = _unrecordable_state(rec, tracker)
             if refusals:
                 raise Unsupported("; and ".join(refusals))

@@ -442,3 +442,25 @@ def test_a_loss_that_leaves_a_mode_changed_is_refused(what):
         torch.set_grad_enabled(True)
     assert fast.stats.native == {"trace-unsupported": 2} and not fast.stats.optimized
     assert "leaves grad mode or a module's train/eval mode changed" in fast.certificates[0].message
+
+
+@pytest.mark.parametrize("write", ["a new key", "a list appended to"])
+def test_a_loss_that_writes_into_its_input_containers_is_refused(write):
+    """Native leaves ``batch["scaled"]`` (or a logged item) in the caller's containers; the
+    graph kept the values and dropped the write, on every call, the first included."""
+
+    def loss(batch):
+        scaled = batch["x"] * 2
+        if write == "a new key":
+            batch["scaled"] = scaled
+        else:
+            batch["log"].append(scaled.detach())
+        return scaled.sum()
+
+    fast = optimize(loss)
+    for step in range(2):
+        batch = {"x": torch.full((2,), float(step + 1)), "log": []}
+        assert float(fast(batch)) == 4.0 * (step + 1)
+        assert ("scaled" in batch) if write == "a new key" else len(batch["log"]) == 1
+    assert fast.stats.native == {"trace-unsupported": 2} and not fast.stats.optimized
+    assert "writes into the containers of its inputs" in fast.certificates[0].message
