@@ -99,23 +99,13 @@ REFUSED_SWITCHES = (
 )
 
 
-def _refused(original: Callable, thread: int, why: str) -> Callable:
+def _refused(original: Callable, thread: int, why: str, from_the_loss: bool = False) -> Callable:
+    """``original``, refused while traced; ``from_the_loss``: only where the loss's own code calls
+    it (a library's call of a clock, as logging's, is not the loss's value)."""
     def refuse(*args: Any, **kwargs: Any) -> Any:
         rec = active_recorder()
-        if rec is not None and not rec.paused and threading.get_ident() == thread:
-            raise Unsupported(why)
-        return original(*args, **kwargs)
-    refuse.__wrapped__ = original
-    return refuse
-
-
-def _refused_to_the_loss(original: Callable, thread: int, why: str) -> Callable:
-    """``original``, refused where the loss's code calls it while traced (a library's call of
-    a clock, as logging's, is not the loss's value)."""
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        rec = active_recorder()
-        if rec is not None and not rec.paused and threading.get_ident() == thread \
-                and is_user_file(sys._getframe(1).f_code.co_filename):
+        if rec is not None and not rec.paused and threading.get_ident() == thread and \
+                (not from_the_loss or is_user_file(sys._getframe(1).f_code.co_filename)):
             raise Unsupported(why)
         return original(*args, **kwargs)
     refuse.__wrapped__ = original
@@ -246,9 +236,9 @@ def patched(session: Any, leaf_functions: tuple[Callable, ...],
                 journal.set(owner, name, _refused(original, thread, why))
         journal.set(torch, "default_generator", _GeneratorSeen(torch.default_generator, thread))
         for module, name in per_call_sources():
-            journal.set(module, name, _refused_to_the_loss(getattr(module, name), thread, f"the loss "
-                        f"calls {module.__name__}.{name}() while traced: its value changes from call "
-                        "to call, and a graph would keep the first"))
+            journal.set(module, name, _refused(getattr(module, name), thread, f"the loss calls "
+                        f"{module.__name__}.{name}() while traced: its value changes from call to "
+                        "call, and a graph would keep the first", from_the_loss=True))
         for fn in leaf_functions:
             for module in list(sys.modules.values()):
                 namespace = getattr(module, "__dict__", None)
