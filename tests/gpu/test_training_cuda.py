@@ -35,8 +35,12 @@ import torch
 
 from fxpasses import optimize
 from fxpasses.passes import CaptureLoss, PairRLE
+from torch.utils import _pytree as pytree
+
 from fxpasses.workloads.pose import (DualBranchPoseLoss, PoseNetwork, forward_backward,
                                      graph_network, make_image_batch, train_step)
+from fxpasses.workloads.pose.network import loss_inputs
+from fxpasses.workloads.pose.training import autocast_context
 
 pytestmark = pytest.mark.cuda
 MEASURED: dict[str, dict] = {}
@@ -182,3 +186,46 @@ def test_five_adamw_steps_replayed_and_captured_against_native(precision):
         assert not got["missing_grads"], got
         assert got["loss_rel_diff"] <= max(loss_limit, CONTROL_FACTOR * envelope["loss_rel_diff"]), rows
         assert got["param_rel_l2_diff"] <= max(param_limit, CONTROL_FACTOR * envelope["param_rel_l2_diff"]), rows
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_every_training_step_of_the_optimized_loss_equals_native_on_its_own_predictions(precision):
+    """The ``both`` arm trained with AdamW, and at every step the native loss on detached copies of
+    the very predictions the optimized loss got (the graphed network's static outputs): loss,
+    prediction gradients and flow gradients at equal inputs, so that the drift of the training
+    test above can be told from a defect (a step whose optimized loss differs at equal inputs)."""
+    autocast = PRECISIONS[precision]
+    network, loss = _arm(_base(), "both", autocast)
+    flow = network.model[-1].flow_model
+    native = DualBranchPoseLoss(flow=flow).cuda()
+    optimizer = torch.optim.AdamW(network.parameters(), lr=1e-3)
+    loss_limit, grad_limit = GRAD_LIMIT[precision]
+    rows = []
+    for step in range(5):
+        batch = _batch(100 + step)
+        optimizer.zero_grad(set_to_none=True)
+        with autocast_context("cuda", autocast):
+            inputs = loss_inputs(network(batch.images), batch.targets)
+            copies = pytree.tree_map(lambda t: t.detach().clone().requires_grad_(t.requires_grad)
+                                     if isinstance(t, torch.Tensor) else t, inputs)
+            want = native(copies).total
+        predictions = [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        copied = [t for t in pytree.tree_leaves(copies) if isinstance(t, torch.Tensor) and t.requires_grad]
+        want_grads = torch.autograd.grad(want, [*copied, *flow.parameters()], allow_unused=True)
+        got_grads: dict[int, torch.Tensor] = {}
+        for k, t in enumerate(predictions):
+            t.register_hook(lambda g, k=k: got_grads.__setitem__(k, g))
+        with autocast_context("cuda", autocast):
+            got = loss(inputs).total
+        got.backward()
+        assert len(got_grads) == len(predictions), f"step {step}: a prediction got no gradient"
+        optimizer.step()  # the next step's parameters and predictions move, as in training
+        pred = max(_rel_l2(got_grads[k], w) for k, w in enumerate(want_grads[:len(copied)]) if w is not None)
+        flow_grad = max(_rel_l2(p.grad, w) for p, w in zip(flow.parameters(), want_grads[len(copied):]))
+        rows.append({"loss_rel_diff": abs((got.double() - want.double()) / want.double()).item(),
+                     "prediction_grad_rel_l2_diff": pred, "flow_grad_rel_l2_diff": flow_grad})
+    MEASURED[f"training at equal inputs {precision}"] = {"per_step": rows, "stats": loss.stats.as_dict()}
+    _assert_loss_ran_optimized(loss)
+    for row in rows:
+        assert row["loss_rel_diff"] < loss_limit and row["prediction_grad_rel_l2_diff"] < grad_limit \
+            and row["flow_grad_rel_l2_diff"] < grad_limit, rows
