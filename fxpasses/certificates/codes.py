@@ -400,7 +400,6 @@ EVENTS: dict[str, str] = {
     "evicted": "a captured region dropped its least recently replayed recording to make room",
     "read": "a selection read its row counts to the host (its one synchronisation)",
     "grown": "a selection's capacity grew to fit the rows of a call",
-    "grown-ahead": "a selection's capacity grew ahead of need: a count fitted with less than half of it to spare",
     "outputs-copied": "an output in a captured region's memory was copied before it reached the caller",
 }
 assert not set(EVENTS) & set(REGISTRY), "an event named like a code"

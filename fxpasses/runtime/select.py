@@ -5,9 +5,8 @@
 SelectRows replaces boolean-mask selections by gathers into a static capacity ``C``. The counts
 stay on the device for everything the graph computes (validity masks, the divisors of means), so
 nothing has to wait for them: :class:`Capacities` gives each selection its capacity from what
-earlier calls needed (the power-of-two bucket of twice the largest count seen, at least
-``min_bucket``; a count that fits with less than half of its capacity to spare grows it ahead
-of need), :class:`StartCounts` queues the counts' copy to the host as soon as they are
+earlier calls needed (the power-of-two bucket of the largest count seen, at least
+``min_bucket``), :class:`StartCounts` queues the counts' copy to the host as soon as they are
 computed, and one :class:`CheckCounts` waits for that copy alone (ONE synchronisation) late in
 the forward, when the GPU has the rest of the step queued, before anything of the call is
 visible. It abandons the call (:class:`~fxpasses.ir.abandon.Abandon`)
@@ -41,8 +40,8 @@ COUNT_GUARDS = (NOT_EMPTY, FITS)  # what CheckCounts checks; SelectRows's certif
 
 class Capacities(RuntimeOp):
     """``capacity() -> (C,)``: the capacity of one selection (a Python int): ``min_bucket``, until a
-    count exceeds half of it; then the bucket of twice that count (room for a later batch with up
-    to twice as many rows: a growth forced by a count that did not fit re-runs a call). ``site``: its source location, named
+    count exceeds it; then the bucket of twice the largest count (room for a later batch with up
+    to twice as many rows: each growth re-runs a call). ``site``: its source location, named
     when it is empty or grows; ``level``: 1 for a mask over the loss's tensors, ``n + 1`` for a
     mask over the rows of a level-``n`` selection."""
 
@@ -59,14 +58,9 @@ class Capacities(RuntimeOp):
     def __call__(self) -> tuple[int]:
         return (self.value,)
 
-    def grow(self, count: int, *, ahead: bool = False) -> None:
-        """To the bucket of twice ``count``: because it did not fit, or (``ahead``) because it
-        fitted with less than half the capacity to spare, so that the next larger batch fits
-        without running its call twice (a new capacity is a new recording either way)."""
-        grown = bucket(2 * count, self.min_bucket)
-        if grown > self.value:
-            self.value = grown
-            self.count_event("grown-ahead" if ahead else "grown")
+    def grow(self, count: int) -> None:
+        self.value = max(self.value, bucket(2 * count, self.min_bucket))
+        self.count_event("grown")
 
     def propagate(self) -> tuple[torch.SymInt]:
         """A fresh unbacked size, at least ``min_bucket``."""
@@ -148,9 +142,6 @@ class CheckCounts(RuntimeOp):
         return tuple(counts)
 
     def _fit(self, caps: Sequence[int], counts: Sequence[int]) -> None:
-        for selection, cap, count in zip(self.selections, caps, counts):
-            if cap // 2 < count <= cap:  # fits, but a batch with a few more rows would not
-                selection.grow(count, ahead=True)
         short = [(s, cap, count) for s, cap, count in zip(self.selections, caps, counts) if count > cap]
         if short:  # fits first: a count over rows cut off is no proof of an empty selection
             for selection, _, count in short:

@@ -181,40 +181,6 @@ def test_a_count_above_its_capacity_runs_the_call_again_with_the_capacity_grown(
     assert_same(loss, fast, inputs("full", "full", 2))
 
 
-
-class OneLevel(nn.Module):
-    def forward(self, x):
-        return (x[x[:, 0] > 0] ** 2).mean()
-
-
-def test_a_count_with_less_than_half_its_capacity_to_spare_grows_it_ahead_of_need():
-    """6 rows of capacity 8: the capacity grows to 16 without running the call again, so that a
-    later call with 14 rows fits at once (before, it was abandoned and run again); a count above
-    the capacity still abandons its call, which runs again with the capacity grown."""
-    loss = OneLevel().double()
-    fast = optimize(loss, passes=[SelectRows(min_bucket=8)])
-
-    def rows(selected: int, seed: int) -> list[torch.Tensor]:
-        x = torch.randn(64, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
-        x[:, 0] = -1.0
-        x[:selected, 0] = 1.0
-        return [x]
-
-    def events(name: str) -> int:
-        return sum(v.get(name, 0) for k, v in fast.stats.sites.items() if "capacity" in k)
-
-    assert_same(loss, fast, rows(3, 0))  # the traced call: 3 of 8, room to spare
-    assert events("grown-ahead") == 0
-    assert_same(loss, fast, rows(6, 1))  # fits 8, with less than half to spare: 16
-    assert events("grown-ahead") == 1 and events("grown") == 0
-    assert_same(loss, fast, rows(14, 2))  # fits 16 at once (and grows it to 32)
-    stats = fast.stats
-    assert stats.optimized == 3 and not stats.abandoned and not stats.native, stats.render()
-    assert events("grown-ahead") == 2
-    assert_same(loss, fast, rows(40, 3))  # 40 > 32: abandoned, run again with 128
-    assert events("grown") == 1 and any(k.startswith("selection-capacity") for k in fast.stats.abandoned)
-    assert fast.stats.optimized == 4 and not fast.stats.native
-
 class FiveLevels(nn.Module):
     """Five nested selections: each level selects from the rows of the one before."""
 
