@@ -15,13 +15,16 @@ move a parameter by about ``lr`` whatever its gradient's size), so the training 
 two controls, neither running fxpasses code: ``native-perturbed``, native with initial parameters
 times ``1 + eps * n``, and ``graphed``, the replayed network with the native loss (the arm under test
 replays the network too). The optimized arm may not drift from native by more than
-``CONTROL_FACTOR`` times the controls' drift so far (the largest of either up to that step: a
-control's loss difference alone moves by an order of magnitude from one step to the next, 6.5e-4 at
-step 4 after 2.6e-3 at step 2 in one H200 run), or the fixed limit, whichever is larger. One H200
-run drifted to 1.1e-2 at step 5 against 8.1e-3 from ``native-perturbed`` alone: a
-relative perturbation leaves zero-initialised biases exact, so it underestimates the replayed
-network's TF32 drift, which ``graphed`` measures. At equal parameters, fixed limits hold
-(``test_gradients_into_the_replayed_network_equal_native``).
+``CONTROL_FACTOR`` times the controls' largest drift over the run, or the fixed limit, whichever
+is larger. The replayed network's drift jumps at a step of its own choosing in whichever arm
+replays it: in two H200 runs of the same tree (21st session), the ``both`` arm's loss differed
+by 1.14e-2 at step 2 while ``graphed`` stayed at 9.5e-5 (the test, then comparing with the
+controls' drift *so far*, failed), and in the next run ``graphed`` — no fxpasses code —
+differed by 1.15e-2 at step 2 while ``both`` stayed at 3.3e-4. (A relative perturbation leaves
+zero-initialised biases exact, so ``native-perturbed`` alone underestimates that drift.) What
+the drift cannot show, the optimized loss at equal inputs, is checked at every training step by
+``test_every_training_step_of_the_optimized_loss_equals_native_on_its_own_predictions``; at equal
+parameters, fixed limits hold (``test_gradients_into_the_replayed_network_equal_native``).
 """
 
 from __future__ import annotations
@@ -180,9 +183,11 @@ def test_five_adamw_steps_replayed_and_captured_against_native(precision):
     MEASURED[f"training {precision}"] = {"per_step": rows, "stats": loss.stats.as_dict()}
     _assert_loss_ran_optimized(loss)
     loss_limit, param_limit = TRAIN_LIMIT[precision]
-    envelope = {"loss_rel_diff": 0.0, "param_rel_l2_diff": 0.0}  # the controls' drift so far
-    for step, got in enumerate(rows["both"]):
-        envelope = {k: max(v, *(rows[c][step][k] for c in controls)) for k, v in envelope.items()}
+    # the controls' largest drift over the whole run: the replayed network's TF32 drift jumps
+    # at a step of its own choosing, in whichever arm replays it (see the module docstring)
+    envelope = {k: max(row[k] for c in controls for row in rows[c])
+                for k in ("loss_rel_diff", "param_rel_l2_diff")}
+    for got in rows["both"]:
         assert not got["missing_grads"], got
         assert got["loss_rel_diff"] <= max(loss_limit, CONTROL_FACTOR * envelope["loss_rel_diff"]), rows
         assert got["param_rel_l2_diff"] <= max(param_limit, CONTROL_FACTOR * envelope["param_rel_l2_diff"]), rows
