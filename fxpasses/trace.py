@@ -319,7 +319,7 @@ def _containers(value: Any) -> Any:
     each list's, dict's or plain object's entries by identity, recursively (tuples are
     immutable: their items only). Read through ``dict``'s and ``list``'s own methods, outside
     the trace: the input stand-ins count no key as read."""
-    if isinstance(value, torch.Tensor) or isinstance(value, nn.Module):
+    if isinstance(value, (torch.Tensor, nn.Module)):
         return None
     if isinstance(value, dict):
         return ("dict", tuple((k, id(v), _containers(v)) for k, v in zip(dict.keys(value), dict.values(value))))

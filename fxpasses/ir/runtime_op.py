@@ -32,11 +32,14 @@ class RuntimeOp:
     host check of a value): it may leave a no_grad block that a captured region holds.
     ``adjustments``: how many times one call can make it adjust itself and ask to be run again
     (an ``Abandon`` with ``retry``): each of its selections' capacities grows at most once.
+    ``only_grows``: the Python int it gives never decreases from call to call (a selection's
+    capacity): a recording made for a smaller one will not be replayed again.
     """
 
     pure = False
     capturable = False
     grad_free = False
+    only_grows = False
     adjustments = 0
 
     def __init__(self, op_id: str):

@@ -44,7 +44,6 @@ from ..runtime.copy_on_write import OnACopy
 from ..runtime.grad_mode import GradOff, GradRestore
 from ..runtime.ownership import OwnedOutputs
 from ..runtime.paired_capture import PADDED_GUARDS, CapturedPairedCall
-from ..runtime.select import Capacities
 from ..locations import node_location
 from .copy_writes import plan_with_copies
 from .fold_constants import device_constants
@@ -210,7 +209,7 @@ class CaptureLoss:
             # parameters, buffers and other state read by the graph are used in place, never copied
             identity = frozenset(i for i, a in enumerate(node.args) if is_state(a))
             growing = frozenset(i for i, a in enumerate(node.args)
-                                if isinstance(a, fx.Node) and isinstance(a.target, Capacities))
+                                if isinstance(a, fx.Node) and getattr(a.target, "only_grows", False))
             region = CapturedRegion(node.target, gm.get_submodule(node.target), identity=identity,
                                     max_recordings=self.max_recordings, record_after=self.record_after,
                                     recorder=self.recorder,

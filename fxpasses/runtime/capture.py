@@ -562,8 +562,8 @@ class CapturedRegion(RuntimeOp):
                  counters: Any = None, input_names: Sequence[str] = (),
                  growing: frozenset[int] = frozenset()):
         super().__init__(op_id)
-        # argument positions holding capacities that only grow (SelectRows'): a recording made
-        # for a smaller one than a call's can never be replayed again
+        # argument positions of ints that only grow (RuntimeOp.only_grows: SelectRows'
+        # capacities): a recording made for a smaller one than a call's is never replayed again
         self.growing = frozenset(growing)
         self.input_names = tuple(input_names)  # the graph's names of its arguments (for reports)
         self.changes: Counter[str] = Counter()  # what a new recording changed from the nearest held

@@ -47,6 +47,7 @@ class Capacities(RuntimeOp):
 
     pure = True
     grad_free = True
+    only_grows = True
 
     def __init__(self, op_id: str, site: str, min_bucket: int, level: int):
         super().__init__(op_id)

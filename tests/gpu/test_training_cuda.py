@@ -35,14 +35,12 @@ import os
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
 
 from fxpasses import optimize
 from fxpasses.passes import CaptureLoss, PairRLE
-from torch.utils import _pytree as pytree
-
 from fxpasses.workloads.pose import (DualBranchPoseLoss, PoseNetwork, forward_backward,
-                                     graph_network, make_image_batch, train_step)
-from fxpasses.workloads.pose.network import loss_inputs
+                                     graph_network, loss_inputs, make_image_batch, train_step)
 from fxpasses.workloads.pose.training import autocast_context
 
 pytestmark = pytest.mark.cuda
