@@ -32,6 +32,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import sympy
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
@@ -47,6 +48,7 @@ from .ops import aten_facts, node_facts
 from .row_counts import CountUse, count_uses, size_decisions
 from .row_rules import RowValue
 from .rows import FunctionRows, bind_arguments, analyze_function_rows
+from .structure_key import structure_key
 
 aten = torch.ops.aten
 _SUMS = (aten.sum.default, aten.sum.dim_IntList)
@@ -460,9 +462,11 @@ def _count_inputs(module: fx.GraphModule, uses: list[CountUse]) -> int:
     return len(made)
 
 
-def _trace_region(gm: fx.GraphModule, region: _Region, space: Space,
-                  counts: list[CountUse]) -> tuple[FunctionRows, dict]:
-    """Trace the region at two row counts; the row value of every region output, by name."""
+def _trace_region(gm: fx.GraphModule, region: _Region, space: Space, counts: list[CountUse],
+                  traces: dict | None = None) -> tuple[FunctionRows, dict]:
+    """Trace the region at two row counts; the row value of every region output, by name.
+    ``traces``: the results of regions traced before, by :func:`_region_key` (a region of
+    the same key is not traced again)."""
     variants = {n: {"reduction": "none"} for n, r in region.reductions.items() if r.argument}
     module, inputs, outputs = subgraph(gm, region.nodes, variants)
     producers = set(region.producers)
@@ -487,14 +491,44 @@ def _trace_region(gm: fx.GraphModule, region: _Region, space: Space,
         full = [pytree.tree_unflatten(leaves[i], spec) for i, (_, spec) in enumerate(flat)]
         return tuple(pytree.tree_leaves(fx.Interpreter(state).run(*full)))
 
-    with _autocast_off():
-        found = analyze_function_rows(run, inputs_at, rows, module, taken=sorted(taken))
+    key = _region_key(module, space, rows, taken) if traces is not None else None
+    found = traces.get(key) if key is not None else None
+    if found is None:
+        with _autocast_off():
+            found = analyze_function_rows(run, inputs_at, rows, module, taken=sorted(taken))
+        if key is not None:
+            traces[key] = found
     by_output: dict[str, Any] = {}
     leaves = iter(found.outputs)
     for node in outputs:
         values = [next(leaves, None) for _ in pytree.tree_leaves(value(node))]
         by_output[node.name] = values[0] if len(values) == 1 else tuple(values)
     return found, by_output
+
+
+_ROWS, _FOREIGN = sympy.Symbol("rows"), sympy.Symbol("foreign")
+
+
+def _region_key(module: fx.GraphModule, space: Space, rows: list, taken: set[int]) -> tuple | None:
+    """What the region's traces depend on, node names aside (:func:`structure_key`): its code,
+    constants and input metadata, with this space's row symbols written as one symbol and every
+    other as another (:func:`concrete_size` gives them one number); the rows' inputs; the
+    sizes the row counts avoid. None: the region cannot be keyed."""
+    def size_key(size: Any) -> Any:
+        if isinstance(size, int):
+            return size
+        expr = size.node.expr
+        return str(expr.xreplace({s: _ROWS if s in space.symbols else _FOREIGN for s in expr.free_symbols}))
+
+    code = structure_key(module, size_key)
+    if code is None:
+        return None
+    key = (code, tuple(rows), tuple(sorted(taken)))
+    try:
+        hash(key)
+    except TypeError:  # a target or constant without a hash
+        return None
+    return key
 
 
 def _autocast_off():
@@ -507,8 +541,10 @@ def _autocast_off():
 
 # -- the verdict -----------------------------------------------------------------------------
 
-def analyze_space(gm: fx.GraphModule, space: Space) -> SpaceAnalysis:
-    """Whether the space's rows may be padded, and the boundaries (see the module docstring)."""
+def analyze_space(gm: fx.GraphModule, space: Space, traces: dict | None = None) -> SpaceAnalysis:
+    """Whether the space's rows may be padded, and the boundaries (see the module docstring).
+    ``traces``: shared by the spaces of one graph, so that a region that is another's code on
+    other nodes (the loss's other branch) reuses its traces' result."""
     region = region_of(gm, space)
     evidence: dict[str, Any] = {"region_nodes": len(region.nodes),
                                 "reductions": len(region.reductions),
@@ -533,7 +569,7 @@ def analyze_space(gm: fx.GraphModule, space: Space) -> SpaceAnalysis:
     counts = count_uses(region.nodes, space.symbols)
     rows_of: dict[str, Any] = {p.name: _produced(value(p), space) for p in region.producers}
     if region.nodes:
-        flow, by_output = _trace_region(gm, region, space, counts)
+        flow, by_output = _trace_region(gm, region, space, counts, traces)
         evidence.update(flow.evidence)
         if not flow.ok:
             return SpaceAnalysis(space, flow.code, evidence, names)

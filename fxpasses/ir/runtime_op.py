@@ -73,6 +73,11 @@ class RuntimeOp:
         """The op's result on fake tensors, for shape propagation (see the module docstring)."""
         raise NotImplementedError
 
+    def structure(self) -> Any:
+        """What the op computes, its site and counters aside: two ops of one structure are the
+        same computation (:mod:`fxpasses.analysis.structure_key`). None: not comparable."""
+        return None
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.op_id}>"
 

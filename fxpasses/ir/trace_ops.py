@@ -52,6 +52,9 @@ class GuardOp(RuntimeOp):
     def propagate(self, value: Any) -> None:
         return None
 
+    def structure(self) -> Any:
+        return (type(self), self.expected)
+
     def _fail(self, seen: Any) -> None:
         self.count_code("guard-failed")
         raise Abandon("guard-failed", self.location, f"{self.op_id}: traced {self.expected!r}, now {seen!r}")

@@ -96,7 +96,8 @@ class SelectRows:
         """
         spaces = find_spaces(gm)
         named = {n.name: n for n in gm.graph.nodes}
-        analyses = {s.mask: analyze_space(gm, s) for s in spaces}
+        traces: dict = {}  # the other branch's regions are traced once
+        analyses = {s.mask: analyze_space(gm, s, traces) for s in spaces}
         external = external_storages(gm)
         cleared = frozenset(n for a in analyses.values() if a.code is None for n in a.region)
         checks = {s.mask: self._checks(gm, named, s, analyses[s.mask], external, cleared)
