@@ -31,6 +31,9 @@ ROW_GUARDS = (  # in the order they are checked
 )
 
 
+_STACKED_PROPAGATION = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 11)
+
+
 def guard_failure(rows: tuple[torch.Tensor, ...]) -> str | None:
     """The code of the first of :data:`ROW_GUARDS` these rows fail (they must not be stacked), or None."""
     return next((guard.code for guard in ROW_GUARDS if not guard.holds(rows)), None)
@@ -62,10 +65,14 @@ class PairedCall(RuntimeOp):
         return module if self.method == "forward" else getattr(module, self.method)
 
     def propagate(self, module: nn.Module, *rows: torch.Tensor) -> tuple[Any, ...]:
-        """Fake results as the paired call makes them (views of one stacked result), from each
-        branch's own call: the row analysis proved ``f(cat(x, y)) == cat(f(x), f(y))``, and on
-        torch 2.4 fake propagation of the method on a sum of data-dependent row counts guards
-        (``x[:, 0]`` asks whether ``u1 + u3`` is the largest int) where on each count it does not."""
+        """Fake results as the paired call makes them (views of one stacked result): from the
+        paired call itself where propagation was tested to hold (torch 2.11 and 2.13); before,
+        from each branch's own call (the row analysis proved ``f(cat(x, y)) == cat(f(x),
+        f(y))``), because torch 2.4's fake propagation of the method on a sum of data-dependent
+        row counts guards (``x[:, 0]`` asks whether ``u1 + u3`` is the largest int) where on
+        each count it does not."""
+        if _STACKED_PROPAGATION:
+            return self.paired(module, rows)
         call = self.bound(module)
         flat = [pytree.tree_flatten(call(r)) for r in rows]
         leaves = [torch.cat(parts) for parts in zip(*(f[0] for f in flat))]
