@@ -521,14 +521,7 @@ def _region_key(module: fx.GraphModule, space: Space, rows: list, taken: set[int
         return str(expr.xreplace({s: _ROWS if s in space.symbols else _FOREIGN for s in expr.free_symbols}))
 
     code = structure_key(module, size_key)
-    if code is None:
-        return None
-    key = (code, tuple(rows), tuple(sorted(taken)))
-    try:
-        hash(key)
-    except TypeError:  # a target or constant without a hash
-        return None
-    return key
+    return None if code is None else (code, tuple(rows), tuple(sorted(taken)))
 
 
 def _autocast_off():

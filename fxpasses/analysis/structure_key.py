@@ -9,20 +9,21 @@ which keys post-grad graphs, not traced user code.
 
 The key holds, node by node: the op; the target (the very function, method name or submodule
 object); the arguments, nodes by position; a constant tensor by dtype, shape, device and the
-hash of its bytes; an input by its metadata (``meta['val']``), sizes written by ``size_key``. No key (None) where
-an identity cannot be compared: a run-time op of fxpasses' own that does not say what it computes
-(:meth:`~fxpasses.ir.runtime_op.RuntimeOp.structure`), a value of a type the key does not know.
+hash of its bytes; an input by its metadata (``meta['val']``), sizes written by ``size_key``.
+No key (None) where an identity cannot be compared: a run-time op of fxpasses' own that does
+not say what it computes (:meth:`~fxpasses.ir.runtime_op.RuntimeOp.structure`), a value of a
+type the key does not know, an attribute it cannot fetch.
 """
 
 from __future__ import annotations
 
 import hashlib
+import operator
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 from torch import nn
-
 from torch._subclasses.fake_tensor import FakeTensor
 
 from ..ir.runtime_op import RuntimeOp
@@ -37,17 +38,21 @@ _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.la
 
 
 def structure_key(module: fx.GraphModule, size_key: Callable[[Any], Any]) -> tuple | None:
-    """The key of ``module``'s graph (see the module docstring); ``size_key`` writes a size
-    (an int or a SymInt) as the analysis sees it. None: no key."""
+    """The key of ``module``'s graph (see the module docstring), hashable; ``size_key`` writes
+    a size (an int or a SymInt) as the analysis sees it. None: no key."""
     index: dict[fx.Node, int] = {}
     try:
         nodes = []
         for i, node in enumerate(module.graph.nodes):
             index[node] = i
             nodes.append(_node_key(module, node, index, size_key))
-        return tuple(nodes)
+        key = tuple(nodes)
+        hash(key)
     except _Unkeyable:
         return None
+    except TypeError:  # a target or constant without a hash
+        return None
+    return key
 
 
 def _node_key(module: fx.GraphModule, node: fx.Node, index: dict[fx.Node, int],
@@ -65,15 +70,15 @@ def _node_key(module: fx.GraphModule, node: fx.Node, index: dict[fx.Node, int],
     else:
         target = node.target
     args = _argument_key(node.args, index, size_key)
-    kwargs = tuple(sorted((k, _argument_key(v, index, size_key)) for k, v in node.kwargs.items()))
+    kwargs = tuple((k, _argument_key(v, index, size_key)) for k, v in node.kwargs.items())
     return (node.op, target, args, kwargs)
 
 
 def _attribute(module: nn.Module, target: str) -> Any:
-    value: Any = module
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
+    try:
+        return operator.attrgetter(target)(module)
+    except AttributeError as exc:
+        raise _Unkeyable(target) from exc
 
 
 def _argument_key(arg: Any, index: dict[fx.Node, int], size_key: Callable[[Any], Any]) -> Any:
@@ -82,7 +87,7 @@ def _argument_key(arg: Any, index: dict[fx.Node, int], size_key: Callable[[Any],
     if isinstance(arg, (tuple, list)):
         return (type(arg).__name__, tuple(_argument_key(a, index, size_key) for a in arg))
     if isinstance(arg, dict):
-        return ("dict", tuple(sorted((k, _argument_key(v, index, size_key)) for k, v in arg.items())))
+        return ("dict", tuple((k, _argument_key(v, index, size_key)) for k, v in arg.items()))
     if isinstance(arg, slice):
         return ("slice", *(_argument_key(p, index, size_key) for p in (arg.start, arg.stop, arg.step)))
     return _value_key(arg, size_key)
