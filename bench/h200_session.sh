@@ -2,13 +2,15 @@
 # One session's GPU work on the lent H200, in three calls of at most 10 minutes each (see
 # bench/RESULTS.md for what each produced). Run from the repository root with the wheels of
 # ultralytics, ultralytics-thop, ultralytics-platform, polars and polars-runtime-32 in .whl/
-# (the machine has no package index):  bash bench/h200_session.sh census|bench|fit
+# (the machine has no package index):  bash bench/h200_session.sh census|bench|fit|first-call
+# first-call alternates this tree with an older one on one host (hosts differ by 2x in it): before
+# the device call, `mkdir -p ab/old && git archive REV fxpasses | tar -x -C ab/old` and carry "ab"
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:. YOLO_OFFLINE=1
+export PYTHONPATH=/tmp/site:. YOLO_OFFLINE=1 PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pyc}
 python -c "import torch, ultralytics; print('torch', torch.__version__, 'ultralytics', ultralytics.__version__, torch.cuda.get_device_name())"
-case "${1:?census, bench or fit}" in
+case "${1:?census, bench, fit or first-call}" in
 census)  # the random-loss census on 13 of the 16 CPUs, the GPU tests beside it
     python -m fxpasses.testing.census --cases 10000 --jobs 13 --seed 500 --minutes "${MINUTES:-8.3}" \
         --examples "$OUT/census_examples.txt" > "$OUT/census.txt" 2>&1 &
@@ -25,4 +27,12 @@ bench)  # the real criterion and the reference loss, interleaved against eager, 
     python bench/interleaved.py --loss reference --batch 16 --rounds $R --arms all --out "$OUT/ref16" ;;
 fit)  # complete-fit time of a real model.train(), native against the integration
     python bench/fit.py ${FIT_ARGS:?set FIT_ARGS} --device 0 --out "$OUT/fit" ;;
+first-call)  # the real criterion's first call, this tree and ab/old in alternation
+    test -d ab/old/fxpasses || { echo "no ab/old/fxpasses (see the header)"; exit 1; }
+    python -m compileall -q fxpasses ab/old/fxpasses  # neither tree pays for its bytecode in a run
+    for i in $(seq "${PAIRS:-2}"); do
+        echo -n "new: "; python bench/first_call.py --batch 16 --image-size 640 --arms all --device cuda 2>&1 | tail -1
+        echo -n "old: "; PYTHONPATH=/tmp/site:ab/old:. python bench/first_call.py --batch 16 --image-size 640 \
+            --arms all --device cuda 2>&1 | tail -1
+    done ;;
 esac
