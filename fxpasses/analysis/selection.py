@@ -27,6 +27,7 @@ The analysis reads the graph; it never changes it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from dataclasses import dataclass
@@ -465,8 +466,9 @@ def _count_inputs(module: fx.GraphModule, uses: list[CountUse]) -> int:
 def _trace_region(gm: fx.GraphModule, region: _Region, space: Space, counts: list[CountUse],
                   traces: dict | None = None) -> tuple[FunctionRows, dict]:
     """Trace the region at two row counts; the row value of every region output, by name.
-    ``traces``: the results of regions traced before, by :func:`_region_key` (a region of
-    the same key is not traced again)."""
+    ``traces``: the results of regions traced before, by :func:`_region_key`, with the space
+    they were traced for (a region of the same key is not traced again: its evidence names
+    that space, ``traced_for_space``)."""
     variants = {n: {"reduction": "none"} for n, r in region.reductions.items() if r.argument}
     module, inputs, outputs = subgraph(gm, region.nodes, variants)
     producers = set(region.producers)
@@ -492,12 +494,15 @@ def _trace_region(gm: fx.GraphModule, region: _Region, space: Space, counts: lis
         return tuple(pytree.tree_leaves(fx.Interpreter(state).run(*full)))
 
     key = _region_key(module, space, rows, taken) if traces is not None else None
-    found = traces.get(key) if key is not None else None
-    if found is None:
+    earlier = traces.get(key) if key is not None else None
+    if earlier is None:
         with _autocast_off():
             found = analyze_function_rows(run, inputs_at, rows, module, taken=sorted(taken))
         if key is not None:
-            traces[key] = found
+            traces[key] = (found, space.mask)
+    else:  # the same walk on the same traces: its verdict, and where it was made
+        found = dataclasses.replace(earlier[0], evidence={**earlier[0].evidence,
+                                                          "traced_for_space": earlier[1]})
     by_output: dict[str, Any] = {}
     leaves = iter(found.outputs)
     for node in outputs:
