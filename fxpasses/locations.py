@@ -15,6 +15,7 @@ their certificates name their lines). One rule, used everywhere:
 
 from __future__ import annotations
 
+import functools
 import linecache
 import os
 import re
@@ -36,6 +37,7 @@ _INSTALLED = tuple({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["pla
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)')
 
 
+@functools.lru_cache(maxsize=4096)  # asked for every frame a trace's profile hook sees
 def is_user_file(path: str) -> bool:
     """Frames outside torch, fxpasses' machinery and Python's standard library (the bundled
     workloads, the random losses of :mod:`fxpasses.testing.loss_programs` and installed

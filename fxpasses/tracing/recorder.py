@@ -14,7 +14,6 @@ names the line, and the loss runs natively).
 
 from __future__ import annotations
 
-import functools
 import linecache
 import operator
 import sys
@@ -506,20 +505,18 @@ def _user_stack() -> str:
     """The innermost user frames (:func:`~fxpasses.locations.is_user_file`) of the caller's
     stack, formatted as a traceback: the source a traced node came from. By hand, not
     ``StackSummary.extract``: that makes a summary of every frame and checks every file's cache
-    for each node (a third of a trace's time); this looks at the frames' code only."""
+    for each node (a third of a trace's time); this reads the frames' code only."""
     frames = []
     frame = sys._getframe(1)
     for _ in range(_STACK_DEPTH):
         if frame is None:
             break
         code = frame.f_code
-        if _is_user_file(code.co_filename):
+        if is_user_file(code.co_filename):
             linecache.lazycache(code.co_filename, frame.f_globals)
             frames.append(traceback.FrameSummary(code.co_filename, frame.f_lineno, code.co_name,
                                                  lookup_line=False))
         frame = frame.f_back
     return "".join(traceback.format_list(frames[::-1][-_USER_FRAMES:]))
 
-
-_is_user_file = functools.lru_cache(maxsize=None)(is_user_file)
 
