@@ -8,7 +8,7 @@ once. Written by hand: torch.fx has graph equality up to names only inside Induc
 which keys post-grad graphs, not traced user code.
 
 The key holds, node by node: the op; the target (the very function, method name or submodule
-object); the arguments, nodes by position; a constant tensor by dtype, shape, device and the
+object); the arguments (:func:`argument_key`, as CaptureLoss keys duplicates), nodes by position; a constant tensor by dtype, shape, device and the
 hash of its bytes; an input by its metadata (``meta['val']``), sizes written by ``size_key``.
 No key (None) where an identity cannot be compared: a run-time op of fxpasses' own that does
 not say what it computes (:meth:`~fxpasses.ir.runtime_op.RuntimeOp.structure`), a value of a
@@ -18,6 +18,7 @@ type the key does not know, an attribute it cannot fetch.
 from __future__ import annotations
 
 import hashlib
+import math
 import operator
 from typing import Any, Callable
 
@@ -33,8 +34,8 @@ class _Unkeyable(Exception):
     """A value or target the key cannot compare."""
 
 
-_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
-          torch.memory_format, type(Ellipsis))
+_ATOMS = (int, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format,
+          type(Ellipsis))
 
 
 def structure_key(module: fx.GraphModule, size_key: Callable[[Any], Any]) -> tuple | None:
@@ -64,14 +65,15 @@ def _node_key(module: fx.GraphModule, node: fx.Node, index: dict[fx.Node, int],
     if node.op == "call_module":
         target: Any = ("module", id(module.get_submodule(node.target)))
     elif isinstance(node.target, RuntimeOp):
-        if node.target.structure() is None:
-            raise _Unkeyable(node.target)
         target = ("runtime-op", node.target.structure())
+        if target[1] is None:
+            raise _Unkeyable(node.target)
     else:
         target = node.target
-    args = _argument_key(node.args, index, size_key)
-    kwargs = tuple((k, _argument_key(v, index, size_key)) for k, v in node.kwargs.items())
-    return (node.op, target, args, kwargs)
+    arguments = argument_key((node.args, dict(node.kwargs)), lambda n: ("node", index[n]))
+    if arguments is None:
+        raise _Unkeyable(node)
+    return (node.op, target, arguments)
 
 
 def _attribute(module: nn.Module, target: str) -> Any:
@@ -81,16 +83,25 @@ def _attribute(module: nn.Module, target: str) -> Any:
         raise _Unkeyable(target) from exc
 
 
-def _argument_key(arg: Any, index: dict[fx.Node, int], size_key: Callable[[Any], Any]) -> Any:
+def argument_key(arg: Any, name: Callable[[fx.Node], Any]) -> Any:
+    """A hashable form of an argument, nodes by ``name``; None for an argument that cannot be
+    compared. Floats by their text (0.0 and -0.0 differ; nan is nan)."""
     if isinstance(arg, fx.Node):
-        return ("node", index[arg])
+        return name(arg)
+    if isinstance(arg, float):
+        return ("float", repr(arg) if not math.isnan(arg) else "nan")
+    if isinstance(arg, _ATOMS):
+        return (type(arg).__name__, arg)
     if isinstance(arg, (tuple, list)):
-        return (type(arg).__name__, tuple(_argument_key(a, index, size_key) for a in arg))
+        items = tuple(argument_key(a, name) for a in arg)
+        return None if None in items else (type(arg).__name__, items)
     if isinstance(arg, dict):
-        return ("dict", tuple((k, _argument_key(v, index, size_key)) for k, v in arg.items()))
+        items = tuple((k, argument_key(v, name)) for k, v in sorted(arg.items()))
+        return None if any(v is None for _, v in items) else ("dict", items)
     if isinstance(arg, slice):
-        return ("slice", *(_argument_key(p, index, size_key) for p in (arg.start, arg.stop, arg.step)))
-    return _value_key(arg, size_key)
+        parts = tuple(argument_key(p, name) for p in (arg.start, arg.stop, arg.step))
+        return None if None in parts else ("slice", parts)
+    return None
 
 
 def _value_key(value: Any, size_key: Callable[[Any], Any]) -> Any:
@@ -107,9 +118,14 @@ def _value_key(value: Any, size_key: Callable[[Any], Any]) -> Any:
         return ("module", id(value))
     if isinstance(value, (tuple, list)):
         return (type(value).__name__, tuple(_value_key(v, size_key) for v in value))
-    if isinstance(value, _PLAIN):
-        return (type(value).__name__, value)
-    raise _Unkeyable(type(value))
+    key = argument_key(value, _no_node)
+    if key is None:
+        raise _Unkeyable(type(value))
+    return key
+
+
+def _no_node(node: fx.Node) -> None:  # a value, not an argument: no node in it
+    return None
 
 
 def _digest(value: torch.Tensor) -> str:

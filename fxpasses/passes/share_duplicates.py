@@ -37,7 +37,6 @@ downstream stays true without propagating it again.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from typing import Any, Callable
 
@@ -49,34 +48,11 @@ from torch.utils import _pytree as pytree
 from ..analysis.capture import is_grad_switch, is_state
 from ..analysis.meta import ANNOTATED, FAKE_MODE, input_names, resizes_in_place, storages_of, value
 from ..analysis.ops import is_torch_code, node_facts
+from ..analysis.structure_key import argument_key
 from ..ir.trace_ops import ExpectEqualSizes, set_item
 from ..certificates import Certificate, Check, Guard, Site
 from ..locations import node_location
 from ..trace import META_KEY
-
-_ATOMS = (int, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format,
-          type(Ellipsis))
-
-
-def _key(arg: Any, name: Callable[[fx.Node], Any]) -> Any:
-    """A hashable form of an argument, nodes by ``name``; None for an argument that cannot be
-    compared (then the node is not shared)."""
-    if isinstance(arg, fx.Node):
-        return name(arg)
-    if isinstance(arg, float):  # 0.0 and -0.0, nan and nan: by their text
-        return ("float", repr(arg) if not math.isnan(arg) else "nan")
-    if isinstance(arg, _ATOMS):
-        return (type(arg).__name__, arg)
-    if isinstance(arg, (tuple, list)):
-        items = tuple(_key(a, name) for a in arg)
-        return None if None in items else (type(arg).__name__, items)
-    if isinstance(arg, dict):
-        items = tuple((k, _key(v, name)) for k, v in sorted(arg.items()))
-        return None if any(v is None for _, v in items) else ("dict", items)
-    if isinstance(arg, slice):
-        parts = tuple(_key(p, name) for p in (arg.start, arg.stop, arg.step))
-        return None if None in parts else ("slice", parts)
-    return None
 
 
 def _node_key(node: fx.Node, name: Callable[[fx.Node], Any]) -> Any:
@@ -85,7 +61,7 @@ def _node_key(node: fx.Node, name: Callable[[fx.Node], Any]) -> Any:
     if not is_torch_code(node) or node.target is set_item or not node.users \
             or getattr(node.target, "__name__", "").startswith("_"):
         return None  # (a write; an effect, as a grad-mode or autocast switch; torch's internals)
-    args, kwargs = _key(node.args, name), _key(dict(node.kwargs), name)
+    args, kwargs = argument_key(node.args, name), argument_key(dict(node.kwargs), name)
     if args is None or kwargs is None:
         return None
     return (node.op, node.target if node.op == "call_method" else id(node.target), args, kwargs)

@@ -19,7 +19,7 @@ import operator
 import sys
 import threading
 import traceback
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -490,33 +490,33 @@ def _storage(tensor: torch.Tensor) -> int:
         return tensor.untyped_storage()._cdata
 
 
+def _user_frames(frame: Any, depth: int) -> Iterator[Any]:
+    """The user frames (:func:`~fxpasses.locations.is_user_file`) among ``frame`` and the
+    ``depth - 1`` frames that called it, innermost first. Read from the frames' code, not
+    through ``traceback``'s summaries: those look up every frame's file and lines, and a trace
+    asks for every node and guard (a third of its time did)."""
+    for _ in range(depth):
+        if frame is None:
+            return
+        if is_user_file(frame.f_code.co_filename):
+            yield frame
+        frame = frame.f_back
+
+
 def user_location() -> str:
     """``file:line`` of the innermost user frame now."""
-    for frame in reversed(traceback.extract_stack(limit=40)):
-        if is_user_file(frame.filename):
-            return f"{frame.filename}:{frame.lineno}"
-    return ""
-
-
-_STACK_DEPTH, _USER_FRAMES = 60, 12
+    frame = next(_user_frames(sys._getframe(), 40), None)
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else ""
 
 
 def _user_stack() -> str:
-    """The innermost user frames (:func:`~fxpasses.locations.is_user_file`) of the caller's
-    stack, formatted as a traceback: the source a traced node came from. By hand, not
-    ``StackSummary.extract``: that makes a summary of every frame and checks every file's cache
-    for each node (a third of a trace's time); this reads the frames' code only."""
+    """The 12 innermost user frames of the caller's stack, formatted as a traceback: the source
+    a traced node came from."""
     frames = []
-    frame = sys._getframe(1)
-    for _ in range(_STACK_DEPTH):
-        if frame is None:
-            break
-        code = frame.f_code
-        if is_user_file(code.co_filename):
-            linecache.lazycache(code.co_filename, frame.f_globals)
-            frames.append(traceback.FrameSummary(code.co_filename, frame.f_lineno, code.co_name,
-                                                 lookup_line=False))
-        frame = frame.f_back
-    return "".join(traceback.format_list(frames[::-1][-_USER_FRAMES:]))
+    for frame in _user_frames(sys._getframe(1), 60):
+        linecache.lazycache(frame.f_code.co_filename, frame.f_globals)
+        frames.append(traceback.FrameSummary(frame.f_code.co_filename, frame.f_lineno,
+                                             frame.f_code.co_name, lookup_line=False))
+    return "".join(traceback.format_list(frames[::-1][-12:]))
 
 
