@@ -479,6 +479,27 @@ def _trace_region(gm: fx.GraphModule, region: _Region, space: Space, counts: lis
     rows = [0 if i < len(inputs) and inputs[i] in producers else None for i, _ in tensors]
     taken = {int(s) for i, k in tensors for s in flat[i][0][k].shape if isinstance(s, int)}
     taken |= {s for t in [*module.parameters(), *module.buffers()] for s in t.shape}
+    key = _region_key(module, space, rows, taken) if traces is not None else None
+    earlier = traces.get(key) if key is not None else None
+    if earlier is None:
+        found = _function_rows(module, space, flat, tensors, rows, taken)
+        if key is not None:
+            traces[key] = (found, space.mask)
+    else:  # the same walk on the same traces: its verdict, and where it was made
+        found = dataclasses.replace(earlier[0], evidence={**earlier[0].evidence,
+                                                          "traced_for_space": earlier[1]})
+    by_output: dict[str, Any] = {}
+    leaves = iter(found.outputs)
+    for node in outputs:
+        values = [next(leaves, None) for _ in pytree.tree_leaves(value(node))]
+        by_output[node.name] = values[0] if len(values) == 1 else tuple(values)
+    return found, by_output
+
+
+def _function_rows(module: fx.GraphModule, space: Space, flat: list, tensors: list[tuple[int, int]],
+                   rows: list, taken: set[int]) -> FunctionRows:
+    """The row walk of the region ``module`` on drawn inputs at two row counts: ``flat`` its
+    inputs' metadata (flattened), ``tensors`` the positions of the tensors among them."""
     constants = [[example_value(leaf, {}, torch.Generator()) for leaf in leaves] for leaves, _ in flat]
 
     def inputs_at(count: int) -> list[torch.Tensor]:
@@ -493,22 +514,8 @@ def _trace_region(gm: fx.GraphModule, region: _Region, space: Space, counts: lis
         full = [pytree.tree_unflatten(leaves[i], spec) for i, (_, spec) in enumerate(flat)]
         return tuple(pytree.tree_leaves(fx.Interpreter(state).run(*full)))
 
-    key = _region_key(module, space, rows, taken) if traces is not None else None
-    earlier = traces.get(key) if key is not None else None
-    if earlier is None:
-        with _autocast_off():
-            found = analyze_function_rows(run, inputs_at, rows, module, taken=sorted(taken))
-        if key is not None:
-            traces[key] = (found, space.mask)
-    else:  # the same walk on the same traces: its verdict, and where it was made
-        found = dataclasses.replace(earlier[0], evidence={**earlier[0].evidence,
-                                                          "traced_for_space": earlier[1]})
-    by_output: dict[str, Any] = {}
-    leaves = iter(found.outputs)
-    for node in outputs:
-        values = [next(leaves, None) for _ in pytree.tree_leaves(value(node))]
-        by_output[node.name] = values[0] if len(values) == 1 else tuple(values)
-    return found, by_output
+    with _autocast_off():
+        return analyze_function_rows(run, inputs_at, rows, module, taken=sorted(taken))
 
 
 _ROWS, _FOREIGN = sympy.Symbol("rows"), sympy.Symbol("foreign")
