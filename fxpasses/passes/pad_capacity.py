@@ -14,6 +14,13 @@ capacity, values and the gradients of every input and parameter compared (:func:
 or the witness cannot run, the sizes stay exact (a certificate says why). A site is a zero factory
 (``torch.zeros``, ``Tensor.new_zeros``) with one size that is a data-dependent integer (a
 ``.item()`` read, or a 0-dim integer tensor read by the factory).
+
+A site whose size is read from a padded buffer's shape (the assigner's ``torch.zeros((b,
+gt_bboxes.shape[1], anchors))`` below the packed targets) is a capacity already: fake propagation
+gave it the very symbol the padded buffer was made with, and the capacity stands for that symbol
+(:class:`~fxpasses.runtime.padded_size.PaddedSize`'s ``traced``). It gets no capacity op of its own
+(one would round a power of two to itself, an eager node between captured regions); its
+certificate names the buffer it follows (:func:`following`).
 """
 
 from __future__ import annotations
@@ -82,6 +89,23 @@ def padding_sites(gm: fx.GraphModule) -> list[tuple[fx.Node, int]]:
         data = [i for i, s in enumerate(sizes[1]) if _data_size(s, static)]
         if len(data) == 1:
             found.append((node, data[0]))
+    return found
+
+
+def following(sites: list[tuple[fx.Node, int]]) -> dict[fx.Node, fx.Node]:
+    """Site factory -> the factory of the site whose padded buffer its size is read from: its
+    size is that buffer's traced symbol (:func:`_sole_symbol`), which only that buffer and what
+    is computed from it hold."""
+    traced = {}
+    for factory, index in sites:
+        symbol = _sole_symbol(factory, index)
+        if symbol is not None:
+            traced.setdefault(symbol.node.expr, factory)
+    found = {}
+    for factory, index in sites:
+        size = value(_sizes(factory)[1][index])
+        if isinstance(size, torch.SymInt) and traced.get(size.node.expr, factory) is not factory:
+            found[factory] = traced[size.node.expr]
     return found
 
 
@@ -195,7 +219,9 @@ def _tolerance(tensors: Sequence[torch.Tensor]) -> float:
 def pad_capacities(gm: fx.GraphModule, pass_name: str) -> list[Certificate]:
     """Round the data-dependent sizes of ``gm``'s zero buffers up to capacities, in place, where
     the witness holds (see the module docstring); a certificate per site, applied or refused."""
-    sites = padding_sites(gm)
+    every = padding_sites(gm)
+    follows = following(every)
+    sites = [(f, i) for f, i in every if f not in follows]
     inputs = example_inputs(gm)
     if not sites:
         return []
@@ -239,6 +265,21 @@ def pad_capacities(gm: fx.GraphModule, pass_name: str) -> list[Certificate]:
         else:
             cert = Certificate.from_checks(pass_name, site, checks, witness=witness)
         certificates.append(cert)
+    for factory, index in every:
+        if factory in follows:
+            certificates.append(_following_certificate(pass_name, factory, follows[factory], checks,
+                                                       witness, applied))
     if applied:
         annotate_new(gm)
     return certificates
+
+
+def _following_certificate(pass_name: str, factory: fx.Node, source: fx.Node, checks: list[Check],
+                           witness: Witness | None, applied: bool) -> Certificate:
+    """The certificate of a site whose size is read from ``source``'s buffer: a capacity where
+    that buffer's is (nothing inserted either way)."""
+    location = node_location(factory)
+    site = Site((factory.name,), (location,) if location else (), f"zero buffer {factory.name}")
+    effect = {"capacity": f"none inserted: its size is read from {source.name}'s padded buffer, "
+                          "a capacity already (the same traced symbol)"} if applied else {}
+    return Certificate.from_checks(pass_name, site, checks, effect=effect, witness=witness)

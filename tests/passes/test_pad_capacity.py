@@ -58,6 +58,32 @@ def test_padded_buffers_match_native_in_float64(counts_seq):
     assert fast.stats.optimized == len(counts_seq) and not fast.stats.native
 
 
+@pytest.mark.parametrize("mean_over_slots", [False, True])
+def test_a_buffer_sized_from_a_padded_one_gets_no_capacity_of_its_own(mean_over_slots):
+    """The second buffer's size is the first one's (padded) shape: its certificate follows the
+    first one's, and no capacity op of its own stands between the nodes over both buffers."""
+    loss = Packed(follow=True, mean_over_slots=mean_over_slots)
+    fast = optimize(loss, passes=[_capture()])
+    for seed, counts in enumerate([(2, 1, 3), (5, 0, 1), (1, 1, 1), (0, 19, 2)]):
+        inputs, reference = _call(counts, seed), _call(counts, seed)
+        got, want = fast(*inputs), loss(*reference)
+        got.backward()
+        want.backward()
+        assert abs(float(got.detach()) - float(want)) <= 1e-10 * (1 + abs(float(want)))
+        torch.testing.assert_close(inputs[0].grad, reference[0].grad, rtol=1e-10, atol=1e-12)
+    packed, scores = _padding(fast)
+    assert packed.site.locations != scores.site.locations
+    gm = fast.specializations[0].graph_module
+    ops = [n.target for n in gm.graph.nodes if isinstance(n.target, PaddedSize)]
+    if mean_over_slots:
+        assert not packed.applied and not scores.applied and not ops
+        assert scores.codes == packed.codes == ("padding-not-inert",)
+        return
+    assert packed.applied and scores.applied and len(ops) == 1
+    assert scores.effect["capacity"].startswith(f"none inserted: its size is read from {packed.site.nodes[0]}")
+    assert fast.stats.optimized == 4 and not fast.stats.native
+
+
 def test_a_loss_that_reads_its_padding_keeps_exact_sizes():
     loss = Packed(mean_over_slots=True)
     fast = optimize(loss, passes=[_capture()])
