@@ -12,7 +12,14 @@ gradients, the switch back on) is no barrier when one region can hold it whole: 
 is capturable, a parameter read, or a run-time op whose work does not depend on the grad mode
 (a read of the loss's state, a host check: it runs outside the region, before or after it), and
 the block's capturable nodes fall into one region. Its switches are then inside that region, in
-their order, and only there (:mod:`fxpasses.runtime.grad_mode`); otherwise they stay barriers.
+their order, and only there (:mod:`fxpasses.runtime.grad_mode`). A block that no one region
+can hold (an eager node on a path between two of its nodes: a selection's count read in the
+Ultralytics assigner) is *partitioned* when every eager node in it is a run-time op whose work does
+not depend on the grad mode (a count read, a guard, a read or a write of the loss's attributes):
+its switches are dropped, its capturable nodes fall into regions as any others, and each region
+switches gradients off around the block's nodes it holds. Its eager nodes then run with gradients
+on, which changes nothing they do. Every class of its nodes must become a captured region (one too
+small would run its nodes eagerly with gradients on); otherwise the block keeps its barriers.
 
 An in-place write is a barrier too, unless it writes only memory the loss made itself (no
 input, parameter, buffer or tensor of its state, nor a view of one: ``y = x.clone();
@@ -171,6 +178,19 @@ def _outside_block_ok(node: fx.Node) -> bool:
                                      and node.target.grad_free and node.target.pure)
 
 
+def _grad_free(node: fx.Node) -> bool:
+    """A node whose work is the same with gradients on: a partitioned block's eager node. A
+    run-time op that says so, or a torch op none of whose tensor inputs requires gradients (its
+    result then has no autograd history in either mode; a read of a size makes no tensor)."""
+    if node.op == "get_attr":
+        return True
+    if node.op == "call_function" and isinstance(node.target, RuntimeOp):
+        return node.target.grad_free
+    facts = node_facts(node)
+    return facts is not None and facts.complete and facts.torch_code and not any(
+        t.requires_grad for a in node.all_input_nodes for t in tensors_in(value(a)))
+
+
 def bucketed_symbols(gm: fx.GraphModule) -> frozenset:
     """The data-dependent sizes that are bucketed capacities (:class:`~fxpasses.ir.proofs.BucketedSizes`):
     static for one recording, as each bucket value is a recording of its own."""
@@ -192,6 +212,7 @@ class CapturePlan:
     regions: list[list[fx.Node]] = field(default_factory=list)
     too_small: list[list[fx.Node]] = field(default_factory=list)
     blocks: list[NoGradBlock] = field(default_factory=list)  # each held whole by one region
+    parts: list[NoGradBlock] = field(default_factory=list)  # partitioned: its switches dropped
     # writes of the loss's own memory that no region holds with all that touches it: barriers
     barrier_writes: dict[fx.Node, frozenset[int]] = field(default_factory=dict)
     static: frozenset = frozenset()  # data-dependent sizes static per recording (bucketed)
@@ -200,6 +221,11 @@ class CapturePlan:
     def blocks_in(self, region: list[fx.Node]) -> list[NoGradBlock]:
         inside = set(region)
         return [b for b in self.blocks if b.off in inside]
+
+    def parts_in(self, region: list[fx.Node]) -> list[tuple[NoGradBlock, list[fx.Node]]]:
+        """(partitioned block, its nodes in ``region``, in graph order) for each it has nodes in."""
+        inside = set(region)
+        return [(b, held) for b in self.parts if (held := [n for n in b.inner if n in inside])]
 
     @staticmethod
     def kernel_ops(region: list[fx.Node]) -> int:
@@ -222,22 +248,24 @@ class CapturePlan:
 
 
 def plan_regions(gm: fx.GraphModule, devices: Sequence[str] = ("cuda",),
-                 min_region_ops: int = 4, count_copies: bool = True) -> CapturePlan:
-    """Classify every node and group the capturable ones into regions (see module docstring)."""
+                 min_region_ops: int = 4, count_copies: bool = True, partition: bool = True) -> CapturePlan:
+    """Classify every node and group the capturable ones into regions (see module docstring);
+    ``partition`` False: a block no one region holds keeps its barriers."""
     static = bucketed_symbols(gm)
     varying = varying_rows(gm)  # (propagates again: before the metadata is taken as fixed)
     with metadata_unchanged():
-        return _plan_regions(gm, devices, min_region_ops, count_copies, static, varying)
+        return _plan_regions(gm, devices, min_region_ops, count_copies, static, varying, partition)
 
 
 def _plan_regions(gm: fx.GraphModule, devices: Sequence[str], min_region_ops: int,
-                  count_copies: bool, static: frozenset, varying: VaryingRows) -> CapturePlan:
+                  count_copies: bool, static: frozenset, varying: VaryingRows,
+                  partition: bool = True) -> CapturePlan:
     local = candidates = local_write_candidates(gm.graph)
     eager_views: set[fx.Node] = set()
     while True:  # local writes whose regions do not hold what touches their memory: barriers;
         # outputs that would leave the memory a later write changes: eager
         plan = _plan(gm, devices, min_region_ops, count_copies, static, frozenset(candidates),
-                     frozenset(eager_views), varying)
+                     frozenset(eager_views), varying, partition)
         region_of = {n: i for i, region in enumerate(plan.regions) for n in region}
         broken = _broken_local_writes(gm.graph, candidates, region_of)
         apart = _handed_apart(gm.graph, plan.regions + plan.too_small) - eager_views
@@ -250,22 +278,36 @@ def _plan_regions(gm: fx.GraphModule, devices: Sequence[str], min_region_ops: in
         eager_views |= apart
 
 
+def _worth(verdicts: dict[fx.Node, Verdict], nodes: list[fx.Node], min_region_ops: int,
+           count_copies: bool) -> bool:
+    return CapturePlan(verdicts).worth_capturing(nodes, min_region_ops, count_copies)
+
+
 def _plan(gm: fx.GraphModule, devices: Sequence[str], min_region_ops: int, count_copies: bool,
           static: frozenset, local_writes: frozenset, eager_views: frozenset = frozenset(),
-          varying: VaryingRows = NO_VARYING_ROWS) -> CapturePlan:
+          varying: VaryingRows = NO_VARYING_ROWS, partition: bool = True) -> CapturePlan:
     verdicts = {n: classify(n, devices, static, local_writes=local_writes, eager_views=eager_views,
                             varying=varying) for n in gm.graph.nodes}
-    blocks = [b for b in no_grad_blocks(gm.graph) if any(verdicts[n].capturable for n in b.inner)
-              and all(verdicts[n].capturable or _outside_block_ok(n) for n in b.inner)]
-    while True:  # a block whose capturable nodes fall into two regions keeps its barriers
-        absorbed = frozenset(s for b in blocks for s in (b.off, b.on))
+    found = [b for b in no_grad_blocks(gm.graph) if any(verdicts[n].capturable for n in b.inner)]
+    blocks = [b for b in found if all(verdicts[n].capturable or _outside_block_ok(n) for n in b.inner)]
+    parts = [b for b in found if partition and b not in blocks
+             and all(verdicts[n].capturable or _grad_free(n) for n in b.inner)]
+    while True:  # a block whose capturable nodes fall into two regions is partitioned, or keeps its
+        # barriers; so does a partitioned one with nodes in a region too small to capture
+        absorbed = frozenset(s for b in (*blocks, *parts) for s in (b.off, b.on))
         verdicts.update({s: classify(s, devices, static, absorbed, local_writes, eager_views, varying)
                          for b in no_grad_blocks(gm.graph) for s in (b.off, b.on)})
-        classes, split = _grow_regions(gm.graph, verdicts, blocks)
-        if not split:
+        classes, split = _grow_regions(gm.graph, verdicts, blocks, parts)
+        if split:
+            blocks = [b for b in blocks if b not in split]
+            parts += [b for b in split if partition]
+            continue
+        small = [b for b in parts if any(not _grad_free(n) for nodes in classes for n in set(b.inner) & set(nodes)
+                                         if not _worth(verdicts, nodes, min_region_ops, count_copies))]
+        if not small:
             break
-        blocks = [b for b in blocks if b not in split]
-    plan = CapturePlan(verdicts, blocks=blocks)
+        parts = [b for b in parts if b not in small]
+    plan = CapturePlan(verdicts, blocks=blocks, parts=parts)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for nodes in classes:
         bucket = plan.regions if plan.worth_capturing(nodes, min_region_ops, count_copies) else plan.too_small
@@ -274,8 +316,8 @@ def _plan(gm: fx.GraphModule, devices: Sequence[str], min_region_ops: int, count
     return plan
 
 
-def _grow_regions(graph: fx.Graph, verdicts: dict[fx.Node, Verdict], blocks: list[NoGradBlock]
-                  ) -> tuple[list[list[fx.Node]], list[NoGradBlock]]:
+def _grow_regions(graph: fx.Graph, verdicts: dict[fx.Node, Verdict], blocks: list[NoGradBlock],
+                  parts: Sequence[NoGradBlock] = ()) -> tuple[list[list[fx.Node]], list[NoGradBlock]]:
     """Regions as classes of capturable nodes with the same (segment, stage); and the no_grad
     ``blocks`` that cannot be held by one class (see below).
 
@@ -291,7 +333,8 @@ def _grow_regions(graph: fx.Graph, verdicts: dict[fx.Node, Verdict], blocks: lis
     the stages are propagated again (lowering a node lowers what feeds it; the inequalities still
     hold), until they agree. They cannot when a path from one of them to another passes an eager
     node; such a block is returned, its switches to stay barriers. The switches, which have
-    neither inputs nor users, take their block's stage.
+    neither inputs nor users, take their block's stage. Those of the partitioned ``parts`` are in
+    no class: they are dropped.
 
     Written by hand: torch.fx's CapabilityBasedPartitioner (torch 2.13) loops forever when a
     boolean mask and the tensor it indexes both have only getitem users, as every x[mask] has.
@@ -321,12 +364,13 @@ def _grow_regions(graph: fx.Graph, verdicts: dict[fx.Node, Verdict], blocks: lis
             break
         bound = {n: lowest[b] for b in kept for n in members[b]}
     else:  # cannot happen (see above); the blocks then keep their barriers
-        return _grow_regions(graph, verdicts, [])[0], blocks
+        return _grow_regions(graph, verdicts, [], parts)[0], blocks
     for block in kept:
         stage[block.off] = stage[block.on] = lowest[block]
+    dropped = {s for b in parts for s in (b.off, b.on)}
     classes: dict[tuple[int, int], list[fx.Node]] = {}
     for node in nodes:
-        if verdicts[node].capturable:
+        if verdicts[node].capturable and node not in dropped:
             classes.setdefault((segment_of[node], stage[node]), []).append(node)
     return list(classes.values()), split
 

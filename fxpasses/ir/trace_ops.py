@@ -150,6 +150,8 @@ class ReadState(RuntimeOp):
 class WriteAttribute(RuntimeOp):
     """``op(owner, value)``: ``setattr(owner, name, value)``, as the loss does on each call."""
 
+    grad_free = True
+
     def __init__(self, op_id: str, name: str):
         super().__init__(op_id)
         self.name = name

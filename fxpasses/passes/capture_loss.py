@@ -48,6 +48,7 @@ from ..locations import node_location
 from .copy_writes import plan_with_copies
 from .fold_constants import device_constants
 from .fold_state import device_indices, fold_constant_reads
+from .grad_switches import drop_redundant_switches
 from .pad_capacity import pad_capacities
 from .share_duplicates import share_duplicates
 
@@ -89,6 +90,28 @@ def _blocks_restoring_modes(gm: fx.GraphModule, nodes: list[fx.Node],
             swapped[old] = new
             gm.graph.erase_node(old)
     return [swapped.get(n, n) for n in nodes]
+
+
+def _parts_switching_off(gm: fx.GraphModule, nodes: list[fx.Node],
+                         parts: Sequence[tuple[NoGradBlock, list[fx.Node]]]) -> list[fx.Node]:
+    """``nodes`` with gradients switched off around the nodes of each partitioned block they
+    hold (a GradOff before the first, a GradRestore after the last): the region runs them as the
+    block did, wherever it is called; the block's own switches are dropped (:meth:`CaptureLoss._fuse`).
+
+    ``nodes`` are in the plan's order, the graph's before any region was fused, in which a
+    block's nodes are the stretch between its switches; the switches go into that order. (The
+    graph's order now may differ: fusing a region moves the users of its values after it, and a
+    switch, with no data edge, stays where it was.)"""
+    ordered = list(nodes)
+    for block, held in parts:
+        with gm.graph.inserting_before(held[0]):
+            off = gm.graph.call_function(GradOff(f"grad_off_{block.off.name}_{held[0].name}"), ())
+        with gm.graph.inserting_after(held[-1]):
+            on = gm.graph.call_function(GradRestore(f"grad_restore_{block.on.name}_{held[-1].name}"), (off,))
+        off.meta, on.meta = dict(block.off.meta), dict(block.on.meta)
+        ordered.insert(ordered.index(held[0]), off)
+        ordered.insert(ordered.index(held[-1]) + 1, on)
+    return ordered
 
 
 class CaptureLoss:
@@ -164,14 +187,19 @@ class CaptureLoss:
         folded = fold_constant_reads(gm, self.name) + device_indices(gm, self.name, self.devices) + \
             device_constants(gm, self.name, self.devices)
         padded = pad_capacities(gm, self.name)
+        switches = drop_redundant_switches(gm, self.name)
         unfolded_copies = copy_graph_module(gm)
         plan, writes = plan_with_copies(gm, self.name, self.devices, self.min_region_ops, self.count_copies)
         if not plan.regions and any(c.applied for c in writes):  # copies that gain nothing: undone
             gm = unfolded_copies
             plan = plan_regions(gm, self.devices, self.min_region_ops, self.count_copies)
             writes = [c for c in writes if not c.applied]
-        certificates = shared + folded + padded + writes + self._refusals(plan) + self._too_small(plan)
         region_certs = [self._region_certificate(gm, i, nodes, plan) for i, nodes in enumerate(plan.regions)]
+        if any(not cert.applied and plan.parts_in(nodes) for nodes, cert in zip(plan.regions, region_certs)):
+            # a partitioned block's nodes would run eagerly without its switches: none is
+            plan = plan_regions(gm, self.devices, self.min_region_ops, self.count_copies, partition=False)
+            region_certs = [self._region_certificate(gm, i, nodes, plan) for i, nodes in enumerate(plan.regions)]
+        certificates = shared + folded + padded + switches + writes + self._refusals(plan) + self._too_small(plan)
         names = [f"{_PREFIX}{i}" for i, cert in enumerate(region_certs) if cert.applied]
         plan.regions = [nodes for nodes, cert in zip(plan.regions, region_certs) if cert.applied]
         calls = [(node, fact) for node in gm.graph.nodes
@@ -183,7 +211,7 @@ class CaptureLoss:
             regions += self._fuse(gm, plan, names)
         if regions:
             self._own_outputs(gm, regions)
-        modified = regions or folded or any(c.applied for c in shared + padded)
+        modified = regions or folded or any(c.applied for c in shared + padded + switches)
         return PassResult(gm, bool(modified),
                           region_certs + paired + certificates)
 
@@ -202,8 +230,12 @@ class CaptureLoss:
 
     # -- rewrite --------------------------------------------------------------------------
     def _fuse(self, gm: fx.GraphModule, plan: CapturePlan, names: list[str]) -> list[CapturedRegion]:
-        fused = [fuse_region(gm, _blocks_restoring_modes(gm, nodes, plan.blocks_in(nodes)), name)
+        fused = [fuse_region(gm, _parts_switching_off(gm, _blocks_restoring_modes(gm, nodes, plan.blocks_in(nodes)),
+                                                      plan.parts_in(nodes)), name)
                  for name, nodes in zip(names, plan.regions)]
+        for block in plan.parts:  # every node of it is in a region, switching off around it
+            gm.graph.erase_node(block.off)
+            gm.graph.erase_node(block.on)
         regions = []
         for node in fused:
             # parameters, buffers and other state read by the graph are used in place, never copied
@@ -297,7 +329,10 @@ class CaptureLoss:
                 "partitioner": "fxpasses convex greedy regions; fxpasses.analysis.fusion",
                 "split_at": "grad-mode switches, ops writing their inputs, user code, nodes without metadata",
                 "no_grad_blocks_held_whole": tuple(f"{b.off.name}..{b.on.name} ({len(b.inner)} nodes)"
-                                                   for b in plan.blocks_in(nodes))},
+                                                   for b in plan.blocks_in(nodes)),
+                "no_grad_blocks_partitioned": tuple(f"{b.off.name}..{b.on.name} ({len(held)} of its "
+                                                    f"{len(b.inner)} nodes here, gradients off around them)"
+                                                    for b, held in plan.parts_in(nodes))},
                   None if not spanned else plan.verdicts[spanned[0]].code or "op-unknown"),
             Check("region-convex", not reentering, {"paths_out_and_back": reentering},
                   None if not reentering else "region-not-convex"),

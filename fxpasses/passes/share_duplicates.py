@@ -53,6 +53,7 @@ from ..ir.trace_ops import ExpectEqualSizes, set_item
 from ..certificates import Certificate, Check, Guard, Site
 from ..locations import node_location
 from ..trace import META_KEY
+from .grad_switches import traced_grad_modes
 
 
 def _node_key(node: fx.Node, name: Callable[[fx.Node], Any]) -> Any:
@@ -118,20 +119,6 @@ def _equal_sizes(nodes: list[fx.Node]) -> dict[fx.Node, fx.Node]:
     return equal
 
 
-def _grad_modes(gm: fx.GraphModule, nodes: list[fx.Node]) -> dict[fx.Node, Any]:
-    """The grad mode each node runs in: the one the loss was traced in (``TraceInfo``; the
-    graph's switches restore it, so its runs have it) until the graph's first
-    ``_set_grad_enabled`` (the only mode switch a trace records: it refuses autocast switches),
-    then the value set (an unknown one: the switch's own name); unknown without a trace's record."""
-    info = gm.meta.get(META_KEY)
-    modes, mode = {}, getattr(info, "grad_enabled", "unknown")
-    for node in nodes:
-        if is_grad_switch(node):
-            mode = node.args[0] if len(node.args) == 1 and type(node.args[0]) is bool else node.name
-        modes[node] = mode
-    return modes
-
-
 def _kind(val: Any) -> tuple:
     """What must agree between two shared values: per leaf, its type, and for a tensor its
     dtype, device, rank and whether it requires grad (sizes may be different symbols)."""
@@ -175,7 +162,7 @@ def share_duplicates(gm: fx.GraphModule, pass_name: str) -> list[Certificate]:
     written = frozenset().union(*writes.values())
     visible = _visible_writes(writes)  # a guard after a write of an input or state: not abandonable
     equal = {other: kept for other, kept in _equal_sizes(nodes).items() if visible[other] is None}
-    grad_modes = _grad_modes(gm, nodes)
+    grad_modes = traced_grad_modes(gm, nodes)
     shared: dict[fx.Node, fx.Node] = {}
     first: dict[Any, fx.Node] = {}
     refused: list[Certificate] = []

@@ -116,6 +116,7 @@ class CheckCounts(RuntimeOp):
 
     pure = True
     capturable = False
+    grad_free = True
 
     def __init__(self, op_id: str, selections: Sequence[Capacities], guards: Sequence[tuple[Any, bool]] = ()):
         super().__init__(op_id)

@@ -13,7 +13,9 @@ import torch.fx as fx
 from torch import nn
 
 from fxpasses import optimize
-from fxpasses.analysis.capture import _eager_between
+from fxpasses import trace
+from fxpasses.analysis.capture import _eager_between, plan_regions
+from fxpasses.analysis.meta import annotate
 from fxpasses.passes import CaptureLoss
 from fxpasses.runtime.capture import CapturedRegion
 from fxpasses.runtime.emulated import EmulatedRecorder
@@ -30,21 +32,26 @@ class Assigned(nn.Module):
     """Arithmetic, a target made without gradients (reading a parameter and a float), more
     arithmetic using both: the shape of a detection loss around its assigner."""
 
-    def __init__(self, opaque_inside=False, nested=False):
+    def __init__(self, opaque_inside=False, nested=False, opaque_first=False, host_read=False):
         super().__init__()
         self.scale = nn.Parameter(torch.tensor(1.5, dtype=torch.float64))
         self.margin = 0.25
         self.opaque_inside, self.nested = opaque_inside, nested
+        self.opaque_first, self.host_read = opaque_first, host_read
 
     def target(self, pred):
         with torch.no_grad():
+            if self.opaque_first:
+                pred = opaque(pred)  # user code before the inner switch: it may switch the mode
             if self.nested:
-                with torch.no_grad():
+                with torch.no_grad():  # gradients are off already
                     t = (pred * self.scale).sigmoid()
             else:
                 t = (pred * self.scale).sigmoid()
             if self.opaque_inside:
                 t = opaque(t)  # a leaf function: user code, effects unknown
+            if self.host_read:  # read on the host between two stretches of the block (always 1)
+                t = t * (int((t > 2).sum()) + 1)
             return (t * 2 - 1).clamp(-self.margin * 3, 1.0).exp()
 
     def forward(self, pred, other):
@@ -119,12 +126,69 @@ def test_a_block_that_calls_user_code_keeps_its_barriers():
     assert all(torch._C._set_grad_enabled not in _targets(r) for r in _regions(fast))
 
 
-def test_a_nested_block_keeps_its_barriers():
+def _switch_certificates(fast):
+    return [c for c in fast.certificates if c.site.description.startswith("grad-mode switch")]
+
+
+def test_a_switch_to_the_mode_in_effect_is_dropped_and_the_block_held_whole():
+    """``with torch.no_grad():`` inside a no_grad block: its two switches change nothing; dropped,
+    the outer block is one block again, held whole by one region."""
     loss = Assigned(nested=True)
     assert_equivalent(loss, _optimized(loss), _inputs(0))
     fast = _optimized(loss)
     _same_steps(loss, fast)
+    dropped = _switch_certificates(fast)
+    assert len(dropped) == 2 and all(c.applied for c in dropped)
+    assert all(c.effect["removed"].startswith("a switch to the grad mode already in effect") for c in dropped)
+    (region,) = _regions(fast)
+    assert [type(t) for t in _targets(region) if isinstance(t, (GradOff, GradRestore))] == [GradOff, GradRestore]
+    assert torch._C._set_grad_enabled not in _targets(region)
+
+
+def test_a_switch_after_user_code_is_kept():
+    """User code between the switch that set the mode and a switch to the same mode may have
+    switched it (unseen): that switch stays (the next one, after it, is dropped), and the block
+    is no block: its switches stay barriers."""
+    loss = Assigned(nested=True, opaque_first=True)
+    assert_equivalent(loss, _optimized(loss), _inputs(0))
+    fast = _optimized(loss)
+    _same_steps(loss, fast)
+    kept, dropped = _switch_certificates(fast)
+    assert not kept.applied and kept.codes == ("op-unknown",) and dropped.applied
+    assert kept.checks[1].evidence["user_code_between"]
     assert all(not any(isinstance(t, GradOff) for t in _targets(r)) for r in _regions(fast))
+
+
+def test_a_block_split_by_a_host_read_is_partitioned():
+    """A host read on a path between two stretches of a no_grad block: no one region holds the
+    block, so each region holding a stretch switches gradients off around it; the block's own
+    switches are gone and the read runs with gradients on (its input has none)."""
+    loss = Assigned(host_read=True)
+    assert_equivalent(loss, _optimized(loss), _inputs(0))
+    fast = _optimized(loss)
+    _same_steps(loss, fast)
+    regions = _regions(fast)
+    assert len(regions) == 2
+    assert all([type(t) for t in _targets(r) if isinstance(t, (GradOff, GradRestore))] == [GradOff, GradRestore]
+               for r in regions)
+    graph_targets = [n.target for n in fast.graph_module.graph.nodes if n.op == "call_function"]
+    assert torch._C._set_grad_enabled not in graph_targets
+    parts = [ch.evidence["no_grad_blocks_partitioned"] for c in fast.certificates if c.pass_name == "CaptureLoss"
+             for ch in c.checks if ch.evidence.get("no_grad_blocks_partitioned")]
+    assert len(parts) == 2
+    target = fast(*_inputs(4))[1]
+    assert not target.requires_grad  # made without gradients, as natively
+    assert all(r.counters["replayed"] >= 2 for r in regions)
+
+
+def test_without_partitions_a_split_block_keeps_its_barriers():
+    args = _inputs(0)
+    gm = trace(Assigned(host_read=True), args)
+    annotate(gm, list(args))
+    (block,) = plan_regions(gm, ("cpu",), count_copies=False).parts
+    plan = plan_regions(gm, ("cpu",), count_copies=False, partition=False)
+    assert not plan.parts and not plan.blocks
+    assert plan.verdicts[block.off].barrier and plan.verdicts[block.on].barrier
 
 
 def test_a_block_restores_the_mode_it_found():
