@@ -180,15 +180,17 @@ def _outside_block_ok(node: fx.Node) -> bool:
 
 def _grad_free(node: fx.Node) -> bool:
     """A node whose work is the same with gradients on: a partitioned block's eager node. A
-    run-time op that says so, or a torch op none of whose tensor inputs requires gradients (its
-    result then has no autograd history in either mode; a read of a size makes no tensor)."""
+    run-time op that says so, or a torch op that writes none of its inputs and none of whose
+    tensor inputs requires gradients (its result then has no autograd history in either mode; a
+    read of a size makes no tensor). An in-place write is not: on a view made without gradients
+    of a tensor that requires them, it raises with gradients on."""
     if node.op == "get_attr":
         return True
     if node.op == "call_function" and isinstance(node.target, RuntimeOp):
         return node.target.grad_free
     facts = node_facts(node)
-    return facts is not None and facts.complete and facts.torch_code and not any(
-        t.requires_grad for a in node.all_input_nodes for t in tensors_in(value(a)))
+    return facts is not None and facts.complete and facts.torch_code and not facts.writes_input \
+        and not any(t.requires_grad for a in node.all_input_nodes for t in tensors_in(value(a)))
 
 
 def bucketed_symbols(gm: fx.GraphModule) -> frozenset:
