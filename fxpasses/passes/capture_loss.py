@@ -49,6 +49,7 @@ from .copy_writes import plan_with_copies
 from .fold_constants import device_constants
 from .fold_state import device_indices, fold_constant_reads
 from .grad_switches import drop_redundant_switches
+from .merge_reads import merge_reads
 from .pad_capacity import pad_capacities
 from .share_duplicates import share_duplicates
 
@@ -209,11 +210,12 @@ class CaptureLoss:
                    if cert.applied and not any(node in r for r in plan.regions)]  # (else in a region)
         if plan.regions:
             regions += self._fuse(gm, plan, names)
+        merged = merge_reads(gm, self.name) if plan.regions else []
         if regions:
             self._own_outputs(gm, regions)
         modified = regions or folded or any(c.applied for c in shared + padded + switches)
         return PassResult(gm, bool(modified),
-                          region_certs + paired + certificates)
+                          region_certs + paired + certificates + merged)
 
     def _capture_padded(self, gm: fx.GraphModule, node: fx.Node, fact: RowIndependentCall) -> CapturedRegion:
         """Replace a row-independent call by one that replays it per row bucket (the node keeps
