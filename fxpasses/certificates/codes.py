@@ -286,8 +286,9 @@ _CODES = (
          "Take the view after the write, or write out of place."),
     Code("op-grad-mode", "refusal",
          "A grad-mode switch (no_grad / enable_grad) that no region holds with its whole block "
-         "(the block calls user code, nests another switch, or its nodes cannot share a "
-         "region): regions never span it; it runs eagerly.",
+         "and whose block cannot be partitioned among regions (the block calls user code, nests "
+         "a switch to another mode, runs an eager op that depends on the grad mode, or has nodes "
+         "in a region too small to capture): regions never span it; it runs eagerly.",
          "Nothing to do: regions form on each side of the switch."),
     Code("op-random", "refusal",
          "The node draws random numbers; a replay would draw them differently from eager, so "

@@ -16,7 +16,10 @@ of shared nodes and per duplicate kept), host reads of the loss's constant tenso
 tensors become constant index tensors on the device (no copy from the host each call), and in-place writes of
 the loss's own memory that no region could hold run on a copy where that computes the same
 values (:mod:`.copy_writes`, a certificate per such write, copied or kept as a barrier); copies
-are undone when no region is captured.
+are undone when no region is captured. Zero buffers sized from data become capacities where a
+witness allows (:mod:`.pad_capacity`), and grad-mode switches to the mode in effect are dropped
+(:mod:`.grad_switches`). After fusing, count reads that now follow each other with their counts
+ready become one wait (:mod:`.merge_reads`).
 """
 
 from __future__ import annotations
