@@ -280,11 +280,6 @@ def _plan_regions(gm: fx.GraphModule, devices: Sequence[str], min_region_ops: in
         eager_views |= apart
 
 
-def _worth(verdicts: dict[fx.Node, Verdict], nodes: list[fx.Node], min_region_ops: int,
-           count_copies: bool) -> bool:
-    return CapturePlan(verdicts).worth_capturing(nodes, min_region_ops, count_copies)
-
-
 def _plan(gm: fx.GraphModule, devices: Sequence[str], min_region_ops: int, count_copies: bool,
           static: frozenset, local_writes: frozenset, eager_views: frozenset = frozenset(),
           varying: VaryingRows = NO_VARYING_ROWS, partition: bool = True) -> CapturePlan:
@@ -294,6 +289,7 @@ def _plan(gm: fx.GraphModule, devices: Sequence[str], min_region_ops: int, count
     blocks = [b for b in found if all(verdicts[n].capturable or _outside_block_ok(n) for n in b.inner)]
     parts = [b for b in found if partition and b not in blocks
              and all(verdicts[n].capturable or _grad_free(n) for n in b.inner)]
+    plan_of = CapturePlan(verdicts)
     while True:  # a block whose capturable nodes fall into two regions is partitioned, or keeps its
         # barriers; so does a partitioned one with nodes in a region too small to capture
         absorbed = frozenset(s for b in (*blocks, *parts) for s in (b.off, b.on))
@@ -304,8 +300,9 @@ def _plan(gm: fx.GraphModule, devices: Sequence[str], min_region_ops: int, count
             blocks = [b for b in blocks if b not in split]
             parts += [b for b in split if partition]
             continue
-        small = [b for b in parts if any(not _grad_free(n) for nodes in classes for n in set(b.inner) & set(nodes)
-                                         if not _worth(verdicts, nodes, min_region_ops, count_copies))]
+        uncaptured = set().union(*(nodes for nodes in classes if parts and not plan_of.worth_capturing(
+            nodes, min_region_ops, count_copies)))  # (run eagerly: with gradients on, once partitioned)
+        small = [b for b in parts if any(n in uncaptured and not _grad_free(n) for n in b.inner)]
         if not small:
             break
         parts = [b for b in parts if b not in small]
