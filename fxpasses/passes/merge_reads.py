@@ -45,17 +45,19 @@ def _computed_before(read: fx.Node, place: fx.Node, order: dict[fx.Node, int]) -
     return all(order[_source(n)] < order[place] for n in needed)
 
 
-def _taken_apart_after(node: fx.Node, parts: list[fx.Node]) -> fx.Node:
-    """Move each of ``parts`` (getitems of what ``node`` computed, or ``node``'s own inputs) that
-    comes later to right after ``node``; the last node so placed (``node`` if none moved)."""
-    cursor = node
+def _taken_apart_after(node: fx.Node, parts: list[fx.Node], order: dict[fx.Node, int],
+                       later_than: fx.Node | None = None) -> fx.Node:
+    """Move the ``getitem`` links of each of ``parts`` that the graph places after ``later_than``
+    (default ``node``; the tuples they take apart are computed before ``node``) to right after
+    ``node``; the last node so placed (``node`` if none moved)."""
+    cursor, bound = node, order[later_than if later_than is not None else node]
     for part in parts:
-        if part is not node and _source(part) is node:
-            chain = []
-            while part is not node:
-                chain.append(part)
-                part = part.args[0]
-            for link in reversed(chain):
+        chain = []
+        while part.op == "call_function" and part.target is operator.getitem and isinstance(part.args[0], fx.Node):
+            chain.append(part)
+            part = part.args[0]
+        for link in reversed(chain):
+            if order[link] > bound:
                 cursor.append(link)
                 cursor = link
     return cursor
@@ -83,10 +85,11 @@ def _merge(gm: fx.GraphModule, pass_name: str, first: fx.Node, second: fx.Node,
               *starts[0].args[kept[0]:], *starts[1].args[kept[1]:]]
     merged_id = f"{first.target.op_id}_{second.target.op_id.rsplit('_', 1)[-1]}"  # check_counts_0_1
     last = max((_source(c) for c in counts), key=order.__getitem__)  # the copy queued right after it
-    with graph.inserting_after(_taken_apart_after(last, counts)):
+    with graph.inserting_after(_taken_apart_after(last, counts, order)):
         start = graph.call_function(StartCounts(merged_id.replace("check", "start", 1)), tuple(counts))
     op = CheckCounts(merged_id, [*first.target.selections, *second.target.selections],
                      [*first.target.guards, *second.target.guards])
+    _taken_apart_after(first.prev, [a for a in second.args[:-1] if isinstance(a, fx.Node)], order, first)
     with graph.inserting_before(first):
         check = graph.call_function(op, (*first.args[:-1], *second.args[:-1], start))
     start.meta = dict(starts[1].meta)
