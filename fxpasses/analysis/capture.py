@@ -35,6 +35,11 @@ the region's inputs or another of its outputs (a view) would so come apart from 
 where a write outside the region changes the memory after it, the output is computed eagerly
 instead (code ``view-of-written-memory``), and the regions are planned again.
 
+A count read of SelectRows must run before its check point (the first node that could show or
+suffer from a count that does not fit). It is eager, and fusing moves it after the region that
+computes its count; where that region also holds the check point, the read is made a barrier
+and the regions planned again (:mod:`.fused_order` replays the fusion to tell).
+
 A region is worth a replay when it launches at least ``min_region_ops`` kernels *and* more
 kernels than the launches a replay adds: its two graph launches (forward, backward), and a copy
 for each tensor it receives (into the recording's static buffer; parameters and buffers are read
@@ -46,6 +51,7 @@ run slower replayed than eagerly.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -57,6 +63,7 @@ from ..ir.proofs import BucketedSizes, proven
 from ..ir.runtime_op import RuntimeOp
 from ..ir.trace_ops import ReadSource, ReadState
 from .capture_rules import Verdict, launches_kernels, verdict
+from .fused_order import fused_order, late_reads
 from .meta import metadata_unchanged, storages_of, tensors_in, value
 from .varying_rows import NONE as NO_VARYING_ROWS, VaryingRows, varying_rows
 from .ops import node_facts
@@ -264,27 +271,35 @@ def _plan_regions(gm: fx.GraphModule, devices: Sequence[str], min_region_ops: in
                   partition: bool = True) -> CapturePlan:
     local = candidates = local_write_candidates(gm.graph)
     eager_views: set[fx.Node] = set()
+    late: set[fx.Node] = set()  # count reads that fusing would move past a check point: barriers
     while True:  # local writes whose regions do not hold what touches their memory: barriers;
-        # outputs that would leave the memory a later write changes: eager
+        # outputs that would leave the memory a later write changes: eager; count reads that the
+        # fused regions would move past their check points: barriers
         plan = _plan(gm, devices, min_region_ops, count_copies, static, frozenset(candidates),
-                     frozenset(eager_views), varying, partition)
+                     frozenset(eager_views), varying, partition, frozenset(late))
         region_of = {n: i for i, region in enumerate(plan.regions) for n in region}
         broken = _broken_local_writes(gm.graph, candidates, region_of)
         apart = _handed_apart(gm.graph, plan.regions + plan.too_small) - eager_views
-        if not broken and not apart:
+        late_now = late_reads(gm.graph, {n.name: i for n, i in fused_order(gm.graph, plan.regions).items()}) \
+            if not broken and not apart and plan.regions else set()
+        if not broken and not apart and not late_now:
             plan.barrier_writes = {w: s for w, s in local.items() if w not in candidates}
             plan.static = static
             plan.varying = varying
             return plan
         candidates = {w: s for w, s in candidates.items() if w not in broken}
         eager_views |= apart
+        late |= late_now
 
 
 def _plan(gm: fx.GraphModule, devices: Sequence[str], min_region_ops: int, count_copies: bool,
           static: frozenset, local_writes: frozenset, eager_views: frozenset = frozenset(),
-          varying: VaryingRows = NO_VARYING_ROWS, partition: bool = True) -> CapturePlan:
+          varying: VaryingRows = NO_VARYING_ROWS, partition: bool = True,
+          late: frozenset = frozenset()) -> CapturePlan:
     verdicts = {n: classify(n, devices, static, local_writes=local_writes, eager_views=eager_views,
                             varying=varying) for n in gm.graph.nodes}
+    for node in late:  # a count read that regions around it would move past its check point
+        verdicts[node] = dataclasses.replace(verdicts[node], barrier=True)
     found = [b for b in no_grad_blocks(gm.graph) if any(verdicts[n].capturable for n in b.inner)]
     blocks = [b for b in found if all(verdicts[n].capturable or _outside_block_ok(n) for n in b.inner)]
     parts = [b for b in found if partition and b not in blocks

@@ -33,6 +33,7 @@ import torch.fx as fx
 
 from ..analysis.capture import CapturePlan, NoGradBlock, Verdict, bucketed_symbols, is_state, plan_regions
 from ..analysis.fusion import fuse_region
+from ..analysis.fused_order import fused_places, late_reads
 from ..analysis.meta import carry_fused_metadata, is_dynamic, tensors_in, value
 from ..analysis.witness import padding_witness, witness_holds
 from .. import options
@@ -214,6 +215,10 @@ class CaptureLoss:
         if plan.regions:
             regions += self._fuse(gm, plan, names)
         merged = merge_reads(gm, self.name) if plan.regions else []
+        late = late_reads(gm.graph, fused_places(gm))
+        if late:  # the planner replays the fusion to prevent it; a read too late is never run
+            raise RuntimeError(f"CaptureLoss: count read(s) {sorted(n.name for n in late)} after their "
+                               "check points once fused")
         if regions:
             self._own_outputs(gm, regions)
         modified = regions or folded or any(c.applied for c in shared + padded + switches)

@@ -88,7 +88,8 @@ def _merge(gm: fx.GraphModule, pass_name: str, first: fx.Node, second: fx.Node,
     with graph.inserting_after(_taken_apart_after(last, counts, order)):
         start = graph.call_function(StartCounts(merged_id.replace("check", "start", 1)), tuple(counts))
     op = CheckCounts(merged_id, [*first.target.selections, *second.target.selections],
-                     [*first.target.guards, *second.target.guards])
+                     [*first.target.guards, *second.target.guards],
+                     (*first.target.check_points, *second.target.check_points))
     _taken_apart_after(first.prev, [a for a in second.args[:-1] if isinstance(a, fx.Node)], order, first)
     with graph.inserting_before(first):
         check = graph.call_function(op, (*first.args[:-1], *second.args[:-1], start))

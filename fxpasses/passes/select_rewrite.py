@@ -195,7 +195,7 @@ def place_reads(gm: fx.GraphModule, levels: list[Rewritten], *, defer_truths: bo
         with graph.inserting_before(before):
             check = _made(graph.call_function(CheckCounts(
                 f"check_counts_{number}", [s.capacities for s in selections],
-                [(g.guard, g.guard.expected) for g in guards]),
+                [(g.guard, g.guard.expected) for g in guards], (before.name,)),
                 (*(s.capacity for s in selections), started)), counts[-1], made)
         reads.append(check.name)
         for k, space in enumerate(selections):

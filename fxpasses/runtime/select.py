@@ -118,10 +118,14 @@ class CheckCounts(RuntimeOp):
     capturable = False
     grad_free = True
 
-    def __init__(self, op_id: str, selections: Sequence[Capacities], guards: Sequence[tuple[Any, bool]] = ()):
+    def __init__(self, op_id: str, selections: Sequence[Capacities], guards: Sequence[tuple[Any, bool]] = (),
+                 check_points: Sequence[str] = ()):
         super().__init__(op_id)
         self.selections = tuple(selections)
         self.guards = tuple(guards)
+        # the nodes (by name) this read must come before: the first that could show or suffer
+        # from a count that does not fit (SelectRows' check points); CaptureLoss keeps it so
+        self.check_points = tuple(check_points)
         # each run again grows at least one capacity (see the module docstring)
         self.adjustments = len(self.selections)
 
