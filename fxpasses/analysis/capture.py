@@ -185,19 +185,50 @@ def _outside_block_ok(node: fx.Node) -> bool:
                                      and node.target.grad_free and node.target.pure)
 
 
-def _grad_free(node: fx.Node) -> bool:
-    """A node whose work is the same with gradients on: a partitioned block's eager node. A
-    run-time op that says so, or a torch op that writes none of its inputs and none of whose
-    tensor inputs requires gradients (its result then has no autograd history in either mode; a
-    read of a size makes no tensor). An in-place write is not: on a view made without gradients
-    of a tensor that requires them, it raises with gradients on."""
+def _grad_free(node: fx.Node, block: frozenset[fx.Node]) -> bool:
+    """A node of ``block`` whose work is the same with gradients on: a partitioned block's eager
+    node. A run-time op that says so; a torch op that makes no tensor (a size, a host value); or a
+    torch op none of whose tensor inputs can require gradients on any call
+    (:func:`_never_requires_grad`), whose result then has no autograd history in either mode, and
+    that writes in place only memory a node of the block made (not a view: one made without
+    gradients of a tensor that requires them raises when written with gradients on)."""
     if node.op == "get_attr":
         return True
     if node.op == "call_function" and isinstance(node.target, RuntimeOp):
         return node.target.grad_free
     facts = node_facts(node)
-    return facts is not None and facts.complete and facts.torch_code and not facts.writes_input \
-        and not any(t.requires_grad for a in node.all_input_nodes for t in tensors_in(value(a)))
+    if facts is None or not facts.complete or not facts.torch_code:
+        return False
+    if not facts.writes_input and not tensors_in(value(node)):
+        return True
+    return all(_never_requires_grad(a, block, {}) for a in node.all_input_nodes) and \
+        facts.writes <= _made_in(block)
+
+
+def _made_in(block: frozenset[fx.Node]) -> frozenset[int]:
+    """The storages the nodes of ``block`` make (hold, and none of their inputs holds)."""
+    made: set[int] = set()
+    for node in block:
+        made |= storages_of(node) - set().union(*(storages_of(a) for a in node.all_input_nodes))
+    return frozenset(made)
+
+
+def _never_requires_grad(node: fx.Node, block: frozenset[fx.Node], seen: dict[fx.Node, bool]) -> bool:
+    """Whether ``node``'s tensors require gradients on no call, whatever the inputs' flags (the
+    call signature does not fix them): made inside the no_grad ``block``, integer or boolean,
+    a ``detach``, or a pure torch op on such values. An input or a parameter may require them."""
+    if node in seen:
+        return seen[node]
+    seen[node] = False  # (a cycle cannot occur; this bounds the walk)
+    tensors = tensors_in(value(node))
+    facts = node_facts(node)
+    found = node in block or not tensors or all(not t.is_floating_point() and not t.is_complex() for t in tensors) \
+        or node.target in ("detach", torch.detach, torch.Tensor.detach) \
+        or (node.op in ("call_function", "call_method") and not isinstance(node.target, RuntimeOp)
+            and facts is not None and facts.complete and facts.torch_code and not facts.writes_input
+            and all(_never_requires_grad(a, block, seen) for a in node.all_input_nodes))
+    seen[node] = found
+    return found
 
 
 def bucketed_symbols(gm: fx.GraphModule) -> frozenset:
@@ -303,7 +334,7 @@ def _plan(gm: fx.GraphModule, devices: Sequence[str], min_region_ops: int, count
     found = [b for b in no_grad_blocks(gm.graph) if any(verdicts[n].capturable for n in b.inner)]
     blocks = [b for b in found if all(verdicts[n].capturable or _outside_block_ok(n) for n in b.inner)]
     parts = [b for b in found if partition and b not in blocks
-             and all(verdicts[n].capturable or _grad_free(n) for n in b.inner)]
+             and all(verdicts[n].capturable or _grad_free(n, frozenset(b.inner)) for n in b.inner)]
     plan_of = CapturePlan(verdicts)
     while True:  # a block whose capturable nodes fall into two regions is partitioned, or keeps its
         # barriers; so does a partitioned one with nodes in a region too small to capture
@@ -317,7 +348,7 @@ def _plan(gm: fx.GraphModule, devices: Sequence[str], min_region_ops: int, count
             continue
         uncaptured = set().union(*(nodes for nodes in classes if parts and not plan_of.worth_capturing(
             nodes, min_region_ops, count_copies)))  # (run eagerly: with gradients on, once partitioned)
-        small = [b for b in parts if any(n in uncaptured and not _grad_free(n) for n in b.inner)]
+        small = [b for b in parts if any(n in uncaptured and not _grad_free(n, frozenset(b.inner)) for n in b.inner)]
         if not small:
             break
         parts = [b for b in parts if b not in small]

@@ -212,3 +212,24 @@ def test_a_path_through_an_eager_node_keeps_two_nodes_apart():
     eager = {host}.__contains__
     assert _eager_between([a, b], eager)
     assert not _eager_between([a, c], eager) and not _eager_between([b, c], eager)
+
+
+def test_an_input_may_require_gradients_on_a_later_call():
+    """The call signature does not fix ``requires_grad``: a value from an input (or a parameter)
+    is never taken as gradient-free by its traced flag; a detached one, an integer one, or one
+    made inside the block is."""
+    from fxpasses.analysis.capture import _never_requires_grad
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    doubled = graph.call_function(torch.mul, (x, 2.0))
+    detached = graph.call_method("detach", (x,))
+    counted = graph.call_function(torch.sum, (graph.call_function(torch.gt, (x, 0)),))
+    inside = graph.call_function(torch.exp, (detached,))
+    graph.output((doubled, counted, inside))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    annotate(gm, [torch.randn(4)])  # traced without gradients: the flag says none
+    block = frozenset({inside})
+    assert not _never_requires_grad(x, block, {}) and not _never_requires_grad(doubled, block, {})
+    assert _never_requires_grad(detached, block, {}) and _never_requires_grad(counted, block, {})
+    assert _never_requires_grad(inside, block, {})
