@@ -45,14 +45,13 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import rebind_unbacked
 from torch.utils import _pytree as pytree
 
-from ..analysis.capture import is_grad_switch, is_state
+from ..analysis.capture import is_state
 from ..analysis.meta import ANNOTATED, FAKE_MODE, input_names, resizes_in_place, storages_of, value
 from ..analysis.ops import is_torch_code, node_facts
 from ..analysis.structure_key import argument_key
 from ..ir.trace_ops import ExpectEqualSizes, set_item
 from ..certificates import Certificate, Check, Guard, Site
 from ..locations import node_location
-from ..trace import META_KEY
 from .grad_switches import traced_grad_modes
 
 
