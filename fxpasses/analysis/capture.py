@@ -11,15 +11,16 @@ A no_grad block (:func:`no_grad_blocks`: the trace's switch off, the nodes it ra
 gradients, the switch back on) is no barrier when one region can hold it whole: every node in it
 is capturable, a parameter read, or a run-time op whose work does not depend on the grad mode
 (a read of the loss's state, a host check: it runs outside the region, before or after it), and
-the block's capturable nodes fall into one region. Its switches are then inside that region, in
-their order, and only there (:mod:`fxpasses.runtime.grad_mode`). A block that no one region
-can hold (an eager node on a path between two of its nodes: a selection's count read in the
-Ultralytics assigner) is *partitioned* when every eager node in it is a run-time op whose work does
-not depend on the grad mode (a count read, a guard, a read or a write of the loss's attributes):
-its switches are dropped, its capturable nodes fall into regions as any others, and each region
-switches gradients off around the block's nodes it holds. Its eager nodes then run with gradients
-on, which changes nothing they do. Every class of its nodes must become a captured region (one too
-small would run its nodes eagerly with gradients on); otherwise the block keeps its barriers.
+the block's capturable nodes fall into one region. That region then switches gradients off
+around the block's nodes and restores the mode it found (:mod:`fxpasses.runtime.grad_mode`); the
+block's own switches are dropped. A block that no one region can hold (an eager node on a path
+between two of its nodes: a selection's count read in the Ultralytics assigner) is *partitioned*
+when every eager node in it does the same with gradients on (a run-time op that says so: a count
+read, a guard, a read or a write of the loss's attributes; a torch op none of whose inputs can
+require gradients on any call): its capturable nodes fall into regions as any others, and each
+region switches gradients off around the block's nodes it holds. A node of it in a class too
+small to capture runs eagerly with gradients on, so it must be such a node too; otherwise the
+block keeps its barriers.
 
 An in-place write is a barrier too, unless it writes only memory the loss made itself (no
 input, parameter, buffer or tensor of its state, nor a view of one: ``y = x.clone();
@@ -185,32 +186,32 @@ def _outside_block_ok(node: fx.Node) -> bool:
                                      and node.target.grad_free and node.target.pure)
 
 
-def _grad_free(node: fx.Node, block: frozenset[fx.Node]) -> bool:
-    """A node of ``block`` whose work is the same with gradients on: a partitioned block's eager
-    node. A run-time op that says so; a torch op that makes no tensor (a size, a host value); or a
-    torch op none of whose tensor inputs can require gradients on any call
+def _grad_free_nodes(block: NoGradBlock) -> frozenset[fx.Node]:
+    """The nodes of ``block`` whose work is the same with gradients on (a partitioned block's eager
+    nodes must be): a run-time op that says so; a torch op that makes no tensor (a size, a host
+    value); or a torch op none of whose tensor inputs can require gradients on any call
     (:func:`_never_requires_grad`), whose result then has no autograd history in either mode, and
     that writes in place only memory a node of the block made (not a view: one made without
     gradients of a tensor that requires them raises when written with gradients on)."""
-    if node.op == "get_attr":
-        return True
-    if node.op == "call_function" and isinstance(node.target, RuntimeOp):
-        return node.target.grad_free
-    facts = node_facts(node)
-    if facts is None or not facts.complete or not facts.torch_code:
-        return False
-    if not facts.writes_input and not tensors_in(value(node)):
-        return True
-    return all(_never_requires_grad(a, block, {}) for a in node.all_input_nodes) and \
-        facts.writes <= _made_in(block)
-
-
-def _made_in(block: frozenset[fx.Node]) -> frozenset[int]:
-    """The storages the nodes of ``block`` make (hold, and none of their inputs holds)."""
-    made: set[int] = set()
-    for node in block:
+    inner = frozenset(block.inner)
+    made: set[int] = set()  # the storages the block's nodes make (hold, and none of their inputs holds)
+    for node in inner:
         made |= storages_of(node) - set().union(*(storages_of(a) for a in node.all_input_nodes))
-    return frozenset(made)
+    seen: dict[fx.Node, bool] = {}
+
+    def free(node: fx.Node) -> bool:
+        if node.op == "get_attr":
+            return True
+        if node.op == "call_function" and isinstance(node.target, RuntimeOp):
+            return node.target.grad_free
+        facts = node_facts(node)
+        if facts is None or not facts.complete or not facts.torch_code:
+            return False
+        if not facts.writes_input and not tensors_in(value(node)):
+            return True
+        return all(_never_requires_grad(a, inner, seen) for a in node.all_input_nodes) and facts.writes <= made
+
+    return frozenset(n for n in inner if free(n))
 
 
 def _never_requires_grad(node: fx.Node, block: frozenset[fx.Node], seen: dict[fx.Node, bool]) -> bool:
@@ -246,6 +247,11 @@ def bucketed_symbols(gm: fx.GraphModule) -> frozenset:
 REPLAY_LAUNCHES = 2  # a replay launches two graphs: the forward's and the backward's
 
 
+def _held_in(region: list[fx.Node], blocks: Sequence[NoGradBlock]) -> list[tuple[NoGradBlock, list[fx.Node]]]:
+    inside = set(region)
+    return [(b, held) for b in blocks if (held := [n for n in b.inner if n in inside])]
+
+
 @dataclass
 class CapturePlan:
     verdicts: dict[fx.Node, Verdict]
@@ -264,8 +270,13 @@ class CapturePlan:
 
     def parts_in(self, region: list[fx.Node]) -> list[tuple[NoGradBlock, list[fx.Node]]]:
         """(partitioned block, its nodes in ``region``, in graph order) for each it has nodes in."""
-        inside = set(region)
-        return [(b, held) for b in self.parts if (held := [n for n in b.inner if n in inside])]
+        return _held_in(region, self.parts)
+
+    def switched_off_in(self, region: list[fx.Node]) -> list[tuple[NoGradBlock, list[fx.Node]]]:
+        """(block, its nodes in ``region``) for each block held whole there and each partitioned
+        one with nodes there: the region switches gradients off around them."""
+        return _held_in(region, [*self.blocks_in(region), *self.parts])
+
 
     @staticmethod
     def kernel_ops(region: list[fx.Node]) -> int:
@@ -333,8 +344,8 @@ def _plan(gm: fx.GraphModule, devices: Sequence[str], min_region_ops: int, count
         verdicts[node] = dataclasses.replace(verdicts[node], barrier=True)
     found = [b for b in no_grad_blocks(gm.graph) if any(verdicts[n].capturable for n in b.inner)]
     blocks = [b for b in found if all(verdicts[n].capturable or _outside_block_ok(n) for n in b.inner)]
-    parts = [b for b in found if partition and b not in blocks
-             and all(verdicts[n].capturable or _grad_free(n, frozenset(b.inner)) for n in b.inner)]
+    free = {b: _grad_free_nodes(b) for b in found if partition and b not in blocks}
+    parts = [b for b in free if all(verdicts[n].capturable or n in free[b] for n in b.inner)]
     plan_of = CapturePlan(verdicts)
     while True:  # a block whose capturable nodes fall into two regions is partitioned, or keeps its
         # barriers; so does a partitioned one with nodes in a region too small to capture
@@ -345,10 +356,11 @@ def _plan(gm: fx.GraphModule, devices: Sequence[str], min_region_ops: int, count
         if split:
             blocks = [b for b in blocks if b not in split]
             parts += [b for b in split if partition]
+            free.update({b: _grad_free_nodes(b) for b in split if partition})
             continue
         uncaptured = set().union(*(nodes for nodes in classes if parts and not plan_of.worth_capturing(
             nodes, min_region_ops, count_copies)))  # (run eagerly: with gradients on, once partitioned)
-        small = [b for b in parts if any(n in uncaptured and not _grad_free(n, frozenset(b.inner)) for n in b.inner)]
+        small = [b for b in parts if any(n in uncaptured and n not in free[b] for n in b.inner)]
         if not small:
             break
         parts = [b for b in parts if b not in small]

@@ -80,35 +80,21 @@ def _reentering(nodes: Sequence[fx.Node]) -> tuple[str, ...]:
     return tuple(found)
 
 
-def _blocks_restoring_modes(gm: fx.GraphModule, nodes: list[fx.Node],
-                            blocks: Sequence[NoGradBlock]) -> list[fx.Node]:
-    """``nodes`` with each no_grad block's switches as GradOff / GradRestore: inside a region
-    the block restores the grad mode it found (:mod:`fxpasses.runtime.grad_mode`)."""
-    swapped: dict[fx.Node, fx.Node] = {}
-    for block in blocks:
-        with gm.graph.inserting_before(block.off):
-            off = gm.graph.call_function(GradOff(f"grad_off_{block.off.name}"), ())
-        with gm.graph.inserting_before(block.on):
-            on = gm.graph.call_function(GradRestore(f"grad_restore_{block.on.name}"), (off,))
-        for old, new in ((block.off, off), (block.on, on)):
-            new.meta = dict(old.meta)
-            swapped[old] = new
-            gm.graph.erase_node(old)
-    return [swapped.get(n, n) for n in nodes]
-
-
-def _parts_switching_off(gm: fx.GraphModule, nodes: list[fx.Node],
-                         parts: Sequence[tuple[NoGradBlock, list[fx.Node]]]) -> list[fx.Node]:
-    """``nodes`` with gradients switched off around the nodes of each partitioned block they
-    hold (a GradOff before the first, a GradRestore after the last): the region runs them as the
-    block did, wherever it is called; the block's own switches are dropped (:meth:`CaptureLoss._fuse`).
+def _switching_off(gm: fx.GraphModule, nodes: list[fx.Node],
+                   blocks: Sequence[tuple[NoGradBlock, list[fx.Node]]]) -> list[fx.Node]:
+    """``nodes`` with gradients switched off around the nodes of each no_grad block they hold,
+    held whole or partitioned (a GradOff before the first, a GradRestore after the last: the
+    region runs them as the block did, wherever it is called, restoring the mode it found;
+    :mod:`fxpasses.runtime.grad_mode`). The block's own switches leave the region; they are
+    dropped once every region is fused (:meth:`CaptureLoss._fuse`).
 
     ``nodes`` are in the plan's order, the graph's before any region was fused, in which a
     block's nodes are the stretch between its switches; the switches go into that order. (The
     graph's order now may differ: fusing a region moves the users of its values after it, and a
     switch, with no data edge, stays where it was.)"""
-    ordered = list(nodes)
-    for block, held in parts:
+    switches = {s for block, _ in blocks for s in (block.off, block.on)}
+    ordered = [n for n in nodes if n not in switches]
+    for block, held in blocks:
         with gm.graph.inserting_before(held[0]):
             off = gm.graph.call_function(GradOff(f"grad_off_{block.off.name}_{held[0].name}"), ())
         with gm.graph.inserting_after(held[-1]):
@@ -240,10 +226,13 @@ class CaptureLoss:
 
     # -- rewrite --------------------------------------------------------------------------
     def _fuse(self, gm: fx.GraphModule, plan: CapturePlan, names: list[str]) -> list[CapturedRegion]:
-        fused = [fuse_region(gm, _parts_switching_off(gm, _blocks_restoring_modes(gm, nodes, plan.blocks_in(nodes)),
-                                                      plan.parts_in(nodes)), name)
-                 for name, nodes in zip(names, plan.regions)]
-        for block in plan.parts:  # every node of it is in a region, switching off around it
+        switched = {}  # each no_grad block a fused region switches off around (all of a partitioned one's)
+        fused = []
+        for name, nodes in zip(names, plan.regions):
+            blocks = plan.switched_off_in(nodes)
+            switched.update(blocks)
+            fused.append(fuse_region(gm, _switching_off(gm, nodes, blocks), name))
+        for block in switched:
             gm.graph.erase_node(block.off)
             gm.graph.erase_node(block.on)
         regions = []

@@ -252,7 +252,7 @@ def pad_capacities(gm: fx.GraphModule, pass_name: str) -> list[Certificate]:
         effect = {"capacity": f"the power-of-two bucket of {size.name}, at least {MIN_BUCKET}; 0 stays 0",
                   "licence": "the loss pads images with fewer objects with the same zero slots",
                   "records": "one recording per bucket instead of one per count"} if applied else {}
-        site = Site((factory.name,), (location,) if location else (), f"zero buffer {factory.name}")
+        site = _site(factory)
         if applied:
             shared = read.get(size)
             op = shared or PaddedSize(f"capacity_{factory.name}", location, MIN_BUCKET, _sole_symbol(factory, index))
@@ -265,21 +265,16 @@ def pad_capacities(gm: fx.GraphModule, pass_name: str) -> list[Certificate]:
         else:
             cert = Certificate.from_checks(pass_name, site, checks, witness=witness)
         certificates.append(cert)
-    for factory, index in every:
-        if factory in follows:
-            certificates.append(_following_certificate(pass_name, factory, follows[factory], checks,
-                                                       witness, applied))
+    for factory, source in follows.items():  # nothing inserted either way
+        effect = {"capacity": f"none inserted: its size is read from {source.name}'s padded buffer, "
+                              "a capacity already (the same traced symbol)"} if applied else {}
+        certificates.append(Certificate.from_checks(pass_name, _site(factory), checks, effect=effect,
+                                                    witness=witness))
     if applied:
         annotate_new(gm)
     return certificates
 
 
-def _following_certificate(pass_name: str, factory: fx.Node, source: fx.Node, checks: list[Check],
-                           witness: Witness | None, applied: bool) -> Certificate:
-    """The certificate of a site whose size is read from ``source``'s buffer: a capacity where
-    that buffer's is (nothing inserted either way)."""
+def _site(factory: fx.Node) -> Site:
     location = node_location(factory)
-    site = Site((factory.name,), (location,) if location else (), f"zero buffer {factory.name}")
-    effect = {"capacity": f"none inserted: its size is read from {source.name}'s padded buffer, "
-                          "a capacity already (the same traced symbol)"} if applied else {}
-    return Certificate.from_checks(pass_name, site, checks, effect=effect, witness=witness)
+    return Site((factory.name,), (location,) if location else (), f"zero buffer {factory.name}")
