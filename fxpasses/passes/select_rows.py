@@ -57,7 +57,7 @@ from ..certificates import Certificate, Check, Site
 from ..ir.proofs import kept_whole, rely_on
 from ..locations import node_location
 from ..pipeline import PassResult
-from ..runtime.select import COUNT_GUARDS
+from ..runtime.select import COUNT_GUARDS, GROWTH
 from .select_rewrite import external_storages, place_reads, rewrite_level, visible_before
 from .select_witness import selection_witness
 
@@ -200,7 +200,7 @@ class SelectRows:
         effect = {
             "level": space.level, "sites": len(sites), "region_nodes": len(analysis.region),
             "capacity": f"chosen before the count is known: {self.min_bucket} until a count exceeds "
-                        f"it, then the power of two above twice the largest count seen",
+                        f"it, then the power of two above {GROWTH} times the largest count seen",
             "count_read": "once, as late as is safe (before any visible effect, host read or "
                           "index op that depends on the gathered rows): a count above the "
                           "capacity abandons the call, which runs again with the capacity grown",

@@ -5,9 +5,9 @@
 SelectRows replaces boolean-mask selections by gathers into a static capacity ``C``. The counts
 stay on the device for everything the graph computes (validity masks, the divisors of means), so
 nothing has to wait for them: :class:`Capacities` gives each selection its capacity from what
-earlier calls needed (the power-of-two bucket of the largest count seen, at least
-``min_bucket``), :class:`StartCounts` queues the counts' copy to the host as soon as they are
-computed, and one :class:`CheckCounts` waits for that copy alone (ONE synchronisation) late in
+earlier calls needed (the power-of-two bucket of four times the largest count seen, at
+least ``min_bucket``), :class:`StartCounts` queues the counts' copy to the host as soon as they
+are computed, and one :class:`CheckCounts` waits for that copy alone (ONE synchronisation) late in
 the forward, when the GPU has the rest of the step queued, before anything of the call is
 visible. It abandons the call (:class:`~fxpasses.ir.abandon.Abandon`)
 
@@ -35,14 +35,18 @@ from .paired_capture import bucket
 NOT_EMPTY = SiteGuard("selection-not-empty", "every selection of the level has a row", "selection-empty")
 FITS = SiteGuard("selection-fits", "every count is at most the capacity its rows were gathered into "
                  "(else the capacity grows and the call runs again)", "selection-capacity")
+# The real criterion over 200 fresh batches of 2-4 images at 640 px (bench/abandons.py): with 2,
+# capacities grew in 4 calls, each run again, and its regions made 55 recordings; with 4, in none
+# after the first call, 20 recordings and 42 % less static memory (bench/RESULTS.md)
+GROWTH = 4
 COUNT_GUARDS = (NOT_EMPTY, FITS)  # what CheckCounts checks; SelectRows's certificates list them
 
 
 class Capacities(RuntimeOp):
     """``capacity() -> (C,)``: the capacity of one selection (a Python int): ``min_bucket``, until a
-    count exceeds it; then the bucket of twice the largest count (room for a later batch with up
-    to twice as many rows: each growth re-runs a call). ``site``: its source location, named
-    when it is empty or grows; ``level``: 1 for a mask over the loss's tensors, ``n + 1`` for a
+    count exceeds it; then the bucket of ``GROWTH`` times the largest count (room for a later
+    batch with up to that many times the rows: each growth re-runs a call). ``site``: its source
+    location, named when it is empty or grows; ``level``: 1 for a mask over the loss's tensors, ``n + 1`` for a
     mask over the rows of a level-``n`` selection."""
 
     pure = True
@@ -60,7 +64,7 @@ class Capacities(RuntimeOp):
         return (self.value,)
 
     def grow(self, count: int) -> None:
-        self.value = max(self.value, bucket(2 * count, self.min_bucket))
+        self.value = max(self.value, bucket(GROWTH * count, self.min_bucket))
         self.count_event("grown")
 
     def propagate(self) -> tuple[torch.SymInt]:

@@ -8,11 +8,12 @@ selection's capacity growing), and every call's values, prediction gradients and
 gradients equal to native's within float32 rounding. CaptureLoss runs with the emulated recorder
 (CUDA graphs' static-buffer semantics on a CPU), so its regions record and replay here too.
 
-Abandoned calls, measured: the selections' capacities grow in the first calls (each growth runs
-that call again at once, optimized), and the loss's own branches on data (``if fg_mask.sum():``
-with no foreground anchor, loss.py:894; a batch without persons) abandon and run natively. The
-symbolic-sizes issue's target, at most 1 % abandoned, is not met by the second kind at these
-small batches (about 3 % of calls); the test holds what is reached, so that it cannot get worse.
+Abandoned calls, measured: the selections' capacities (four times the largest count seen) grow
+in the first call only (each growth runs that call again at once, optimized); the loss's own
+branches on data (``if fg_mask.sum():`` with no foreground anchor, loss.py:894, 3 calls; a batch
+without persons, loss.py:790, 1 call) abandon and run natively. The symbolic-sizes issue's
+target, at most 1 % abandoned, is not met by these at such small batches (2 % of calls); the test
+holds what is reached, so that it cannot get worse.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def test_two_hundred_fresh_batches_run_optimized_and_equal_native(pose_model):
     assert stats.optimized >= 0.98 * CALLS, stats.render()
     kinds = {k.split(" at ")[0] for k in stats.abandoned}
     assert kinds <= {"selection-capacity", "guard-failed", "selection-empty"}, stats.render()
-    assert 0 < len(grew_at) <= 0.02 * CALLS, grew_at  # the capacities grow in a few calls
+    assert len(grew_at) <= 0.01 * CALLS, grew_at  # the capacities grow in a few calls at most
     # every region's replay admitted whenever its memory is free: none held by its own constants
     # (a device constant every recording outputs once made region 0 run eagerly in 127 of 200)
     assert not any(v.get("outputs-alive") for v in stats.sites.values()), stats.render()
