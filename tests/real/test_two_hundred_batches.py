@@ -8,7 +8,8 @@ selection's capacity growing), and every call's values, prediction gradients and
 gradients equal to native's within float32 rounding. CaptureLoss runs with the emulated recorder
 (CUDA graphs' static-buffer semantics on a CPU), so its regions record and replay here too.
 
-Abandoned calls, measured: the selections' capacities (four times the largest count seen) grow
+At 640 px (the training resolution) at most 1 % of the calls are abandoned (measured: one, a
+batch without persons). At 128 px, abandoned calls, measured: the selections' capacities (four times the largest count seen) grow
 in the first call only (each growth runs that call again at once, optimized); the loss's own
 branches on data (``if fg_mask.sum():`` with no foreground anchor, loss.py:894, 3 calls; a batch
 without persons, loss.py:790, 1 call) abandon and run natively. The symbolic-sizes issue's
@@ -29,12 +30,12 @@ from fxpasses.workloads.ultralytics_pose import pose_batch, pose_preds
 
 pytestmark = pytest.mark.slow  # 200 calls of each arm: minutes on two CPU cores
 
-CALLS, IMAGE_SIZE = 200, 128
+CALLS = 200
 
 
-def _call(loss, flow, size, seed):
-    preds = pose_preds(size, seed=seed, image_size=IMAGE_SIZE)
-    batch = pose_batch(size, seed=seed, image_size=IMAGE_SIZE, poison=seed % 3 == 0)
+def _call(loss, flow, size, seed, image_size):
+    preds = pose_preds(size, seed=seed, image_size=image_size)
+    batch = pose_batch(size, seed=seed, image_size=image_size, poison=seed % 3 == 0)
     total, items = loss(preds, batch)
     flow.zero_grad(set_to_none=True)
     total.sum().backward()
@@ -42,16 +43,18 @@ def _call(loss, flow, size, seed):
     return total.detach(), items, grads, [p.grad for p in flow.parameters()]
 
 
-def test_two_hundred_fresh_batches_run_optimized_and_equal_native(pose_model):
+@pytest.mark.parametrize("image_size", [128, 640])
+def test_two_hundred_fresh_batches_run_optimized_and_equal_native(pose_model, image_size):
     crit = pose_model.init_criterion()
     flow = pose_model.model[-1].flow_model
     fast = optimize(crit, passes=[PairRLE(), SelectRows(), CaptureLoss(
         devices=("cpu",), recorder=EmulatedRecorder())])
     sizes = torch.randint(2, 5, (CALLS,), generator=torch.Generator().manual_seed(24))
-    grew_at = []  # the calls in which a selection's capacity grew
+    grew_at, abandoned_at = [], []  # the calls in which a selection's capacity grew; abandoned
     for seed, size in enumerate(sizes.tolist()):
         before = fast.stats.abandoned
-        got, want = _call(fast, flow, size, 1000 + seed), _call(crit, flow, size, 1000 + seed)
+        got = _call(fast, flow, size, 1000 + seed, image_size)
+        want = _call(crit, flow, size, 1000 + seed, image_size)
         torch.testing.assert_close(got[0], want[0], equal_nan=True)
         for key in want[1]:
             torch.testing.assert_close(got[1][key], want[1][key], equal_nan=True)
@@ -60,6 +63,8 @@ def test_two_hundred_fresh_batches_run_optimized_and_equal_native(pose_model):
             torch.testing.assert_close(g, w, equal_nan=True)
         if any(k.startswith("selection-capacity") for k in fast.stats.abandoned - before):
             grew_at.append(seed)
+        if fast.stats.abandoned - before:
+            abandoned_at.append(seed)
     stats = fast.stats
     assert len(fast.specializations) <= 2, fast.explain(verbose=False)
     assert stats.optimized >= 0.98 * CALLS, stats.render()
@@ -71,3 +76,5 @@ def test_two_hundred_fresh_batches_run_optimized_and_equal_native(pose_model):
     assert not any(v.get("outputs-alive") for v in stats.sites.values()), stats.render()
     grown = sum(v for k, v in stats.abandoned.items() if k.startswith("selection-capacity"))
     assert sum(stats.abandoned.values()) - grown <= 0.03 * CALLS, stats.render()
+    if image_size == 640:  # the training resolution: the symbolic-sizes issue's target is met
+        assert len(abandoned_at) <= 0.01 * CALLS, (abandoned_at, stats.render())
