@@ -9,12 +9,11 @@ gradients equal to native's within float32 rounding. CaptureLoss runs with the e
 (CUDA graphs' static-buffer semantics on a CPU), so its regions record and replay here too.
 
 At 640 px (the training resolution) at most 1 % of the calls are abandoned (measured: one, a
-batch without persons). At 128 px, abandoned calls, measured: the selections' capacities (four times the largest count seen) grow
-in the first call only (each growth runs that call again at once, optimized); the loss's own
-branches on data (``if fg_mask.sum():`` with no foreground anchor, loss.py:894, 3 calls; a batch
-without persons, loss.py:790, 1 call) abandon and run natively. The symbolic-sizes issue's
-target, at most 1 % abandoned, is not met by these at such small batches (2 % of calls); the test
-holds what is reached, so that it cannot get worse.
+batch without persons). At 128 px, measured: the selections' capacities (four times the largest
+count seen) grow in the first call only (each growth runs that call again at once, optimized);
+the loss's own branches on data (``if fg_mask.sum():`` with no foreground anchor, loss.py:894, 3
+calls; a batch without persons, loss.py:790, 1 call) abandon and run natively: 2 % of the calls,
+above the symbolic-sizes issue's 1 %; the test holds what is reached, so that it cannot get worse.
 """
 
 from __future__ import annotations
