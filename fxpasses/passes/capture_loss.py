@@ -30,6 +30,7 @@ from typing import Sequence
 
 import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 
 from ..analysis.capture import CapturePlan, NoGradBlock, Verdict, bucketed_symbols, is_state, plan_regions
 from ..analysis.fusion import fuse_region
@@ -78,6 +79,22 @@ def _reentering(nodes: Sequence[fx.Node]) -> tuple[str, ...]:
             else:
                 stack.append((user, source))
     return tuple(found)
+
+
+def _growing_symbols(gm: fx.GraphModule) -> frozenset:
+    """The size symbols of the ints that only grow (``RuntimeOp.only_grows``: capacities, padded
+    sizes), as shape propagation gave them."""
+    return frozenset(leaf.node.expr for n in gm.graph.nodes
+                     if n.op == "call_function" and getattr(n.target, "only_grows", False)
+                     for leaf in pytree.tree_leaves(value(n)) if isinstance(leaf, torch.SymInt))
+
+
+def _growing_dims(arg: object, grows: frozenset) -> tuple[int, ...]:
+    """The dims of a tensor argument whose size is one of ``grows``."""
+    tensor = value(arg) if isinstance(arg, fx.Node) else None
+    if not isinstance(tensor, torch.Tensor):
+        return ()
+    return tuple(d for d, size in enumerate(tensor.shape) if isinstance(size, torch.SymInt) and size.node.expr in grows)
 
 
 def _switching_off(gm: fx.GraphModule, nodes: list[fx.Node],
@@ -236,16 +253,18 @@ class CaptureLoss:
             gm.graph.erase_node(block.off)
             gm.graph.erase_node(block.on)
         regions = []
+        grows = _growing_symbols(gm)
         for node in fused:
             # parameters, buffers and other state read by the graph are used in place, never copied
             identity = frozenset(i for i, a in enumerate(node.args) if is_state(a))
             growing = frozenset(i for i, a in enumerate(node.args)
                                 if isinstance(a, fx.Node) and getattr(a.target, "only_grows", False))
+            growing_dims = {i: dims for i, a in enumerate(node.args) if (dims := _growing_dims(a, grows))}
             region = CapturedRegion(node.target, gm.get_submodule(node.target), identity=identity,
                                     max_recordings=self.max_recordings, record_after=self.record_after,
                                     recorder=self.recorder,
                                     input_names=[a.name if isinstance(a, fx.Node) else repr(a) for a in node.args],
-                                    growing=growing)
+                                    growing=growing, growing_dims=growing_dims)
             with gm.graph.inserting_before(node):
                 call = gm.graph.call_function(region, node.args, node.kwargs)
             call.meta = dict(node.meta)

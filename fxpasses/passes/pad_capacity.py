@@ -7,11 +7,12 @@ loss.py:405 and :790) makes a zero buffer as long as the most objects in one ima
 from the data each call; everything over that buffer (the assigner's (images, objects, anchors)
 tensors) then has a shape of its own per batch, and CaptureLoss cannot record it. The images with
 fewer objects already keep zero slots that the loss treats as padding; so the size may be
-rounded up to a power-of-two capacity (:class:`~fxpasses.runtime.padded_size.PaddedSize`; zero
-stays zero) *if* the extra zero slots change nothing. That is not assumed: the loss itself runs on
-the call being traced twice, at the exact sizes and padded to at least twice the smallest
-capacity, values and the gradients of every input and parameter compared (:func:`padding_inert`). Where they differ,
-or the witness cannot run, the sizes stay exact (a certificate says why). A site is a zero factory
+rounded up to a power-of-two capacity that only grows
+(:class:`~fxpasses.runtime.padded_size.PaddedSize`; zero stays zero) *if* the extra zero slots
+change nothing. That is not assumed: the loss itself runs on the call being traced twice, at the
+exact sizes and padded to at least twice the smallest capacity, values and the gradients of every
+input and parameter compared (:func:`padding_inert`). Where they differ, or the witness cannot
+run, the sizes stay exact (a certificate says why). A site is a zero factory
 (``torch.zeros``, ``Tensor.new_zeros``) with one size that is a data-dependent integer (a
 ``.item()`` read, or a 0-dim integer tensor read by the factory).
 
@@ -249,9 +250,10 @@ def pad_capacities(gm: fx.GraphModule, pass_name: str) -> list[Certificate]:
     for factory, index in sites:
         location = node_location(factory)
         size = _sizes(factory)[1][index]
-        effect = {"capacity": f"the power-of-two bucket of {size.name}, at least {MIN_BUCKET}; 0 stays 0",
+        effect = {"capacity": f"the power-of-two bucket of {size.name}, at least {MIN_BUCKET} and at least "
+                              f"the largest given before; 0 stays 0",
                   "licence": "the loss pads images with fewer objects with the same zero slots",
-                  "records": "one recording per bucket instead of one per count"} if applied else {}
+                  "records": "one recording for the largest bucket instead of one per count"} if applied else {}
         site = _site(factory)
         if applied:
             shared = read.get(size)

@@ -560,11 +560,14 @@ class CapturedRegion(RuntimeOp):
     def __init__(self, op_id: str, fn: Callable, *, max_recordings: int = 4, record_after: int = 1,
                  recorder: CaptureRecorder | None = None, identity: frozenset[int] = frozenset(),
                  counters: Any = None, input_names: Sequence[str] = (),
-                 growing: frozenset[int] = frozenset()):
+                 growing: frozenset[int] = frozenset(),
+                 growing_dims: dict[int, tuple[int, ...]] | None = None):
         super().__init__(op_id)
         # argument positions of ints that only grow (RuntimeOp.only_grows: SelectRows'
-        # capacities): a recording made for a smaller one than a call's is never replayed again
+        # capacities, padded sizes), and the dims of tensor arguments that are such ints: a
+        # recording made for a smaller one than a call's is never replayed again
         self.growing = frozenset(growing)
+        self.growing_dims = dict(growing_dims or {})
         self.input_names = tuple(input_names)  # the graph's names of its arguments (for reports)
         self.changes: Counter[str] = Counter()  # what a new recording changed from the nearest held
         self.fn = fn
@@ -682,15 +685,20 @@ class CapturedRegion(RuntimeOp):
         return False
 
     def _evict_outgrown(self, flat: list[Any], starts: list[int]) -> None:
-        """Drop the recordings (no tensor refers to) made for a capacity below this call's: the
-        capacity never shrinks, so their signatures cannot recur, and their memory would be held
-        until ``max_recordings`` newer ones pushed them out."""
-        if not self.growing:
+        """Drop the recordings (no tensor refers to) made for a capacity below this call's, given
+        as an int or as a tensor's size: the capacity never shrinks, so their signatures cannot
+        recur, and their memory would be held until ``max_recordings`` newer ones pushed them
+        out."""
+        if not self.growing and not self.growing_dims:
             return
         positions = [k for i in sorted(self.growing) for k in range(starts[i], starts[i + 1])]
-        now = [flat[k] for k in positions]
+        dims = [(starts[i], d) for i, ds in self.growing_dims.items() for d in ds
+                if starts[i + 1] == starts[i] + 1 and isinstance(flat[starts[i]], torch.Tensor)]
+        now = [flat[k] for k in positions] + [flat[k].shape[d] for k, d in dims]
         for key, recording in list(self.recordings.items()):
-            old = [recording.inputs[k] for k in positions]
+            old = [recording.inputs[k] for k in positions] + [
+                recording.inputs[k].shape[d] if isinstance(recording.inputs[k], torch.Tensor) else None
+                for k, d in dims]
             if any(type(a) is int and type(b) is int and a < b for a, b in zip(old, now)) \
                     and not recording.referenced():
                 del self.recordings[key]

@@ -83,6 +83,28 @@ def test_a_buffer_sized_from_a_padded_one_gets_no_capacity_of_its_own(mean_over_
     assert fast.stats.optimized == 4 and not fast.stats.native
 
 
+@pytest.mark.parametrize("follow", [False, True])
+def test_a_smaller_count_after_a_larger_one_replays_the_larger_capacity(follow):
+    """The capacity only grows: after a batch of 19 objects in an image (32 slots), batches of
+    at most 16 (16 slots on their own) replay the 32-slot recordings, and the 16-slot ones are
+    dropped (their memory freed) in every region, the regions that take the padded buffer
+    without its size included."""
+    from fxpasses.runtime.capture import CapturedRegion
+
+    loss = Packed(follow=follow)
+    fast = optimize(loss, passes=[_capture()])
+    seq = [(2, 1, 3), (5, 0, 1), (0, 19, 2), (1, 19, 0), (3, 3, 3), (2, 1, 1), (4, 0, 4)]
+    _matches_native(loss, fast, seq)
+    regions = [n.target for n in fast.graph_module.graph.nodes if isinstance(n.target, CapturedRegion)]
+    assert regions and all(len(r.recordings) == 1 for r in regions), [len(r.recordings) for r in regions]
+    slots = {t.shape[1] for r in regions for rec in r.recordings.values()
+             for t in rec.inputs if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[0] == 3}
+    assert slots == {32}, slots
+    assert all(r.counters["evicted"] >= 1 for r in regions), [dict(r.counters) for r in regions]
+    assert all(r.made == 2 for r in regions), [r.made for r in regions]  # 16 slots, then 32 only
+    assert fast.stats.optimized == len(seq) and not fast.stats.native
+
+
 def test_a_loss_that_reads_its_padding_keeps_exact_sizes():
     loss = Packed(mean_over_slots=True)
     fast = optimize(loss, passes=[_capture()])
@@ -117,10 +139,11 @@ def test_a_witness_that_cannot_run_padded_keeps_exact_sizes():
     assert not any(isinstance(n.target, PaddedSize) for n in gm.graph.nodes)
 
 
-def test_capacity_buckets_and_zero_stays_zero():
+def test_capacity_buckets_only_grow_and_zero_stays_zero():
     op = PaddedSize("p", "here", 4)
     assert [op(n)[0] for n in (0, 1, 3, 4, 5, 9, 16, 17)] == [0, 4, 4, 4, 8, 16, 16, 32]
-    assert op(torch.tensor(5))[0] == 8
+    assert [op(n)[0] for n in (5, 0, 40, 3)] == [32, 0, 64, 64]  # a smaller count: the largest bucket
+    assert PaddedSize("q", "here", 4)(torch.tensor(5))[0] == 8
     op.padded = False
     assert op(5) == (5,)
 
