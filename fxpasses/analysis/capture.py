@@ -277,7 +277,6 @@ class CapturePlan:
         one with nodes there: the region switches gradients off around them."""
         return _held_in(region, [*self.blocks_in(region), *self.parts])
 
-
     @staticmethod
     def kernel_ops(region: list[fx.Node]) -> int:
         return sum(launches_kernels(n) for n in region)

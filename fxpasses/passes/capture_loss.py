@@ -89,12 +89,23 @@ def _growing_symbols(gm: fx.GraphModule) -> frozenset:
                      for leaf in pytree.tree_leaves(value(n)) if isinstance(leaf, torch.SymInt))
 
 
-def _growing_dims(arg: object, grows: frozenset) -> tuple[int, ...]:
-    """The dims of a tensor argument whose size is one of ``grows``."""
-    tensor = value(arg) if isinstance(arg, fx.Node) else None
-    if not isinstance(tensor, torch.Tensor):
-        return ()
-    return tuple(d for d, size in enumerate(tensor.shape) if isinstance(size, torch.SymInt) and size.node.expr in grows)
+def _growing(args: Sequence[object], grows: frozenset) -> dict[int, tuple[int, ...] | None]:
+    """The region arguments that carry a size that only grows: None where the argument is such
+    an int (the op's value), else the dims of a tensor argument whose size is one of ``grows``."""
+    found: dict[int, tuple[int, ...] | None] = {}
+    for i, arg in enumerate(args):
+        if not isinstance(arg, fx.Node):
+            continue
+        if getattr(arg.target, "only_grows", False):
+            found[i] = None
+            continue
+        tensor = value(arg)
+        dims = tuple(d for d, size in enumerate(tensor.shape)
+                     if isinstance(size, torch.SymInt) and size.node.expr in grows) \
+            if isinstance(tensor, torch.Tensor) else ()
+        if dims:
+            found[i] = dims
+    return found
 
 
 def _switching_off(gm: fx.GraphModule, nodes: list[fx.Node],
@@ -257,14 +268,11 @@ class CaptureLoss:
         for node in fused:
             # parameters, buffers and other state read by the graph are used in place, never copied
             identity = frozenset(i for i, a in enumerate(node.args) if is_state(a))
-            growing = frozenset(i for i, a in enumerate(node.args)
-                                if isinstance(a, fx.Node) and getattr(a.target, "only_grows", False))
-            growing_dims = {i: dims for i, a in enumerate(node.args) if (dims := _growing_dims(a, grows))}
             region = CapturedRegion(node.target, gm.get_submodule(node.target), identity=identity,
                                     max_recordings=self.max_recordings, record_after=self.record_after,
                                     recorder=self.recorder,
                                     input_names=[a.name if isinstance(a, fx.Node) else repr(a) for a in node.args],
-                                    growing=growing, growing_dims=growing_dims)
+                                    growing=_growing(node.args, grows))
             with gm.graph.inserting_before(node):
                 call = gm.graph.call_function(region, node.args, node.kwargs)
             call.meta = dict(node.meta)

@@ -546,6 +546,13 @@ def no_autocast_cache():
     return contextlib.nullcontext()
 
 
+def _size(arg: Any, dim: int | None) -> Any:
+    """``arg`` itself (dim None), or its size ``dim`` where it is a tensor."""
+    if dim is None:
+        return arg
+    return arg.shape[dim] if isinstance(arg, torch.Tensor) else None
+
+
 class CapturedRegion(RuntimeOp):
     """``region(*args)``: replay the recording for the args' signature (see module docstring).
 
@@ -560,14 +567,12 @@ class CapturedRegion(RuntimeOp):
     def __init__(self, op_id: str, fn: Callable, *, max_recordings: int = 4, record_after: int = 1,
                  recorder: CaptureRecorder | None = None, identity: frozenset[int] = frozenset(),
                  counters: Any = None, input_names: Sequence[str] = (),
-                 growing: frozenset[int] = frozenset(),
-                 growing_dims: dict[int, tuple[int, ...]] | None = None):
+                 growing: dict[int, tuple[int, ...] | None] | None = None):
         super().__init__(op_id)
-        # argument positions of ints that only grow (RuntimeOp.only_grows: SelectRows'
-        # capacities, padded sizes), and the dims of tensor arguments that are such ints: a
-        # recording made for a smaller one than a call's is never replayed again
-        self.growing = frozenset(growing)
-        self.growing_dims = dict(growing_dims or {})
+        # sizes that only grow (RuntimeOp.only_grows: SelectRows' capacities, padded sizes), by
+        # argument position: None where the argument is such an int, else the dims of the tensor
+        # argument that are; a recording made for a smaller one than a call's is never replayed again
+        self.growing = dict(growing or {})
         self.input_names = tuple(input_names)  # the graph's names of its arguments (for reports)
         self.changes: Counter[str] = Counter()  # what a new recording changed from the nearest held
         self.fn = fn
@@ -689,16 +694,13 @@ class CapturedRegion(RuntimeOp):
         as an int or as a tensor's size: the capacity never shrinks, so their signatures cannot
         recur, and their memory would be held until ``max_recordings`` newer ones pushed them
         out."""
-        if not self.growing and not self.growing_dims:
+        if not self.growing:
             return
-        positions = [k for i in sorted(self.growing) for k in range(starts[i], starts[i + 1])]
-        dims = [(starts[i], d) for i, ds in self.growing_dims.items() for d in ds
-                if starts[i + 1] == starts[i] + 1 and isinstance(flat[starts[i]], torch.Tensor)]
-        now = [flat[k] for k in positions] + [flat[k].shape[d] for k, d in dims]
+        sizes = [(k, d) for i, dims in self.growing.items() for k in range(starts[i], starts[i + 1])
+                 for d in (dims or (None,))]
+        now = [_size(flat[k], d) for k, d in sizes]
         for key, recording in list(self.recordings.items()):
-            old = [recording.inputs[k] for k in positions] + [
-                recording.inputs[k].shape[d] if isinstance(recording.inputs[k], torch.Tensor) else None
-                for k, d in dims]
+            old = [_size(recording.inputs[k], d) for k, d in sizes]
             if any(type(a) is int and type(b) is int and a < b for a, b in zip(old, now)) \
                     and not recording.referenced():
                 del self.recordings[key]

@@ -10,8 +10,8 @@ that is static for a recording (:class:`~fxpasses.ir.proofs.BucketedSizes`) inst
 value of ``n``, and a batch whose ``n`` falls in a smaller bucket than an earlier one's replays
 the same recording (two buckets taking turns held two recordings, each with its static buffers,
 and the GPU's memory of both); zero stays zero, so a branch on the buffer being empty goes the
-same way. CaptureLoss pads only where a witness ran the
-loss at both sizes (:mod:`fxpasses.passes.pad_capacity`).
+same way. CaptureLoss pads only where a witness ran the loss at both sizes
+(:mod:`fxpasses.passes.pad_capacity`).
 """
 
 from __future__ import annotations

@@ -46,8 +46,8 @@ class Capacities(RuntimeOp):
     """``capacity() -> (C,)``: the capacity of one selection (a Python int): ``min_bucket``, until a
     count exceeds it; then the bucket of ``GROWTH`` times the largest count (room for a later
     batch with up to that many times the rows: each growth re-runs a call). ``site``: its source
-    location, named when it is empty or grows; ``level``: 1 for a mask over the loss's tensors, ``n + 1`` for a
-    mask over the rows of a level-``n`` selection."""
+    location, named when it is empty or grows; ``level``: 1 for a mask over the loss's tensors,
+    ``n + 1`` for a mask over the rows of a level-``n`` selection."""
 
     pure = True
     grad_free = True
