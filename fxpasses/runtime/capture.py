@@ -26,8 +26,9 @@ memory is free, else the region runs eagerly for this call, counted by reason:
 
 * ``replay-pending-backward``: the previous replay's backward has not run (its activations live
   in the region's memory pool);
-* ``outputs-alive``: a tensor still refers to this recording's static inputs or outputs (kept by
-  the caller, or saved for backward by an eager op of an earlier call whose backward is pending)
+* ``outputs-alive``: a tensor still refers to the static inputs or outputs of one of the
+  region's recordings (kept by the caller, or saved for backward by an eager op of an earlier call
+  whose backward is pending); any of them, not only the one replayed, since they share a pool
   — checked by storage use counts, as torch's own CUDA-graph trees check their outputs'
   liveness (``torch/_inductor/cudagraph_trees.py``);
 * ``concurrent-call``: another thread is inside this region (or, for a recording, this thread's
@@ -83,8 +84,8 @@ SIGNATURE_RECURRED = SiteGuard("signature-recurred", "a new signature is recorde
                                "record_after-th call (natively until then)", "awaiting-repeat")
 BACKWARD_DONE = SiteGuard("backward-done", "the previous replay's backward has run (or its graph was "
                           "freed)", "replay-pending-backward")
-MEMORY_FREE = SiteGuard("memory-free", "no tensor outside the recording refers to its static memory "
-                        "(storage use counts)", "outputs-alive")
+MEMORY_FREE = SiteGuard("memory-free", "no tensor outside the region's recordings refers to their "
+                        "static memory, which shares one pool (storage use counts)", "outputs-alive")
 ONE_THREAD = SiteGuard("one-thread", "no other thread is inside the region", "concurrent-call")
 CAPTURE_OK = SiteGuard("capture-ok", "recording did not fail", "capture-failed")
 FIRST_ORDER = SiteGuard("first-order-backward", "a backward through a replay makes no graph (else the "
@@ -668,7 +669,7 @@ class CapturedRegion(RuntimeOp):
             self._evict_outgrown(flat, starts)
         if self._pending is not None:
             return BACKWARD_DONE.code, None, flat
-        if recording.referenced():
+        if any(r.referenced() for r in self.recordings.values()):  # one pool: see _record
             return MEMORY_FREE.code, None, flat
         return None, recording, flat
 
@@ -721,7 +722,13 @@ class CapturedRegion(RuntimeOp):
     def _record(self, flat: list[Any], starts: list[int], identity: frozenset[int],
                 specs: tuple[Any, ...]) -> Recording:
         """Record ``self.fn`` on the flat arguments: ``starts[i]:starts[i + 1]`` are the leaves
-        of argument ``i`` (structure ``specs[i]``), the rest the module state read."""
+        of argument ``i`` (structure ``specs[i]``), the rest the module state read.
+
+        A region's recordings share one memory pool: what an earlier recording's capture freed
+        (its activations, after its backward was captured) a later one may take for its static
+        outputs, so a replay of the earlier one writes them. Hence a replay is admitted only when
+        no tensor refers to the static memory of *any* of the region's recordings, as torch's
+        CUDA-graph trees check every live output of their shared pool before a replay."""
         if self._pool is None:
             self._pool = self.recorder.new_pool()
         n_args = starts[-1]

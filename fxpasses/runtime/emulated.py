@@ -3,12 +3,20 @@
 It keeps exactly the static-buffer semantics of :class:`~fxpasses.runtime.capture.CudaGraphRecorder`
 — inputs copied into static buffers, every replay overwriting the same output and gradient
 memory — but a forward "replay" re-runs the recorded function eagerly and writes the results
-into those buffers, and a backward replay differentiates what the latest forward replay ran. So ownership bugs (an output the caller keeps being overwritten by the next replay) and
+into those buffers, and a backward replay differentiates what the latest forward replay ran. So
+ownership bugs (an output the caller keeps being overwritten by the next replay) and
 pending-backward bugs show up on a CPU exactly as they would on a GPU.
+
+The recordings of one pool share its memory as CUDA graphs do: a later capture may place its
+static outputs where an earlier capture's freed activations were, which that earlier graph's
+replays write. The emulation takes the worst case: every replay (forward or backward) fills the
+static outputs of the pool's other recordings with garbage (NaN; the largest integer; negated
+booleans), so a replay admitted while another recording's outputs are still read shows up.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from typing import Any, Callable, Sequence
 
@@ -43,20 +51,54 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.device == b.device and a.dtype == b.dtype)
 
 
+class _Pool:
+    """The recordings sharing one memory pool (weakly: an evicted recording's memory is gone)."""
+
+    def __init__(self):
+        self.recordings: list[weakref.ref] = []
+
+    def add(self, recording: Recording) -> None:
+        self.recordings = [r for r in self.recordings if r() is not None] + [weakref.ref(recording)]
+
+    def replaying(self, recording: Recording) -> None:
+        """Garbage in the static outputs of the other recordings (not views of their static
+        inputs, which a graph's pool does not hold; not the tensors its ops keep across calls)."""
+        for ref in self.recordings:
+            other = ref()
+            if other is None or other is recording:
+                continue
+            inputs = {t.untyped_storage().data_ptr() for t in other.inputs if isinstance(t, torch.Tensor)}
+            for out in other.outputs:
+                if isinstance(out, torch.Tensor) and out.numel() and \
+                        out.untyped_storage().data_ptr() in other.memory - inputs:
+                    _garble(out)
+
+
+def _garble(t: torch.Tensor) -> None:
+    with torch.no_grad():
+        if t.dtype == torch.bool:
+            t.logical_not_()
+        elif t.is_floating_point() or t.is_complex():
+            t.fill_(float("nan"))
+        else:
+            t.fill_(torch.iinfo(t.dtype).max)
+
+
 class _Forward:
     """A replay: the recorded function run again on the static inputs, its results written
     into the static outputs. With a backward recorded it runs with gradients on, as it was
     recorded, and keeps its autograd graph (``activations``) for the backward replays, as a
     graph's activations stay in its memory until its next replay."""
 
-    def __init__(self, fn: Callable, recording: Recording, inputs: list[Any]):
-        self.fn, self.recording, self.inputs = fn, recording, inputs
+    def __init__(self, fn: Callable, recording: Recording, inputs: list[Any], pool: _Pool):
+        self.fn, self.recording, self.inputs, self.pool = fn, recording, inputs, pool
         self.activations: tuple[list[Any], list[Any]] | None = None  # (outputs, inputs)
         # storage -> uses of it the kept activations hold (an output that is a view of a static
         # input): a graph's activations live in its pool, so they are not a caller's reference
         self.held_uses: Counter[int] = Counter()
 
     def replay(self) -> None:
+        self.pool.replaying(self.recording)
         with torch.enable_grad() if self.recording.backward is not None else torch.no_grad():
             fresh = pytree.tree_leaves(self.fn(*self.inputs))
         if self.recording.backward is not None:
@@ -83,6 +125,7 @@ class _Backward:
 
     def replay(self) -> None:
         r = self.recording
+        self.forward.pool.replaying(r)
         fresh, inputs = self.forward.activations
         with torch.enable_grad():
             grads = torch.autograd.grad([fresh[i] for i in r.grad_output_index],
@@ -101,7 +144,7 @@ class EmulatedRecorder(GraphRecorder):
         super().__init__(warmup)
 
     def new_pool(self) -> Any:
-        return None
+        return _Pool()
 
     def _graph(self) -> Any:
         return object()  # a placeholder, replaced by _Forward / _Backward once the buffers exist
@@ -116,7 +159,8 @@ class EmulatedRecorder(GraphRecorder):
         # recording's aliases would be put in their place on the modules, where a native call
         # running meanwhile in another thread would read them
         inputs = [args[i] if i in identity else static for i, static in enumerate(recording.inputs)]
-        recording.forward = _Forward(fn, recording, inputs)
+        recording.forward = _Forward(fn, recording, inputs, pool)
+        pool.add(recording)
         if recording.backward is not None:
             recording.backward = _Backward(recording, recording.forward)
         return recording
