@@ -352,8 +352,9 @@ _CODES = (
          "Recording the region into a CUDA graph raised; the region runs natively from now on.",
          "Read the recorded exception; report it if the op table let an unsafe op in."),
     Code("outputs-alive", "guard",
-         "A tensor still refers to the recording's static memory (an output the caller kept, or "
-         "one an earlier call saved for its pending backward); replaying would overwrite it, so "
+         "A tensor still refers to the static memory of one of the region's recordings (an "
+         "output the caller kept, or one an earlier call saved for its pending backward); the "
+         "recordings share one memory pool, so replaying any of them could overwrite it, and "
          "this call ran the region natively.",
          "Expected when two forwards precede one backward; keep no views of loss intermediates."),
     Code("profiler-active", "guard",
