@@ -11,6 +11,7 @@ a decision on a size of the rows, an exact size (``len()``), an attribute keepin
 from __future__ import annotations
 
 import math
+import operator
 
 import pytest
 import torch
@@ -176,6 +177,30 @@ def test_every_level_of_both_branches_is_rewritten(name):
     if name == "pair-then-select":
         (pair,) = [c for c in fast.certificates if c.pass_name == "PairRLE"]
         assert pair.applied
+
+
+def _indexed_by_tensors(gm, source: str) -> list:
+    """``x[(i, j)]`` nodes (``aten.index`` with tensor indices) traced from the line ``source``."""
+    return [n for n in gm.graph.nodes if n.target is operator.getitem and isinstance(n.args[1], tuple)
+            and any(isinstance(a, torch.fx.Node) for a in n.args[1])
+            and source in n.meta.get("stack_trace", "")]
+
+
+def test_a_gather_by_nonzero_as_tuple_is_the_index_select_of_the_mask():
+    """``scores[fg.nonzero(as_tuple=True)]`` gathers as ``scores[fg]`` does, by ``index_select``
+    of the flattened rows, whose backward adds the padding rows' zero gradients in parallel, not
+    by ``aten.index``, whose backward passes over every padding row's repeated position one after
+    another (0.3 ms a gather on a GPU). ``table[fg.nonzero(as_tuple=True)[0], gt_idx[fg]]``, an
+    index of other tensors, stays as written."""
+    loss, fast = shared("select")
+    gm = fast.specializations[0].graph_module
+    traced = _optimized(loss, []).specializations[0].graph_module  # no pass: as the loss wrote it
+    assert _indexed_by_tensors(traced, "scores[fg.nonzero(as_tuple=True)]")
+    assert not _indexed_by_tensors(gm, "scores[fg.nonzero(as_tuple=True)]")
+    assert [n for n in gm.graph.nodes if n.target is torch.index_select
+            and "scores[fg.nonzero(as_tuple=True)]" in n.meta.get("stack_trace", "")]
+    assert _indexed_by_tensors(gm, "table[fg.nonzero(as_tuple=True)[0], gt_idx[fg]]")
+    assert_same(loss, fast, inputs(3, "random"))
 
 
 @pytest.mark.parametrize("name", ["select", "pair-then-select"])
