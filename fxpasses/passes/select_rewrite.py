@@ -384,11 +384,8 @@ def _space(gm: fx.GraphModule, analysis: SpaceAnalysis, mask: fx.Node, count: fx
                 named[name] = stacked
             continue
         source = site.args[0]
+        gathered = _gather(graph, site, source, dims, rows_of, index, made)
         with graph.inserting_before(site):
-            rows = _made(graph.call_function(torch.flatten, (source, 0, dims - 1)), site, made) \
-                if dims > 1 else source
-            rows = _made(graph.call_function(rows_of, (rows,)), site, made)
-            gathered = _made(graph.call_function(torch.index_select, (rows, 0, index)), site, made)
             if not _floating(value(source)):  # indices of an empty selection: 0, never garbage
                 gathered = _made(graph.call_method("masked_fill", (gathered, empty, 0)), site, made)
                 cleaned.add(gathered)
@@ -462,15 +459,19 @@ def _coordinates(graph: fx.Graph, site: fx.Node, mask: fx.Node, rank: int, count
         cleaned.add(flat)
     graph.erase_node(site)
     for user in gathers:
-        source = user.args[0]
-        with graph.inserting_before(user):
-            rows = _made(graph.call_function(torch.flatten, (source, 0, rank - 1)), user, made) \
-                if rank > 1 else source
-            rows = _made(graph.call_function(rows_of, (rows,)), user, made)
-            gathered = _made(graph.call_function(torch.index_select, (rows, 0, flat)), user, made)
-        user.replace_all_uses_with(gathered)
+        user.replace_all_uses_with(_gather(graph, user, user.args[0], rank, rows_of, flat, made))
         graph.erase_node(user)
     return None
+
+
+def _gather(graph: fx.Graph, site: fx.Node, source: Any, rank: int, rows_of: NonEmptyRows,
+            index: fx.Node, made: set[fx.Node]) -> fx.Node:
+    """``rows_of(source.flatten(0, rank - 1)).index_select(0, index)``, before ``site``."""
+    with graph.inserting_before(site):
+        rows = _made(graph.call_function(torch.flatten, (source, 0, rank - 1)), site, made) \
+            if rank > 1 else source
+        rows = _made(graph.call_function(rows_of, (rows,)), site, made)
+        return _made(graph.call_function(torch.index_select, (rows, 0, index)), site, made)
 
 
 def _gathers_by(node: fx.Node, parts: tuple[fx.Node, ...], mask: fx.Node, rank: int) -> bool:
