@@ -205,6 +205,9 @@ class SelectRows:
                           "index op that depends on the gathered rows): a count above the "
                           "capacity abandons the call, which runs again with the capacity grown",
             "padding": "copies of the last real row (never uninitialised memory)",
+            "gathers": "x[m], and x[m.nonzero(as_tuple=True)] where x's first dims have m's static "
+                       "sizes: index_select of the flattened rows (other indexing by the "
+                       "positions: the padded positions)",
             "numeric_class": EXACT if exact else REORDERED,
             "masked_reductions": tuple(f"{r.kind} at {r.node}" for r in analysis.reductions),
             "divisors": "true counts, on the device",
