@@ -377,7 +377,7 @@ def _space(gm: fx.GraphModule, analysis: SpaceAnalysis, mask: fx.Node, count: fx
     for name in analysis.space.sites:  # x[m] ==> rows_of(x.flatten(0, m.dim() - 1))[idx]
         site = named[name]
         if name in analysis.space.positions:  # m.nonzero() ==> the positions of idx in m
-            stacked = _coordinates(graph, site, mask, dims, count, capacity, made, cleaned, rows_of)
+            stacked = _coordinates(graph, site, mask, dims, count, capacity, made, cleaned, rows_of, index)
             if stacked is None:
                 del named[name]  # a tuple: its parts are the positions, nothing else reads it
             else:
@@ -418,14 +418,15 @@ def _space(gm: fx.GraphModule, analysis: SpaceAnalysis, mask: fx.Node, count: fx
 
 def _coordinates(graph: fx.Graph, site: fx.Node, mask: fx.Node, rank: int, count: fx.Node,
                  capacity: fx.Node, made: set[fx.Node], cleaned: set[fx.Node],
-                 rows_of: NonEmptyRows) -> fx.Node | None:
+                 rows_of: NonEmptyRows, index: fx.Node) -> fx.Node | None:
     """``m.nonzero(as_tuple=...)`` as the positions of ``m`` padded to the capacity, a padding
     row copying the last real position (0 when there is none: cleaned). Parts of the tuple
     replace its ``getitem`` users; the positions themselves replace ``m.nonzero()`` (returned).
 
     ``x[m.nonzero(as_tuple=True)]`` over dims shaped as ``m`` becomes the gather that ``x[m]``
-    becomes, ``rows_of(x.flatten(0, rank - 1)).index_select(0, flat)`` (``flat``: the positions as
-    rows of the flattened dims): the same rows, and a backward that adds the padding rows' (zero)
+    becomes, ``rows_of(x.flatten(0, rank - 1)).index_select(0, index)`` (``index``: the space's
+    padded positions in the flattened mask, the same positions, padded alike): the same rows,
+    and a backward that adds the padding rows' (zero)
     gradients in parallel, where ``aten.index``'s backward (a sort, then one pass per distinct
     position) adds them one after another into the last real row: 0.3 ms per gather on an H200
     at batch 16, with capacities up to eight times the count."""
@@ -451,15 +452,9 @@ def _coordinates(graph: fx.Graph, site: fx.Node, mask: fx.Node, rank: int, count
         else:  # a guard on the tuple's length, say: the tuple of the parts
             user.args = fx.node.map_arg(user.args, lambda n: parts if n is site else n)
             user.kwargs = fx.node.map_arg(user.kwargs, lambda n: parts if n is site else n)
-    gathers = [user for user in parts[0].users if _gathers_by(user, parts, mask, rank)]
-    if gathers:
-        flat = parts[0]
-        for d in range(1, rank):
-            flat = add(operator.add, add(operator.mul, flat, value(mask).shape[d]), parts[d])
-        cleaned.add(flat)
     graph.erase_node(site)
-    for user in gathers:
-        user.replace_all_uses_with(_gather(graph, user, user.args[0], rank, rows_of, flat, made))
+    for user in [user for user in parts[0].users if _gathers_by(user, parts, mask, rank)]:
+        user.replace_all_uses_with(_gather(graph, user, user.args[0], rank, rows_of, index, made))
         graph.erase_node(user)
     return None
 
