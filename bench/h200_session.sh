@@ -2,7 +2,7 @@
 # One session's GPU work on the lent H200, in three calls of at most 10 minutes each (see
 # bench/RESULTS.md for what each produced). Run from the repository root with the wheels of
 # ultralytics, ultralytics-thop, ultralytics-platform, polars and polars-runtime-32 in .whl/
-# (the machine has no package index):  bash bench/h200_session.sh census|bench|memory|kernels|fit|first-call
+# (the machine has no package index):  bash bench/h200_session.sh census|bench|memory|kernels|diagnose|fit|first-call
 # first-call alternates this tree with an older one on one host (hosts differ by 2x in it): before
 # the device call, `mkdir -p ab/old && git archive REV fxpasses | tar -x -C ab/old` and carry "ab"
 set -uo pipefail
@@ -10,7 +10,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:. YOLO_OFFLINE=1 PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pyc}
 python -c "import torch, ultralytics; print('torch', torch.__version__, 'ultralytics', ultralytics.__version__, torch.cuda.get_device_name())"
-case "${1:?census, bench, memory, kernels, fit or first-call}" in
+case "${1:?census, bench, memory, kernels, diagnose, fit or first-call}" in
 census)  # the random-loss census on 13 of the 16 CPUs, the GPU tests beside it
     python -m fxpasses.testing.census --cases 10000 --jobs 13 --seed 500 --minutes "${MINUTES:-8.3}" \
         --examples "$OUT/census_examples.txt" > "$OUT/census.txt" 2>&1 &
@@ -30,6 +30,16 @@ kernels)  # where a steady step's GPU time goes, eager and all passes, batch 16
         python bench/kernels.py --loss real --arm $A --batch 16 > "$OUT/kernels_$A.txt" 2>&1
         echo "kernels $A rc $?"; grep -v Warn "$OUT/kernels_$A.txt" | head -12 | cut -c1-140
     done ;;
+diagnose)  # the GPU tests, then where a steady step's host and GPU time go (real criterion, all passes, batch 16)
+    FXPASSES_MEASURE_DIR="$OUT" timeout ${TESTS_S:-330} python -m pytest tests -m cuda -q -p no:cacheprovider -rfE \
+        > "$OUT/cuda_tests.txt" 2>&1
+    echo "cuda tests rc $?"; tail -4 "$OUT/cuda_tests.txt"
+    python bench/host_timers.py --loss real --arm all --batch 16 --steps 30 > "$OUT/host_timers_all.txt" 2>&1
+    echo "host timers rc $?"; grep -v Warn "$OUT/host_timers_all.txt" | tail -12
+    python bench/timeline.py --loss real --arm all --batch 16 --steps 3 --out "$OUT/timeline" > "$OUT/timeline_all.txt" 2>&1
+    echo "timeline rc $?"; grep -v Warn "$OUT/timeline_all.txt" | tail -12 | cut -c1-400
+    python bench/kernels.py --loss real --arm all --batch 16 > "$OUT/kernels_all.txt" 2>&1
+    echo "kernels all rc $?"; grep -v Warn "$OUT/kernels_all.txt" | head -14 | cut -c1-140 ;;
 fit)  # complete-fit time of a real model.train(), native against the integration
     python bench/fit.py ${FIT_ARGS:?set FIT_ARGS} --device 0 --out "$OUT/fit" ;;
 memory)  # peak GPU memory of the real criterion, eager and all passes, one arm per process
