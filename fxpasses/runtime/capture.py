@@ -226,6 +226,27 @@ class Recording:
     used: int = 0  # when its region last replayed (or made) it: the least recent goes first
     _storages: list[tuple[StorageWeakRef, int]] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        """What every replay needs of the buffers, found once: the static inputs a load copies
+        into, grouped by dtype and device (the call's tensors have the recorded ones: they are
+        in the signature), by their place among the tensor arguments; the static outputs."""
+        groups: dict[tuple, tuple[list[torch.Tensor], list[int]]] = {}
+        tensor_inputs = [(i, s) for i, s in enumerate(self.inputs) if isinstance(s, torch.Tensor)]
+        for k, (i, static) in enumerate(tensor_inputs):
+            if i not in self.identity:
+                statics, places = groups.setdefault((static.dtype, static.device), ([], []))
+                statics.append(static)
+                places.append(k)
+        self._loads = list(groups.values())
+        self._tensor_inputs = [i for i, _ in tensor_inputs]
+        self._tensor_outputs = [i for i, o in enumerate(self.outputs) if isinstance(o, torch.Tensor)]
+        self._static_outputs = [self.outputs[i] for i in self._tensor_outputs]
+        differentiable = set(self.grad_output_index)  # (places among the tensor outputs)
+        self._constant_outputs = [k for k, i in enumerate(self._tensor_outputs) if i not in differentiable]
+        # outputs that are a flat tuple of tensors (a fused region's) are the tuple itself
+        self._tuple_out = len(self._tensor_outputs) == len(self.outputs) and \
+            self.out_spec == pytree.tree_structure(tuple(self.outputs))
+
     def track_memory(self, held: Sequence[torch.Tensor] = ()) -> None:
         """Note this recording's own references to its static memory (right after recording).
 
@@ -258,15 +279,9 @@ class Recording:
     def load(self, tensors: Sequence[torch.Tensor]) -> None:
         """Copy the call's tensors into the static input buffers (identity inputs are in place),
         in one ``_foreach_copy_``: a few launches for all of them instead of one copy each."""
-        statics, values = [], []
-        it = iter(tensors)
-        for i, static in enumerate(self.inputs):
-            if isinstance(static, torch.Tensor):
-                arg = next(it)
-                if i not in self.identity:
-                    statics.append(static)
-                    values.append(arg)
-        _copy_all(statics, values)
+        with torch.no_grad():
+            for statics, places in self._loads:
+                torch._foreach_copy_(statics, [tensors[k] for k in places])
 
     def arguments(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
         """The flat call arguments: ``tensors`` at the tensor positions, constants elsewhere."""
@@ -274,19 +289,21 @@ class Recording:
         return [next(it) if isinstance(s, torch.Tensor) else s for s in self.inputs]
 
     def tensor_outputs(self) -> list[torch.Tensor]:
-        return [o.detach() for o in self.outputs if isinstance(o, torch.Tensor)]
+        return [o.detach() for o in self._static_outputs]
 
     def rebuild(self, tensor_outputs: Sequence[torch.Tensor]) -> Any:
-        it = iter(tensor_outputs)
-        flat = [next(it) if isinstance(o, torch.Tensor) else o for o in self.outputs]
+        if self._tuple_out:
+            return tuple(tensor_outputs)
+        flat = list(self.outputs)
+        for i, t in zip(self._tensor_outputs, tensor_outputs):
+            flat[i] = t
         return pytree.tree_unflatten(flat, self.out_spec)
 
     def gradients(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Replay the backward for the outputs' ``grads``; the inputs' gradients, cloned."""
-        tensor_positions = [i for i, o in enumerate(self.outputs) if isinstance(o, torch.Tensor)]
-        by_output = dict(zip(tensor_positions, grads))
+        by_output = dict(zip(self._tensor_outputs, grads))
         if all(g is None for g in grads):  # no gradient arrived: natively, none flows on
-            return [None for s in self.inputs if isinstance(s, torch.Tensor)]
+            return [None] * len(self._tensor_inputs)
         absent, statics, given = [], [], []
         for static, i in zip(self.grad_outputs, self.grad_output_index):
             g = by_output.get(i)
@@ -303,17 +320,30 @@ class Recording:
         grads_in = dict(zip(self.grad_input_index, self.grad_inputs))
         arrived = {i for i, g in by_output.items() if g is not None}
         kept = [None if grads_in.get(i) is None or not self._reached(i, arrived) else grads_in[i]
-                for i, s in enumerate(self.inputs) if isinstance(s, torch.Tensor)]
-        present = [g for g in kept if g is not None]
-        owned = [torch.empty_like(g) for g in present]  # out of graph memory
-        _copy_all(owned, present)
-        it = iter(owned)
+                for i in self._tensor_inputs]
+        it = iter(_clone_all([g for g in kept if g is not None]))  # out of graph memory
         return [None if g is None else next(it) for g in kept]
 
     def _reached(self, i: int, arrived: set[int]) -> bool:
         """Whether input ``i`` depends on an output whose gradient arrived (natively, an input
         that only outputs without gradient depend on gets None, not zeros)."""
         return self.sources is None or not self.sources[i].isdisjoint(arrived)
+
+
+def _clone_all(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``[t.clone() for t in tensors]`` (strides kept), in one call: ``torch._foreach_clone``
+    where torch has it (allocations in C++, one copy kernel per dtype on CUDA), else by hand."""
+    if not tensors:
+        return []
+    if _FOREACH_CLONE is not None:
+        with torch.no_grad():
+            return list(_FOREACH_CLONE(tensors))
+    owned = [torch.empty_like(t) for t in tensors]
+    _copy_all(owned, tensors)
+    return owned
+
+
+_FOREACH_CLONE = getattr(torch, "_foreach_clone", None)  # not in every torch this package supports
 
 
 def _copy_all(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
@@ -344,9 +374,7 @@ class _Replay(torch.autograd.Function):
         ctx.save_for_backward(*tensors)  # read only by a create_graph backward
         ctx.reads_changed = current()  # so is the check of what the region's code read
         outputs = recording.tensor_outputs()
-        differentiable = set(recording.grad_output_index)
-        tensor_positions = [i for i, o in enumerate(recording.outputs) if isinstance(o, torch.Tensor)]
-        ctx.mark_non_differentiable(*[t for t, i in zip(outputs, tensor_positions) if i not in differentiable])
+        ctx.mark_non_differentiable(*[outputs[k] for k in recording._constant_outputs])
         return tuple(outputs)
 
     @staticmethod
