@@ -105,10 +105,12 @@ def flat_form(snap: Any) -> tuple | None:
 def same_flat(value: Any, container: type, keys: list | None, value_types: list, values: Any) -> bool:
     """``snapshot(value) == snap`` for a snapshot whose :func:`flat_form` is the other arguments
     (True only then; False may also mean "compare the snapshots"), without building one."""
-    if type(value) is not container:
-        return False
-    if container is types.SimpleNamespace:
+    if container is types.SimpleNamespace:  # any namespace: snapshot() records none's class
+        if not isinstance(value, types.SimpleNamespace):
+            return False
         value = vars(value)
+    elif type(value) is not container:
+        return False
     if keys is None:
         return list(map(type, value)) == value_types and value == values
     if list(value) != keys or list(map(type, value.values())) != value_types:

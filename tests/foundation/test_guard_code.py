@@ -254,12 +254,17 @@ def test_the_default_dtype_is_checked_inline_and_a_change_is_found():
     assert check(state, leaves) is None
 
 
+class _Settings(types.SimpleNamespace):
+    """A namespace of settings of its own class, as Ultralytics' ``IterableSimpleNamespace`` (hyp)."""
+
+
 _PLAIN_VALUES = st.sampled_from([0, 1, 1.0, True, False, 0.5, float("nan"), "a", None, torch.float32])
 _FLAT = st.one_of(
     st.dictionaries(st.sampled_from("abc"), _PLAIN_VALUES, max_size=3),
     st.lists(_PLAIN_VALUES, max_size=3), st.lists(_PLAIN_VALUES, max_size=3).map(tuple),
     st.dictionaries(st.sampled_from("abc"), _PLAIN_VALUES, max_size=3).map(
-        lambda d: types.SimpleNamespace(**d)))
+        lambda d: types.SimpleNamespace(**d)),
+    st.dictionaries(st.sampled_from("abc"), _PLAIN_VALUES, max_size=3).map(lambda d: _Settings(**d)))
 
 
 @settings(max_examples=400, deadline=None, derandomize=True)
@@ -273,6 +278,17 @@ def test_flat_containers_are_compared_as_their_snapshots_are(recorded, now):
         assert snapshot(now) == snap
     nested = snapshot({"inner": [1, 2]})
     assert flat_form(nested) is None and flat_form(snapshot(object())) is None
+
+
+def test_a_namespace_of_its_own_class_is_compared_flat():
+    """Ultralytics' hyp is a SimpleNamespace subclass of ~80 settings: compared flat, it is one
+    pass over its dict; as a new snapshot, the guard cost most of a call's checks."""
+    from fxpasses.snapshots import flat_form, same_flat
+    form = flat_form(snapshot(_Settings(box=7.5, name="pose", epochs=3)))
+    assert same_flat(_Settings(box=7.0, name="pose", epochs=3), *form)  # floats: read per call
+    assert same_flat(types.SimpleNamespace(box=7.5, name="pose", epochs=3), *form)  # as snapshots
+    assert not same_flat(_Settings(box=7.5, name="pose", epochs=4), *form)
+    assert not same_flat({"box": 7.5, "name": "pose", "epochs": 3}, *form)
 
 
 def test_flat_comparison_tells_types_order_and_containers_apart():
