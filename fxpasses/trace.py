@@ -40,7 +40,7 @@ from torch.utils import _pytree as pytree
 from .certificates import Certificate, Check, Site
 from .guards import Assumption
 from .locations import exception_location
-from .ir.trace_ops import GuardOp
+from .ir.trace_ops import GuardOp, ReadSource
 from .signature import CallSignature, flatten_call, path_name
 from .tracing.guard_order import hoist_guards
 from .tracing.input_reads import InputReads
@@ -257,6 +257,16 @@ def _output(rec: Recorder, out: Any) -> Any:
     return spec
 
 
+def _drop_unused_reads(graph: fx.Graph) -> None:
+    """Erase the reads of the loss's state that nothing uses: a namespace's floats are read as
+    inputs when it is met (Ultralytics' ``hyp``: some 40 settings, of which the loss multiplies
+    by five), and each read left in the graph would run on every call. Their types stay guarded
+    by the namespace's snapshot."""
+    for node in reversed(graph.nodes):
+        if node.op == "call_function" and isinstance(node.target, ReadSource) and not node.users:
+            graph.erase_node(node)
+
+
 def _host_reads(graph: fx.Graph) -> int:
     """``.item()`` nodes whose value the graph computes with (not only a guard's check)."""
     return sum(1 for n in graph.nodes if n.op == "call_method" and n.target == "item"
@@ -383,6 +393,7 @@ def _trace(loss_fn: Any, example_args: tuple, example_kwargs: dict | None,
     signature, unread = _without_unread(rec.graph, signature, placeholders, reads,
                                         tuple(example_args), example_kwargs) \
         if reads is not None else (signature, [])
+    _drop_unused_reads(rec.graph)
     places = hoist_guards(rec.graph)
     gm = fx.GraphModule(root, rec.graph, class_name=f"Traced{type(loss_fn).__name__}")
     modules = dict.fromkeys([*tracker.used_modules(),

@@ -583,3 +583,29 @@ def test_code_stored_on_an_object_is_still_an_identity_and_traced(kind):
     loss.fn = second
     torch.testing.assert_close(fast(x), loss(x))
     assert fast.stats.optimized == 2 and len(fast.specializations) == 2
+
+
+class SettingsLoss(nn.Module):
+    """Reads one float of a namespace of many, as Ultralytics' losses read ``self.hyp.box``."""
+
+    def __init__(self):
+        super().__init__()
+        self.hyp = types.SimpleNamespace(box=7.5, cls=0.5, hsv_h=0.015, degrees=0.0, name="pose")
+
+    def forward(self, x):
+        return (x * self.hyp.box).sum()
+
+
+def test_only_the_settings_the_loss_uses_are_read_on_every_call():
+    from fxpasses.ir.trace_ops import ReadSource
+    loss, x = SettingsLoss(), torch.arange(3.0)
+    fast = optimize(loss)
+    assert fast(x).item() == loss(x).item() == 22.5
+    graph = fast.specializations[0].graph_module.graph
+    reads = [n.target.shown for n in graph.nodes if isinstance(n.target, ReadSource)]
+    assert reads == ["loss.hyp.box"], reads
+    loss.hyp.hsv_h, loss.hyp.cls = 0.5, 2.0  # unused: nothing to see
+    assert fast(x).item() == 22.5
+    loss.hyp.box = 2.0  # used: read on this call
+    assert fast(x).item() == loss(x).item() == 6.0
+    assert fast.stats.optimized == 3
