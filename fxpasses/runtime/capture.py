@@ -243,9 +243,7 @@ class Recording:
         self._static_outputs = [self.outputs[i] for i in self._tensor_outputs]
         differentiable = set(self.grad_output_index)  # (places among the tensor outputs)
         self._constant_outputs = [k for k, i in enumerate(self._tensor_outputs) if i not in differentiable]
-        # outputs that are a flat tuple of tensors (a fused region's) are the tuple itself
-        self._tuple_out = len(self._tensor_outputs) == len(self.outputs) and \
-            self.out_spec == pytree.tree_structure(tuple(self.outputs))
+        self._rebuild = _rebuilder(self.out_spec, self._tensor_outputs)
 
     def track_memory(self, held: Sequence[torch.Tensor] = ()) -> None:
         """Note this recording's own references to its static memory (right after recording).
@@ -292,8 +290,8 @@ class Recording:
         return [o.detach() for o in self._static_outputs]
 
     def rebuild(self, tensor_outputs: Sequence[torch.Tensor]) -> Any:
-        if self._tuple_out:
-            return tuple(tensor_outputs)
+        if self._rebuild is not None:
+            return self._rebuild(tensor_outputs, self.outputs)
         flat = list(self.outputs)
         for i, t in zip(self._tensor_outputs, tensor_outputs):
             flat[i] = t
@@ -328,6 +326,31 @@ class Recording:
         """Whether input ``i`` depends on an output whose gradient arrived (natively, an input
         that only outputs without gradient depend on gets None, not zeros)."""
         return self.sources is None or not self.sources[i].isdisjoint(arrived)
+
+
+def _rebuilder(spec: Any, tensor_places: list[int]) -> Callable[[Sequence[Any], Sequence[Any]], Any] | None:
+    """``(tensors, flat) -> tree_unflatten(flat with tensors at tensor_places, spec)`` as one
+    generated expression (a fused region returns nested tuples of some 40 leaves: unflattened
+    by pytree, a call per node) where ``spec`` is made of tuples and lists alone; else None."""
+    rank = {place: k for k, place in enumerate(tensor_places)}
+    leaves = itertools.count()
+
+    def expression(node: Any) -> str | None:
+        if node.is_leaf():
+            i = next(leaves)
+            return f"t[{rank[i]}]" if i in rank else f"c[{i}]"
+        if node.type not in (tuple, list):
+            return None
+        children = node.children() if hasattr(node, "children") else node.children_specs  # older torch: the attribute
+        items = [expression(child) for child in children]
+        if any(item is None for item in items):
+            return None
+        if node.type is list:
+            return "[" + ", ".join(items) + "]"
+        return "(" + "".join(item + ", " for item in items) + ")"
+
+    body = expression(spec)
+    return None if body is None else eval(f"lambda t, c: {body}")  # noqa: S307 (our own text)
 
 
 def _clone_all(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
