@@ -9,6 +9,14 @@ that synchronisation (the GPU finishing what the host issued), ``wait`` other
 ``torch.cuda.synchronize`` calls inside the step.
 
     python bench/host_timers.py --loss reference --arm all --batch 16 --steps 30
+
+On a CPU, ``--emulate`` is a proxy for a GPU host's time: CaptureLoss records with the emulated
+recorder, and after the warm-up its replays do nothing (a graph replay costs the host about
+nothing; emulated, it runs the region eagerly), so the step is everything else the host does:
+admission, copies, the run-time ops, the eager ops (their CPU compute included: use a small
+``--image-size``) and autograd's bookkeeping.
+
+    python bench/host_timers.py --loss real --arm all --batch 16 --image-size 64 --steps 60 --emulate --device cpu
 """
 
 from __future__ import annotations
@@ -23,8 +31,11 @@ from typing import Any, Callable
 import torch
 
 import interleaved as il  # bench/interleaved.py, beside this script
+from fxpasses import optimize
 from fxpasses.optimize import OptimizedLoss
-from fxpasses.runtime import capture, ownership, select
+from fxpasses.passes import CaptureLoss
+from fxpasses.runtime import capture, emulated, ownership, select
+from fxpasses.runtime.emulated import EmulatedRecorder
 from fxpasses.timing import device_sync
 
 PIECES: list[tuple[str, Any, str]] = [
@@ -68,8 +79,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = il.one_arm_parser(__doc__, steps=30)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--out", default="")
+    parser.add_argument("--emulate", action="store_true",
+                        help="on a CPU: emulated capture, replays made no-ops after the warm-up")
     args = parser.parse_args(argv)
+    if args.emulate and args.device != "cpu":
+        parser.error("--emulate is a CPU proxy: use it with --device cpu")
     work, fn = il.one_arm(args)
+    if args.emulate:
+        fn = optimize(work.loss, passes=[CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder())
+                                         if isinstance(p, CaptureLoss) else p for p in il.PASSES[args.arm]()])
     sync = device_sync(args.device)
     timers = Timers()
     originals = []
@@ -87,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         for seed in range(args.warmup + 1):
             work.step(fn, work.batch(1_000 + seed))
         sync()
+        if args.emulate:
+            for owner in (emulated._Forward, emulated._Backward):
+                originals.append((owner, "replay", owner.replay))
+                owner.replay = lambda self: None
         seed, steps = args.warmup + 1, 0
         while steps < args.steps and seed < 10 * args.steps + 100:
             b = work.batch(1_000 + seed)
