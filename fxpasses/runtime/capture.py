@@ -241,8 +241,9 @@ class Recording:
         self._tensor_inputs = [i for i, _ in tensor_inputs]
         self._tensor_outputs = [i for i, o in enumerate(self.outputs) if isinstance(o, torch.Tensor)]
         self._static_outputs = [self.outputs[i] for i in self._tensor_outputs]
-        differentiable = set(self.grad_output_index)  # (places among the tensor outputs)
-        self._constant_outputs = [k for k, i in enumerate(self._tensor_outputs) if i not in differentiable]
+        differentiable = set(self.grad_output_index)
+        # the tensor outputs no gradient flows from (by place among them): non-differentiable
+        self._gradless_outputs = [k for k, i in enumerate(self._tensor_outputs) if i not in differentiable]
         self._rebuild = _rebuilder(self.out_spec, self._tensor_outputs)
 
     def track_memory(self, held: Sequence[torch.Tensor] = ()) -> None:
@@ -397,7 +398,7 @@ class _Replay(torch.autograd.Function):
         ctx.save_for_backward(*tensors)  # read only by a create_graph backward
         ctx.reads_changed = current()  # so is the check of what the region's code read
         outputs = recording.tensor_outputs()
-        ctx.mark_non_differentiable(*[outputs[k] for k in recording._constant_outputs])
+        ctx.mark_non_differentiable(*[outputs[k] for k in recording._gradless_outputs])
         return tuple(outputs)
 
     @staticmethod
