@@ -58,8 +58,12 @@ def test_two_hundred_fresh_batches_run_optimized_and_equal_native(pose_model, im
         for key in want[1]:
             torch.testing.assert_close(got[1][key], want[1][key], equal_nan=True)
         assert len(got[2]) == len(want[2]) == 8
-        for g, w in zip(got[2] + got[3], want[2] + want[3]):
+        for g, w in zip(got[2], want[2]):
             torch.testing.assert_close(g, w, equal_nan=True)
+        # a flow parameter's gradient sums both branches' rows, paired in one call: float32 in
+        # another order than native's two calls (1.8e-6 relative on one element, one CPU of two)
+        for g, w in zip(got[3], want[3]):
+            torch.testing.assert_close(g, w, equal_nan=True, rtol=1e-5, atol=1e-5)
         if any(k.startswith("selection-capacity") for k in fast.stats.abandoned - before):
             grew_at.append(seed)
         if fast.stats.abandoned - before:
