@@ -277,7 +277,8 @@ class Recording:
 
     def load(self, tensors: Sequence[torch.Tensor]) -> None:
         """Copy the call's tensors into the static input buffers (identity inputs are in place),
-        in one ``_foreach_copy_``: a few launches for all of them instead of one copy each."""
+        one ``_foreach_copy_`` per dtype and device: a few launches for all of them instead of
+        one copy each."""
         with torch.no_grad():
             for statics, places in self._loads:
                 torch._foreach_copy_(statics, [tensors[k] for k in places])
