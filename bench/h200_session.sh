@@ -2,15 +2,15 @@
 # One session's GPU work on the lent H200, in three calls of at most 10 minutes each (see
 # bench/RESULTS.md for what each produced). Run from the repository root with the wheels of
 # ultralytics, ultralytics-thop, ultralytics-platform, polars and polars-runtime-32 in .whl/
-# (the machine has no package index):  bash bench/h200_session.sh census|bench|memory|kernels|diagnose|fit|first-call
-# first-call alternates this tree with an older one on one host (hosts differ by 2x in it): before
+# (the machine has no package index):  bash bench/h200_session.sh census|bench|memory|kernels|diagnose|host-ab|fit|first-call
+# first-call and host-ab alternate this tree with an older one on one host (hosts differ by 2x): before
 # the device call, `mkdir -p ab/old && git archive REV fxpasses | tar -x -C ab/old` and carry "ab"
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:. YOLO_OFFLINE=1 PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pyc}
 python -c "import torch, ultralytics; print('torch', torch.__version__, 'ultralytics', ultralytics.__version__, torch.cuda.get_device_name())"
-case "${1:?census, bench, memory, kernels, diagnose, fit or first-call}" in
+case "${1:?census, bench, memory, kernels, diagnose, host-ab, fit or first-call}" in
 census)  # the random-loss census on 13 of the 16 CPUs, the GPU tests beside it
     python -m fxpasses.testing.census --cases 10000 --jobs 13 --seed 500 --minutes "${MINUTES:-8.3}" \
         --examples "$OUT/census_examples.txt" > "$OUT/census.txt" 2>&1 &
@@ -40,6 +40,13 @@ diagnose)  # the GPU tests, then where a steady step's host and GPU time go (rea
     echo "timeline rc $?"; grep -v Warn "$OUT/timeline_all.txt" | tail -12 | cut -c1-400
     python bench/kernels.py --loss real --arm all --batch 16 > "$OUT/kernels_all.txt" 2>&1
     echo "kernels all rc $?"; grep -v Warn "$OUT/kernels_all.txt" | head -14 | cut -c1-140 ;;
+host-ab)  # host time per step of the real criterion (batch 16), this tree and ab/old in alternation
+    test -d ab/old/fxpasses || { echo "no ab/old/fxpasses (see the header)"; exit 1; }
+    for i in $(seq "${PAIRS:-2}"); do
+        echo -n "new: "; python bench/host_timers.py --loss real --arm all --batch 16 --steps 30 2>&1 | grep "  step"
+        echo -n "old: "; PYTHONPATH=/tmp/site:ab/old:. python bench/host_timers.py --loss real --arm all --batch 16 \
+            --steps 30 2>&1 | grep "  step"
+    done ;;
 fit)  # complete-fit time of a real model.train(), native against the integration
     python bench/fit.py ${FIT_ARGS:?set FIT_ARGS} --device 0 --out "$OUT/fit" ;;
 memory)  # peak GPU memory of the real criterion, eager and all passes, one arm per process
