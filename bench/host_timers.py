@@ -82,12 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--emulate", action="store_true",
                         help="on a CPU: emulated capture, replays made no-ops after the warm-up")
     args = parser.parse_args(argv)
-    if args.emulate and args.device != "cpu":
-        parser.error("--emulate is a CPU proxy: use it with --device cpu")
-    work, fn = il.one_arm(args)
-    if args.emulate:
+    if args.emulate and (args.device != "cpu" or args.arm not in il.PASSES):
+        parser.error("--emulate is a CPU proxy of an fxpasses arm: use it with --device cpu and "
+                     f"--arm one of {', '.join(il.PASSES)}")
+    if args.emulate:  # the arm's passes, CaptureLoss recording with the emulated recorder
+        work = il.WORKLOADS[args.loss](args)
         fn = optimize(work.loss, passes=[CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder())
                                          if isinstance(p, CaptureLoss) else p for p in il.PASSES[args.arm]()])
+    else:
+        work, fn = il.one_arm(args)
     sync = device_sync(args.device)
     timers = Timers()
     originals = []

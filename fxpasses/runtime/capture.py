@@ -245,6 +245,7 @@ class Recording:
         # the tensor outputs no gradient flows from (by place among them): non-differentiable
         self._gradless_outputs = [k for k, i in enumerate(self._tensor_outputs) if i not in differentiable]
         self._rebuild = _rebuilder(self.out_spec, self._tensor_outputs)
+        self._grad_input_at = dict(zip(self.grad_input_index, self.grad_inputs))  # input place -> static gradient
 
     def track_memory(self, held: Sequence[torch.Tensor] = ()) -> None:
         """Note this recording's own references to its static memory (right after recording).
@@ -317,7 +318,7 @@ class Recording:
                 torch._foreach_zero_(absent)
         _copy_all(statics, given)
         self.backward.replay()
-        grads_in = dict(zip(self.grad_input_index, self.grad_inputs))
+        grads_in = self._grad_input_at
         arrived = {i for i, g in by_output.items() if g is not None}
         kept = [None if grads_in.get(i) is None or not self._reached(i, arrived) else grads_in[i]
                 for i in self._tensor_inputs]
