@@ -238,6 +238,11 @@ _CODES = (
          "At run time a selection rewritten to a static capacity came out empty (no real row to "
          "pad with); the call ran natively.",
          "Expected now and then (a batch without foreground); frequent ones cost a native call."),
+    Code("read-overlap-none", "refusal",
+         "No node after a count read could be issued before it (each needs the counts or a "
+         "node that does, is a check point of the read, or conflicts with a node it would pass): "
+         "the host waits for the counts' copy with nothing to issue.",
+         "Nothing to do; the stayed reasons in the certificate's evidence say what holds each back."),
     # -- loss capture (CaptureLoss) -------------------------------------------------------
     Code("duplicate-impure", "refusal",
          "A node computes what an earlier one did, but one of the two may write memory, draws "

@@ -19,7 +19,9 @@ values (:mod:`.copy_writes`, a certificate per such write, copied or kept as a b
 are undone when no region is captured. Zero buffers sized from data become capacities where a
 witness allows (:mod:`.pad_capacity`), and grad-mode switches to the mode in effect are dropped
 (:mod:`.grad_switches`). After fusing, count reads that now follow each other with their counts
-ready become one wait (:mod:`.merge_reads`).
+ready become one wait (:mod:`.merge_reads`), and the nodes after each read that need neither its
+counts nor anything computed from them are issued before it, while the counts travel
+(:mod:`.overlap_reads`).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from .fold_constants import device_constants
 from .fold_state import device_indices, fold_constant_reads
 from .grad_switches import drop_redundant_switches
 from .merge_reads import merge_reads
+from .overlap_reads import overlap_reads
 from .pad_capacity import pad_capacities
 from .share_duplicates import share_duplicates
 
@@ -228,7 +231,7 @@ class CaptureLoss:
                    if cert.applied and not any(node in r for r in plan.regions)]  # (else in a region)
         if plan.regions:
             regions += self._fuse(gm, plan, names)
-        merged = merge_reads(gm, self.name) if plan.regions else []
+        merged = merge_reads(gm, self.name) + overlap_reads(gm, self.name) if plan.regions else []
         late = late_reads(gm.graph, fused_places(gm))
         if late:  # the planner replays the fusion to prevent it; a read too late is never run
             raise RuntimeError(f"CaptureLoss: count read(s) {sorted(n.name for n in late)} after their "

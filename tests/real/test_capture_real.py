@@ -81,7 +81,9 @@ def test_fresh_batches_replay_every_region_and_no_region_takes_the_target_rows(p
     targets (those pack per image eagerly, ``rows-vary-per-call``), so each region records once
     and replays on the later calls (again only where a selection's capacity grew), even after a call whose stored stride table
     (``self.anc_strides``, tal.py:415) the loss keeps: that tensor is the loss's own copy."""
+    from fxpasses.locations import node_location
     from fxpasses.runtime.capture import CapturedRegion
+    from fxpasses.runtime.select import CheckCounts
 
     crit = pose_model.init_criterion()
     flow = pose_model.model[-1].flow_model
@@ -111,6 +113,14 @@ def test_fresh_batches_replay_every_region_and_no_region_takes_the_target_rows(p
     assert {"loss.py:785", "loss.py:791", "loss.py:444"} <= lines  # keypoints, arange, targets
     owned = {k: v for k, v in fast.stats.sites.items() if "own_write_anc_strides" in k}
     assert len(owned) == 2 and all(v["outputs-copied"] >= 4 for v in owned.values())  # both branches, replayed calls
+    # the one-to-one branch's target packing (loss.py:405, each branch's) issued while the
+    # one-to-many branch's counts travel: before that branch's read, not after its loss region
+    first_read = next(i for i, n in enumerate(gm.graph.nodes) if isinstance(n.target, CheckCounts))
+    packed = [n for n in list(gm.graph.nodes)[:first_read]
+              if n.target is torch.zeros and node_location(n).endswith("loss.py:405")]
+    assert len(packed) == 2
+    overlap = [c for c in fast.certificates if c.pass_name == "CaptureLoss" and "issued while" in c.site.description]
+    assert overlap[0].applied and overlap[0].checks[0].evidence["moved"] >= 20
 
 
 def test_under_autocast_the_selections_gathered_and_captured_equal_native(pose_model):
