@@ -8,24 +8,24 @@ checks that need neither the counts nor anything computed from them. Issued befo
 their host time overlaps the wait, and their GPU work queues after the copy, which does not wait
 for it.
 
-A node after a read, up to the next read, moves to just before the read (in its order among the
-moved ones) when:
+A node after a read, up to the next read or grad-mode switch (a node moved past one would run
+in the other mode), moves to just before the read, in its order among the moved ones, when:
 
 - none of its inputs is the read or a node after it that stays (so nothing it computes depends
   on the counts, or on what does);
 - it is not a check point of the read (a node that could show or suffer from a count that does
-  not fit must follow the read: :mod:`fxpasses.passes.select_rewrite`), nor inside a fused region
-  that holds one;
-- it is not itself a count read, a grad-mode switch or a node whose effects are unknown, draws
-  random numbers (a call the read abandons runs natively after it: the draw would be made
-  twice) or writes memory the loss did not make (an input, a parameter, a buffer: a call the
-  read abandons could not unsee the write);
+  not fit must follow the read: :mod:`fxpasses.passes.select_rewrite`), nor a fused region that
+  holds one;
+- its effects are known, it draws no random numbers (a call the read abandons runs natively
+  after it: the draw would be made twice) and writes no memory the loss did not make (an input,
+  a parameter, a buffer: a call the read abandons could not unsee the write);
 - it does not conflict (:func:`fxpasses.analysis.order.conflict`: memory one writes and the
   other touches, random draws, attributes) with the read or with any node it passes that stays.
 
 A call that the read abandons has run the moved nodes too: pure ones are dropped with it, and
 attribute writes are undone as for any abandoned call (``undone_on_failure``). A certificate per
-read that nodes follow says what moved and, by reason, what stayed. Written by hand: torch.fx has no scheduler.
+read that nodes follow says what moved and, by reason, what stayed. Written by hand: torch.fx
+has no scheduler.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ def _overlap(pass_name: str, read: fx.Node, check_points: set[fx.Node], local: f
     next read or the output (no decision to take)."""
     window = []
     for node in _after(read):
-        if node.op == "output" or (node.op == "call_function" and isinstance(node.target, _READS)):
-            break
+        if node.op == "output" or _is_read(node) or _is_switch(node):
+            break  # (a node moved past a grad-mode switch would run in the other mode)
         window.append(node)
     if not window:
         return None
@@ -118,9 +118,6 @@ def _why_it_stays(node: fx.Node, staying: list[fx.Node], stays: set[fx.Node], ch
         return "needs the counts"
     if node in check_points:
         return "check point of the read"
-    if node.op == "call_function" and (isinstance(node.target, _SWITCHES)
-                                       or node.target is torch._C._set_grad_enabled):
-        return "grad-mode switch"
     mine = known.setdefault(node, effects(node))
     if mine.unknown:
         return "effects unknown"
@@ -132,6 +129,15 @@ def _why_it_stays(node: fx.Node, staying: list[fx.Node], stays: set[fx.Node], ch
         if conflict(mine, known.setdefault(other, effects(other))) is not None:
             return "conflicts with the read" if other is staying[0] else "conflicts with a node it passes"
     return None
+
+
+def _is_read(node: fx.Node) -> bool:
+    return node.op == "call_function" and isinstance(node.target, _READS)
+
+
+def _is_switch(node: fx.Node) -> bool:
+    return node.op == "call_function" and (isinstance(node.target, _SWITCHES)
+                                           or node.target is torch._C._set_grad_enabled)
 
 
 def _kind(node: fx.Node) -> str:

@@ -78,6 +78,29 @@ def test_free_nodes_move_before_the_read_and_the_rest_stay():
         assert torch.equal(torch.as_tensor(got), torch.as_tensor(expected))
 
 
+def test_nothing_moves_past_a_grad_mode_switch():
+    graph = fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    capacity = Capacities("capacity_a", "a.py:1", 4, 1)
+    size = graph.call_function(operator.getitem, (graph.call_function(capacity, ()), 0))
+    start = graph.call_function(StartCounts("start_counts_0"), (graph.call_function(torch.sum, (a,)),))
+    read = graph.call_function(CheckCounts("check_counts_0", [capacity]), (size, start))
+    free = graph.call_function(torch.mul, (b, 2))  # before the switch: moves
+    graph.call_function(torch._C._set_grad_enabled, (False,))
+    off = graph.call_function(torch.mul, (b, 3))  # runs without gradients: stays after the switch
+    graph.call_function(torch._C._set_grad_enabled, (True,))
+    graph.output((graph.call_function(operator.getitem, (read, 0)), free, off))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    annotate(gm, [torch.ones(3, dtype=torch.int64), torch.randn(3, requires_grad=True)])
+    (cert,) = overlap_reads(gm, "CaptureLoss")
+    gm.recompile()
+    before, after = _after_read(gm)
+    assert before[-1] == "mul" and after[:2] == ["_set_grad_enabled", "mul_1"]
+    assert cert.checks[0].evidence["moved"] == 1 and cert.checks[0].evidence["window"] == 1
+    _, moved, kept = gm(torch.ones(3, dtype=torch.int64), torch.randn(3, requires_grad=True))
+    assert moved.requires_grad and not kept.requires_grad
+
+
 def test_a_check_point_stays_after_the_read():
     gm = _graph(check_points=("z",))
     overlap_reads(gm, "CaptureLoss")
