@@ -39,7 +39,8 @@ instead (code ``view-of-written-memory``), and the regions are planned again.
 A count read of SelectRows must run before its check point (the first node that could show or
 suffer from a count that does not fit). It is eager, and fusing moves it after the region that
 computes its count; where that region also holds the check point, the read is made a barrier
-and the regions planned again (:mod:`.fused_order` replays the fusion to tell).
+and the regions planned again (:mod:`.fused_order` replays the fusion to tell). A read that
+follows one of its check points in the graph's own order (no plan can help) is a ValueError.
 
 A region is worth a replay when it launches at least ``min_region_ops`` kernels *and* more
 kernels than the launches a replay adds: its two graph launches (forward, backward), and a copy
@@ -328,6 +329,9 @@ def _plan_regions(gm: fx.GraphModule, devices: Sequence[str], min_region_ops: in
             plan.static = static
             plan.varying = varying
             return plan
+        if not broken and not apart and late_now <= late:  # barriers already: no plan helps
+            raise ValueError(f"count read(s) {sorted(n.name for n in late_now)} follow a check point "
+                             "in the graph's own order: SelectRows places each read before its check points")
         candidates = {w: s for w, s in candidates.items() if w not in broken}
         eager_views |= apart
         late |= late_now

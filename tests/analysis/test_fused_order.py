@@ -69,3 +69,39 @@ def test_the_replayed_order_is_the_fused_graph_order():
     assert all(replayed[n] == replayed[m] for region in regions for n in region for m in region)
     order = sorted(names, key=replayed.__getitem__)
     assert sorted(names.values(), key=place.__getitem__) == [names[n] for n in order]
+
+
+def test_a_read_after_its_check_point_in_the_graph_order_is_an_error_not_a_loop():
+    """No barrier helps a read its check point precedes in the graph itself (SelectRows never
+    places one so): the planner says so instead of planning again for ever (it looped before)."""
+    import threading
+
+    import pytest
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    cap = Capacities("capacity_0", "here", 4, 1)
+    size = graph.call_function(operator.getitem, (graph.call_function(cap, ()), 0))
+    early = graph.call_function(torch.exp, (graph.call_function(torch.mul, (x, 3.0)),))
+    early.name = "exp"  # the count is computed from it: it precedes the read whatever the plan
+    count = graph.call_function(torch.sum, (graph.call_function(torch.gt, (early, 1.0)),))
+    read = graph.call_function(CheckCounts("check_counts_0", [cap], check_points=("exp",)),
+                               (size, graph.call_function(StartCounts("start_counts_0"), (count,))))
+    graph.output((graph.call_function(torch.sum, (early,)), graph.call_function(operator.getitem, (read, 0))))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    annotate(gm, [torch.randn(8)])
+    raised = []
+
+    def plan() -> None:
+        try:
+            plan_regions(gm, ("cpu",), min_region_ops=1, count_copies=False)
+        except ValueError as exc:
+            raised.append(exc)
+
+    worker = threading.Thread(target=plan, daemon=True)  # (a loop must fail the test, not hang it)
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive(), "plan_regions did not return"
+    assert raised and "check_counts_0" in str(raised[0])
+    with pytest.raises(ValueError, match="follow a check point"):
+        plan_regions(gm, ("cpu",), min_region_ops=1, count_copies=False)
