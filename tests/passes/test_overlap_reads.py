@@ -15,6 +15,15 @@ from fxpasses.passes.overlap_reads import overlap_reads
 from fxpasses.runtime.select import Capacities, CheckCounts, StartCounts
 
 
+def _read(graph: fx.Graph, a: fx.Node, check_points: tuple[str, ...] = ()) -> fx.Node:
+    """``check_counts_0``: the read of ``a.sum()`` against a capacity of 4."""
+    capacity = Capacities("capacity_a", "a.py:1", 4, 1)
+    size = graph.call_function(operator.getitem, (graph.call_function(capacity, ()), 0))
+    start = graph.call_function(StartCounts("start_counts_0"), (graph.call_function(torch.sum, (a,)),))
+    return graph.call_function(CheckCounts("check_counts_0", [capacity], check_points=check_points),
+                               (size, start))
+
+
 def _graph(check_points: tuple[str, ...] = ()) -> fx.GraphModule:
     """``n = read(a.sum())``, then: ``x = b * 2`` (free), ``y = x + n`` (needs the count),
     ``z = x.cos()`` (free, after y), ``w.add_(1)`` (an input write), ``buf = zeros;
@@ -22,11 +31,7 @@ def _graph(check_points: tuple[str, ...] = ()) -> fx.GraphModule:
     ``held.add_(x)`` (a write of memory ``u``, which stays, read), ``r = torch.rand(3)``."""
     graph = fx.Graph()
     a, b, w = (graph.placeholder(name) for name in "abw")
-    capacity = Capacities("capacity_a", "a.py:1", 4, 1)
-    size = graph.call_function(operator.getitem, (graph.call_function(capacity, ()), 0))
-    start = graph.call_function(StartCounts("start_counts_0"), (graph.call_function(torch.sum, (a,)),))
-    read = graph.call_function(CheckCounts("check_counts_0", [capacity], check_points=check_points),
-                               (size, start))
+    read = _read(graph, a, check_points)
     n = graph.call_function(operator.getitem, (read, 0))
     nodes = {}
     nodes["x"] = graph.call_function(torch.mul, (b, 2))
@@ -81,10 +86,7 @@ def test_free_nodes_move_before_the_read_and_the_rest_stay():
 def test_nothing_moves_past_a_grad_mode_switch():
     graph = fx.Graph()
     a, b = graph.placeholder("a"), graph.placeholder("b")
-    capacity = Capacities("capacity_a", "a.py:1", 4, 1)
-    size = graph.call_function(operator.getitem, (graph.call_function(capacity, ()), 0))
-    start = graph.call_function(StartCounts("start_counts_0"), (graph.call_function(torch.sum, (a,)),))
-    read = graph.call_function(CheckCounts("check_counts_0", [capacity]), (size, start))
+    read = _read(graph, a)
     free = graph.call_function(torch.mul, (b, 2))  # before the switch: moves
     graph.call_function(torch._C._set_grad_enabled, (False,))
     off = graph.call_function(torch.mul, (b, 3))  # runs without gradients: stays after the switch
@@ -111,10 +113,7 @@ def test_a_check_point_stays_after_the_read():
 def test_a_read_with_nothing_free_after_it_is_refused():
     graph = fx.Graph()
     a = graph.placeholder("a")
-    capacity = Capacities("capacity_a", "a.py:1", 4, 1)
-    size = graph.call_function(operator.getitem, (graph.call_function(capacity, ()), 0))
-    start = graph.call_function(StartCounts("start_counts_0"), (graph.call_function(torch.sum, (a,)),))
-    read = graph.call_function(CheckCounts("check_counts_0", [capacity]), (size, start))
+    read = _read(graph, a)
     graph.output(graph.call_function(torch.mul, (a, graph.call_function(operator.getitem, (read, 0)))))
     gm = fx.GraphModule(torch.nn.Module(), graph)
     annotate(gm, [torch.ones(3, dtype=torch.int64)])
@@ -126,10 +125,7 @@ def test_no_read_or_nothing_after_it_no_certificate():
     assert overlap_reads(fx.symbolic_trace(lambda x: x * 2), "CaptureLoss") == []
     graph = fx.Graph()
     a = graph.placeholder("a")
-    capacity = Capacities("capacity_a", "a.py:1", 4, 1)
-    size = graph.call_function(operator.getitem, (graph.call_function(capacity, ()), 0))
-    start = graph.call_function(StartCounts("start_counts_0"), (graph.call_function(torch.sum, (a,)),))
-    graph.output(graph.call_function(CheckCounts("check_counts_0", [capacity]), (size, start)))
+    graph.output(_read(graph, a))
     gm = fx.GraphModule(torch.nn.Module(), graph)
     annotate(gm, [torch.ones(3, dtype=torch.int64)])
     assert overlap_reads(gm, "CaptureLoss") == []
