@@ -118,7 +118,7 @@ def _why_it_stays(node: fx.Node, staying: list[fx.Node], stays: set[fx.Node], ch
         return "needs the counts"
     if node in check_points:
         return "check point of the read"
-    mine = known.setdefault(node, effects(node))
+    mine = _effects(node, known)
     if mine.unknown:
         return "effects unknown"
     if mine.random:
@@ -126,9 +126,15 @@ def _why_it_stays(node: fx.Node, staying: list[fx.Node], stays: set[fx.Node], ch
     if mine.writes and node not in local:
         return "writes memory the loss did not make"
     for other in staying:
-        if conflict(mine, known.setdefault(other, effects(other))) is not None:
+        if conflict(mine, _effects(other, known)) is not None:
             return "conflicts with the read" if other is staying[0] else "conflicts with a node it passes"
     return None
+
+
+def _effects(node: fx.Node, known: dict[fx.Node, Effects]) -> Effects:
+    if node not in known:
+        known[node] = effects(node)
+    return known[node]
 
 
 def _is_read(node: fx.Node) -> bool:
