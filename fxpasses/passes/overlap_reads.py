@@ -115,7 +115,7 @@ def _why_it_stays(node: fx.Node, staying: list[fx.Node], stays: set[fx.Node], ch
     """Why ``node`` may not move before the read (``staying[0]``) past ``staying``, or None;
     ``local``: the writes of memory the loss made itself."""
     if any(arg in stays for arg in node.all_input_nodes):
-        return "needs the counts"
+        return "needs the read or a node that stays"
     if node in check_points:
         return "check point of the read"
     mine = _effects(node, known)
