@@ -129,3 +129,30 @@ def test_no_read_or_nothing_after_it_no_certificate():
     gm = fx.GraphModule(torch.nn.Module(), graph)
     annotate(gm, [torch.ones(3, dtype=torch.int64)])
     assert overlap_reads(gm, "CaptureLoss") == []
+
+
+def test_an_attribute_write_moved_before_a_read_that_abandons_is_undone():
+    """The write now runs before the read; the read abandons (a count over its capacity): the
+    abandoned call's writes are put back, as the native run that follows must find them."""
+    from types import SimpleNamespace
+
+    from fxpasses.ir.abandon import Abandon
+    from fxpasses.ir.trace_ops import WriteAttribute, undone_on_failure
+
+    graph = fx.Graph()
+    a, b, owner = (graph.placeholder(name) for name in ("a", "b", "owner"))
+    read = _read(graph, a)
+    graph.call_function(WriteAttribute("write_scale", "scale"), (owner, graph.call_function(torch.mul, (b, 2))))
+    graph.output(graph.call_function(operator.getitem, (read, 0)))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    state = SimpleNamespace(scale="before")
+    annotate(gm, [torch.ones(3, dtype=torch.int64), torch.randn(3), state])
+    (cert,) = overlap_reads(gm, "CaptureLoss")
+    gm.recompile()
+    before, _ = _after_read(gm)
+    assert cert.checks[0].evidence["moved"] == 2 and before[-1] == "write_scale"
+    with pytest.raises(Abandon), undone_on_failure():
+        gm(torch.ones(9, dtype=torch.int64), torch.randn(3), state)  # 9 rows, capacity 4
+    assert state.scale == "before"
+    assert gm(torch.ones(3, dtype=torch.int64), torch.arange(3.0), state) == 3
+    assert torch.equal(state.scale, torch.arange(3.0) * 2)
