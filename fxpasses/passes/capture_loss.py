@@ -340,7 +340,8 @@ class CaptureLoss:
         devices = tuple(sorted({t.device.type for n in nodes for t in tensors_in(value(n))}))
         elsewhere = tuple(d for d in devices if d not in self.devices)
         order = list(gm.graph.nodes)
-        span = order[min(map(order.index, nodes)):max(map(order.index, nodes)) + 1]
+        position = {n: i for i, n in enumerate(order)}
+        span = order[min(map(position.__getitem__, nodes)):max(map(position.__getitem__, nodes)) + 1]
         spanned = [n for n in span if n not in inside and plan.verdicts[n].barrier]
         reentering = _reentering(nodes)
         return [
