@@ -231,7 +231,7 @@ class CaptureLoss:
                    if cert.applied and not any(node in r for r in plan.regions)]  # (else in a region)
         if plan.regions:
             regions += self._fuse(gm, plan, names)
-        merged = merge_reads(gm, self.name) + overlap_reads(gm, self.name) if plan.regions else []
+        read_certs = merge_reads(gm, self.name) + overlap_reads(gm, self.name) if plan.regions else []
         late = late_reads(gm.graph, fused_places(gm))
         if late:  # the planner replays the fusion to prevent it; a read too late is never run
             raise RuntimeError(f"CaptureLoss: count read(s) {sorted(n.name for n in late)} after their "
@@ -240,7 +240,7 @@ class CaptureLoss:
             self._own_outputs(gm, regions)
         modified = regions or folded or any(c.applied for c in shared + padded + switches)
         return PassResult(gm, bool(modified),
-                          region_certs + paired + certificates + merged)
+                          region_certs + paired + certificates + read_certs)
 
     def _capture_padded(self, gm: fx.GraphModule, node: fx.Node, fact: RowIndependentCall) -> CapturedRegion:
         """Replace a row-independent call by one that replays it per row bucket (the node keeps
