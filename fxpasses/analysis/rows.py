@@ -35,6 +35,7 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.node import map_arg
 from torch.overrides import TorchFunctionMode
@@ -189,7 +190,7 @@ def _trace(module: nn.Module, method: str, rows: torch.Tensor) -> tuple[fx.Graph
 
     devices = [rows.device.index or 0] if rows.device.type == "cuda" else []
     with _no_distribution_validation(), fx_traceback.preserve_node_meta(), \
-            torch.random.fork_rng(devices=devices):
+            torch.random.fork_rng(devices=devices), _one_fake_mode():
         graph_module = make_fx(scored, pre_dispatch=True, **_MAKE_FX_OPTIONS)(rows)
     names = {t.untyped_storage().data_ptr(): name for name, t in
              [*clone.named_parameters(), *clone.named_buffers()]}
@@ -203,10 +204,20 @@ def _trace_function(fn: Any, inputs: Sequence[torch.Tensor],
     names = {t.untyped_storage().data_ptr(): name for name, t in
              [*clone.named_parameters(), *clone.named_buffers()]}
     with _no_distribution_validation(), fx_traceback.preserve_node_meta(), \
-            torch.random.fork_rng(devices=[]):
+            torch.random.fork_rng(devices=[]), _one_fake_mode():
         graph_module = make_fx(lambda *xs: fn(clone, *xs), pre_dispatch=True,
                                **_MAKE_FX_OPTIONS)(*inputs)
     return graph_module, names
+
+
+@contextmanager
+def _one_fake_mode() -> Iterator[None]:
+    """make_fx on real tensors gives each traced op's metadata a fake copy made in a new
+    FakeTensorMode (torch >= 2.5's ``extract_val``), and each mode records its creation stack:
+    1,224 of them, most of a second, in the real criterion's first call. One mode, which
+    ``detect_fake_mode`` finds first in the tracing context, makes them all."""
+    with torch._guards.tracing(torch._guards.TracingContext(FakeTensorMode(allow_fallback_kernels=True))):
+        yield
 
 
 @contextmanager
