@@ -213,9 +213,10 @@ def _trace_function(fn: Any, inputs: Sequence[torch.Tensor],
 @contextmanager
 def _one_fake_mode() -> Iterator[None]:
     """make_fx on real tensors gives each traced op's metadata a fake copy made in a new
-    FakeTensorMode (torch >= 2.5's ``extract_val``), and each mode records its creation stack:
+    FakeTensorMode (torch 2.13's ``extract_val``), and each mode records its creation stack:
     1,224 of them, most of a second, in the real criterion's first call. One mode, which
-    ``detect_fake_mode`` finds first in the tracing context, makes them all."""
+    ``detect_fake_mode`` finds first in the tracing context, makes them all (torch 2.4.1's
+    ``extract_val`` makes a new mode whatever the context)."""
     with torch._guards.tracing(torch._guards.TracingContext(FakeTensorMode(allow_fallback_kernels=True))):
         yield
 
