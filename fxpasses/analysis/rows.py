@@ -188,9 +188,7 @@ def _trace(module: nn.Module, method: str, rows: torch.Tensor) -> tuple[fx.Graph
         with _SourceLines(scored.__code__):
             return bound(x)
 
-    devices = [rows.device.index or 0] if rows.device.type == "cuda" else []
-    with _no_distribution_validation(), fx_traceback.preserve_node_meta(), \
-            torch.random.fork_rng(devices=devices), _one_fake_mode():
+    with _tracing([rows.device.index or 0] if rows.device.type == "cuda" else []):
         graph_module = make_fx(scored, pre_dispatch=True, **_MAKE_FX_OPTIONS)(rows)
     names = {t.untyped_storage().data_ptr(): name for name, t in
              [*clone.named_parameters(), *clone.named_buffers()]}
@@ -203,21 +201,24 @@ def _trace_function(fn: Any, inputs: Sequence[torch.Tensor],
     clone = copy.deepcopy(state).to("cpu")
     names = {t.untyped_storage().data_ptr(): name for name, t in
              [*clone.named_parameters(), *clone.named_buffers()]}
-    with _no_distribution_validation(), fx_traceback.preserve_node_meta(), \
-            torch.random.fork_rng(devices=[]), _one_fake_mode():
+    with _tracing([]):
         graph_module = make_fx(lambda *xs: fn(clone, *xs), pre_dispatch=True,
                                **_MAKE_FX_OPTIONS)(*inputs)
     return graph_module, names
 
 
 @contextmanager
-def _one_fake_mode() -> Iterator[None]:
-    """make_fx on real tensors gives each traced op's metadata a fake copy made in a new
-    FakeTensorMode (torch 2.13's ``extract_val``), and each mode records its creation stack:
-    1,224 of them, most of a second, in the real criterion's first call. One mode, which
-    ``detect_fake_mode`` finds first in the tracing context, makes them all (torch 2.4.1's
-    ``extract_val`` makes a new mode whatever the context)."""
-    with torch._guards.tracing(torch._guards.TracingContext(FakeTensorMode(allow_fallback_kernels=True))):
+def _tracing(cuda_devices: list[int]) -> Iterator[None]:
+    """Around one make_fx trace: distributions unvalidated (:func:`_no_distribution_validation`),
+    node metadata kept, the RNG state (of the CPU and ``cuda_devices``) restored after, and one
+    fake mode for the trace's metadata. make_fx on real tensors gives each traced op's metadata a
+    fake copy made in a new FakeTensorMode (torch 2.13's ``extract_val``), and each mode records
+    its creation stack: 1,224 of them, most of a second, in the real criterion's first call. One
+    mode, which ``detect_fake_mode`` finds first in the tracing context, makes them all (torch
+    2.4.1's ``extract_val`` makes a new mode whatever the context)."""
+    context = torch._guards.TracingContext(FakeTensorMode(allow_fallback_kernels=True))
+    with _no_distribution_validation(), fx_traceback.preserve_node_meta(), \
+            torch.random.fork_rng(devices=cuda_devices), torch._guards.tracing(context):
         yield
 
 

@@ -32,10 +32,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-import torch
 import torch.fx as fx
 
-from ..analysis.capture import local_write_candidates
+from ..analysis.capture import is_grad_switch, local_write_candidates
+from ..analysis.capture_rules import op_name
 from ..analysis.fused_order import fused_places
 from ..analysis.order import Effects, conflict, effects
 from ..certificates import Certificate, Check, Site
@@ -94,7 +94,7 @@ def _overlap(pass_name: str, read: fx.Node, check_points: set[fx.Node], local: f
     site = Site((start.name, read.name), (location,) if location else (),
                 f"nodes after count read {read.name}, issued while its counts travel")
     evidence = {"moved": len(moved), "window": len(window), "stayed": dict(kept),
-                "moved_ops": dict(Counter(_kind(n) for n in moved).most_common(8)),
+                "moved_ops": dict(Counter(op_name(n) for n in moved).most_common(8)),
                 "moved_lines": tuple(dict.fromkeys(filter(None, map(node_location, moved))))[:6]}
     checks = [Check("nodes-independent-of-the-read", bool(moved), evidence,
                     None if moved else "read-overlap-none")]
@@ -142,11 +142,4 @@ def _is_read(node: fx.Node) -> bool:
 
 
 def _is_switch(node: fx.Node) -> bool:
-    return node.op == "call_function" and (isinstance(node.target, _SWITCHES)
-                                           or node.target is torch._C._set_grad_enabled)
-
-
-def _kind(node: fx.Node) -> str:
-    target = node.target
-    return getattr(target, "__name__", None) or type(target).__name__ if node.op == "call_function" \
-        else str(target)
+    return is_grad_switch(node) or (node.op == "call_function" and isinstance(node.target, _SWITCHES))

@@ -5,7 +5,9 @@ is made a barrier, so the read runs before the point."""
 from __future__ import annotations
 
 import operator
+import threading
 
+import pytest
 import torch
 import torch.fx as fx
 
