@@ -8,15 +8,20 @@ its region analyses; on a CPU CaptureLoss runs with the emulated recorder (``dev
 so that its analysis runs as on CUDA. Per arm: the first call's seconds (forward and backward of
 ``loss.sum()``), the specialization's own split (trace, pipeline, per pass), and the native
 step's seconds (median of ``--native-steps``). ``--profile`` writes a cProfile of the pipeline (the passes) of
-the last arm named's first call.
+the last arm named's first call; ``--phases`` prints, for the last arm's first call, the inclusive
+wall time and call count of the pipeline's main pieces (perf_counter timers, no profiler: a
+profiler doubles fake-tensor propagation's time).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import collections
+import importlib
 import logging
 import statistics
+import sys
 import time
 
 import torch
@@ -50,6 +55,49 @@ def profile_pipeline(path: str) -> None:
     specialize.run_pipeline = profiled
 
 
+# the pieces --phases times: module, attribute path (a function, or Class.method)
+PHASES = [("fxpasses.trace", "trace"), ("fxpasses.analysis.meta", "annotate"),
+          ("fxpasses.analysis.meta", "annotate_new"), ("fxpasses.passes.pair_calls", "PairCalls.run"),
+          ("fxpasses.passes.select_rows", "SelectRows.run"),
+          ("fxpasses.passes.select_witness", "selection_witness"),
+          ("fxpasses.analysis.selection", "analyze_space"),
+          ("fxpasses.passes.capture_loss", "CaptureLoss.run"),
+          ("fxpasses.passes.pad_capacity", "padding_inert"),
+          ("fxpasses.passes.copy_writes", "plan_with_copies"),
+          ("fxpasses.analysis.capture", "plan_regions"),
+          ("fxpasses.runtime.capture", "GraphRecorder.record"),
+          ("fxpasses.pipeline", "copy_graph_module"),
+          ("torch.fx.graph_module", "GraphModule.recompile")]
+
+
+def time_phases() -> dict[str, list[float]]:
+    """Wrap each of :data:`PHASES` with a timer, wherever a module of fxpasses holds it by name;
+    the returned dict fills with [seconds, calls] per phase (inclusive: nested phases count twice)."""
+    spent: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for module_name, path in PHASES:
+        owner = importlib.import_module(module_name)
+        *classes, name = path.split(".")
+        for c in classes:
+            owner = getattr(owner, c)
+        original = getattr(owner, name)
+
+        def timed(*args, _original=original, _path=path, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                spent[_path][0] += time.perf_counter() - start
+                spent[_path][1] += 1
+
+        setattr(owner, name, timed)
+        if not classes:  # the modules that imported the function by name
+            for module in list(sys.modules.values()):
+                if getattr(module, "__name__", "").startswith("fxpasses.") and \
+                        getattr(module, name, None) is original:
+                    setattr(module, name, timed)
+    return spent
+
+
 def step(fn, preds, batch) -> float:
     start = time.perf_counter()
     out = fn(preds, batch)
@@ -66,6 +114,7 @@ def main() -> None:
     parser.add_argument("--native-steps", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--profile", default=None)
+    parser.add_argument("--phases", action="store_true", help="time the pipeline's main pieces")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads (1 keeps a shared CPU's timings stable)")
     parser.add_argument("--log", action="store_true", help="print fxpasses' INFO log")
@@ -89,14 +138,19 @@ def main() -> None:
         fast = optimize(criterion, passes=passes(arm, args.device))
         if args.profile and arm == arms[-1]:
             profile_pipeline(args.profile)
+        spent = time_phases() if args.phases and arm == arms[-1] else None
         cpu = time.process_time()
         first = step(fast, *data(100))
         cpu = time.process_time() - cpu
+        phases = {k: tuple(v) for k, v in spent.items()} if spent is not None else None
         second = step(fast, *data(101))
         seconds = {k: round(v, 2) for s in fast.specializations for k, v in s.seconds.items()}
         print(f"{arm}: first call {first:.2f} s ({first / statistics.median(native):.0f}x native; "
               f"{cpu:.2f} s CPU), "
               f"second call {second:.3f} s; {seconds}; {len(fast.specializations)} specialization(s)")
+        if phases is not None:
+            print("first call's phases (inclusive s, calls):",
+                  ", ".join(f"{k} {v[0]:.2f} ({v[1]})" for k, v in phases.items()))
 
 
 if __name__ == "__main__":
