@@ -3,6 +3,7 @@
     python bench/fit.py --device 0 --batch 4 16 --epochs 5 --pairs 5 --out out/fit.json
     python bench/fit.py --device 0 --batch 4 16 --pairs 2 --first-pair 3 --out out/fit_b.json
     python bench/fit.py --merge out/fit.json out/fit_b.json --out out/fit_all.json
+    python bench/fit.py --device 0 --batch 16 --arms native --seed 1 --out out/fit_seed1.json  # a control
     python bench/fit.py --epochs 1 --train-images 8 --val-images 4 --imgsz 160 --pairs 1 \\
         --device cpu --batch 4 --workers 0 --out out/fit_smoke.json    # a CPU smoke run
 
@@ -13,14 +14,15 @@ batch size, one fresh process per arm, the arms alternating (native first in odd
 fxpasses first in even ones; ``--first-pair`` numbers them on from an earlier process, whose
 results ``--merge`` then joins). Each process trains the nano pose model from scratch
 (``yolo26n-pose.yaml``: no weights are downloaded) with the trainer's defaults, ``plots=False``,
-seed 0, and the label caches removed first (every run scans its labels alike); ``fxpasses`` adds
+the trainer's ``seed`` (``--seed``, 0 unless given: another seed gives the metrics' spread between
+native runs, which with one seed are identical), and the label caches removed first (every run scans its labels alike); ``fxpasses`` adds
 ``fxpasses.integrations.ultralytics.enable(model)`` before ``train``. ``--amp`` is the trainer's
 ``amp``: ``true`` (its default: the trainer's AMP check runs; offline it cannot download its
 checkpoint, catches the ConnectionError and keeps AMP on; the children run with
 ``YOLO_OFFLINE=1`` so that the check tries once, without retries), ``bf16`` (no check) or
 ``false``.
 
-Recorded per run: the complete-fit time (``model.train()``: setup, the AMP check, the
+Recorded per run: the GradScaler's final scale (with AMP: the optimizer steps it skipped), the complete-fit time (``model.train()``: setup, the AMP check, the
 criterion's recordings, training, EMA, validation, checkpoints) with the moments its setup ended
 and each epoch was validated, the whole-process time, peak
 reserved CUDA memory, the AMP check's answer and duration, the final training losses and
@@ -106,7 +108,7 @@ def child(args: argparse.Namespace) -> None:
     yolo.add_callback("on_pretrain_routine_end", setup_done)
     yolo.add_callback("on_fit_epoch_end", epoch_done)
     yolo.train(data=args.data, epochs=args.epochs, imgsz=args.imgsz, batch=args.batch,
-               workers=args.workers, device=args.device, amp=AMP[args.amp], plots=False, seed=0,
+               workers=args.workers, device=args.device, amp=AMP[args.amp], plots=False, seed=args.seed,
                exist_ok=True, project=args.project, name=args.name, verbose=False)
     fit_s = time.perf_counter() - start
     trainer = yolo.trainer
@@ -114,7 +116,7 @@ def child(args: argparse.Namespace) -> None:
     record = {"arm": args.child, "batch": args.batch, "fit_s": fit_s, **moments,
               "peak_reserved_mib": torch.cuda.max_memory_reserved() / 2**20 if cuda else None,
               "gpu": torch.cuda.get_device_name(trainer.device) if cuda else None,
-              "amp_setting": args.amp, "amp": bool(trainer.amp), "amp_check": amp_check,
+              "seed": args.seed, "amp_setting": args.amp, "grad_scale_final": _final_scale(trainer), "amp": bool(trainer.amp), "amp_check": amp_check,
               "device": str(trainer.device), "batch_trained": trainer.batch_size,
               "epochs_trained": trainer.epoch + 1,
               "train_losses": {k: float(v) for k, v in (trainer.tloss or {}).items()},
@@ -126,6 +128,14 @@ def child(args: argparse.Namespace) -> None:
         record["fxpasses"] = {"summary": summary(integration.criterion),
                               "stats": integration.criterion.optimized.stats.as_dict()}
     Path(args.record).write_text(json.dumps(record))
+
+
+def _final_scale(trainer) -> float | None:
+    """The GradScaler's scale after the fit (None without AMP). It starts at 2**16 and halves at
+    each step it skips for a non-finite gradient; it doubles only after 2000 clean steps in a row,
+    so in a shorter fit ``log2(2**16 / scale)`` is the number of optimizer steps skipped."""
+    scaler = getattr(trainer, "scaler", None)
+    return float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
 
 
 def run_one(args: argparse.Namespace, arm: str, batch: int, index: int, work: Path) -> dict:
@@ -140,6 +150,7 @@ def run_one(args: argparse.Namespace, arm: str, batch: int, index: int, work: Pa
     cmd = [sys.executable, __file__, "--child", arm, "--record", str(record), "--data", args.data,
            "--batch", str(batch), "--epochs", str(args.epochs), "--imgsz", str(args.imgsz),
            "--workers", str(args.workers), "--device", args.device, "--amp", args.amp,
+           "--seed", str(args.seed),
            "--project", str(work / "runs"), "--name", name, "--progress-fd", str(progress)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
@@ -266,6 +277,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--imgsz", type=int, default=640)
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--device", default="0", help="the trainer's device: 0, cpu...")
+    parser.add_argument("--seed", type=int, default=0, help="the trainer's seed")
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS),
+                        help="the arms to run (one alone: a control of the other's spread)")
     parser.add_argument("--amp", choices=AMP, default="true",
                         help="the trainer's amp: true (its default, with its AMP check), bf16, false")
     parser.add_argument("--deadline-s", type=float, default=None,
@@ -303,7 +317,8 @@ def merge(paths: list[str], out: Path) -> int:
 def _pair(args, results, batch: int, pair: int, work: Path, out: Path, begin: float) -> None:
     """Both arms of one pair of ``batch``, in the pair's order; --out rewritten after each."""
     entry = results["batches"][str(batch)]
-    for arm in ARMS if pair % 2 == 1 else ARMS[::-1]:
+    arms = [a for a in ARMS if a in args.arms]
+    for arm in arms if pair % 2 == 1 else arms[::-1]:
         say(f"batch {batch} pair {pair}: {arm}...")
         run = {**run_one(args, arm, batch, pair, work), "pair": pair}
         entry["runs"].append(run)
