@@ -11,7 +11,8 @@ trainer requests them), ``native-rounded`` (the control for rounding: native wit
 scaled by 1 + 2**-20, which changes the roundings of every gradient and, AdamW being invariant to
 the loss's scale, nothing else) and ``fxpasses`` (PairRLE, SelectRows, CaptureLoss; on a CPU
 CaptureLoss runs with the emulated recorder). Step: forward under float16 autocast with
-``--amp`` (a GradScaler then scales the backward), ``loss.sum()`` backward, then the trainer's
+``--amp`` (a GradScaler then scales the backward, on a CPU too; each row says whether it skipped
+the step, the result the count per arm), ``loss.sum()`` backward, then the trainer's
 optimizer step for a short fit: gradients unscaled and clipped to norm 10, AdamW (``--lr``).
 Per step and arm: the objective, and the L2 distance of all parameters from ``native``'s, relative
 to their norm; ``native_movement`` is native's own distance from the start, for scale.
@@ -67,7 +68,7 @@ def main() -> None:
     crits = {arm: criterion(arm, models[arm], args.device) for arm in ARMS}
     opts = {arm: torch.optim.AdamW(m.parameters(), lr=args.lr) for arm, m in models.items()}
     kind = "cuda" if args.device.startswith("cuda") else "cpu"
-    scalers = {arm: torch.amp.GradScaler(kind, enabled=args.amp and kind == "cuda") for arm in ARMS}
+    scalers = {arm: torch.amp.GradScaler(kind, enabled=args.amp) for arm in ARMS}
     start = flat_parameters(base)
     rows = []
     for step in range(args.steps):
@@ -83,9 +84,12 @@ def main() -> None:
             scalers[arm].unscale_(opts[arm])
             torch.nn.utils.clip_grad_norm_(models[arm].parameters(), max_norm=10.0)
             scalers[arm].step(opts[arm])
+            scale = scalers[arm].get_scale() if args.amp else None
             scalers[arm].update()
             opts[arm].zero_grad(set_to_none=True)
             row[f"{arm}_objective"] = float(objective)
+            if args.amp:  # the scaler halves its scale exactly when it skips the step
+                row[f"{arm}_skipped"] = int(scalers[arm].get_scale() < scale)
         reference = flat_parameters(models["native"])
         row["native_movement"] = float((reference - start).norm() / start.norm())
         for arm in ARMS[1:]:
@@ -96,7 +100,8 @@ def main() -> None:
             f"{k} {v:.6g}" for k, v in row.items() if k not in ("step",)), flush=True)
     fast = crits["fxpasses"]
     stats = fast.stats
-    result = {"command": vars(args), "torch": torch.__version__, "rows": rows,
+    skipped = {arm: sum(r.get(f"{arm}_skipped", 0) for r in rows) for arm in ARMS}
+    result = {"command": vars(args), "torch": torch.__version__, "rows": rows, "skipped_steps": skipped,
               "fxpasses": {"calls": stats.calls, "optimized": stats.optimized,
                            "native": dict(stats.native), "specializations": len(fast.specializations),
                            "recordings": sum(c.get("recorded", 0) for c in stats.sites.values()),
@@ -111,6 +116,8 @@ def main() -> None:
                       f"{row[arm + '_objective']:.6g}, {row[arm + '_parameter_distance']:.2e}"
                       for arm in ARMS[1:]) + " |")
     print(f"fxpasses: {result['fxpasses']}")
+    if args.amp:
+        print(f"optimizer steps the GradScaler skipped, per arm: {skipped}")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

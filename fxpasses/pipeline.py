@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from .analysis.meta import annotate, annotate_new
 from .certificates import Certificate, Check, Site, pass_counters
-from .certificates.digest import code_fingerprint, fingerprint
+from .certificates.digest import code_fingerprint
 from .locations import node_location
 from .log import logger
 
@@ -109,8 +109,9 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return new
 
 
-def _snapshot(step: str, gm: fx.GraphModule, modified: bool, seconds: float = 0.0) -> Snapshot:
-    code = gm.graph.python_code("self").src  # what the fingerprint hashes, so one checks the other
+def _snapshot(step: str, code: str, modified: bool, seconds: float = 0.0) -> Snapshot:
+    """A step's snapshot from the graph's generated code: what the fingerprint hashes, so one
+    checks the other (:func:`~.certificates.digest.fingerprint`)."""
     return Snapshot(step, code_fingerprint(code), code, modified, seconds)
 
 
@@ -170,7 +171,7 @@ def run_pipeline(gm: fx.GraphModule, passes: Sequence[Pass],
         PipelineRun: the final graph, every certificate (a pass that raised, failed lint or
         misreported ``modified`` has a "failed" one), the snapshots for the diff.
     """
-    snapshots = [_snapshot("traced", gm, False)]
+    snapshots = [_snapshot("traced", gm.graph.python_code("self").src, False)]
     certificates: list[Certificate] = []
     current = gm
     if example_tensors is not None:
@@ -218,7 +219,8 @@ def _run_passes(gm: fx.GraphModule, passes: Sequence[Pass], example_tensors: Seq
                     "node": node.name, "statement": node.format_node(), "failed_nodes": len(new),
                     "location": node_location(node)}, before))
                 continue
-        after = fingerprint(result.graph_module)
+        code = result.graph_module.graph.python_code("self").src  # once: fingerprint and snapshot
+        after = code_fingerprint(code)
         if (after != before) != bool(result.modified):
             certificates.append(_failure(p.name, "fingerprint-mismatch", None, {
                 "claimed_modified": bool(result.modified), "fingerprint_before": before,
@@ -231,5 +233,5 @@ def _run_passes(gm: fx.GraphModule, passes: Sequence[Pass], example_tensors: Seq
         logger.debug("pass %s: modified=%s, %d certificate(s), %.3f s", p.name, result.modified,
                      len(result.certificates), time.perf_counter() - start)
         current = result.graph_module
-        snapshots.append(_snapshot(p.name, current, result.modified, time.perf_counter() - start))
+        snapshots.append(_snapshot(p.name, code, result.modified, time.perf_counter() - start))
     return current
