@@ -93,5 +93,42 @@ def test_a_tiny_cpu_fit_pair_writes_both_arms(tmp_path):
                for r in runs)  # on a CPU the trainer's check answers False at once
     assert all(0 < r["setup_s"] < r["epochs_s"][0] < r["fit_s"] and len(r["epochs_s"]) == 1
                for r in runs)
+    assert all(r["seed"] == 0 and r["grad_scale_final"] is None for r in runs)  # no AMP on a CPU
     assert (tmp_path / "fit_fxpasses_b4.txt").read_text().strip()
     assert "fxpasses losses box" in done.stderr and "would end after --deadline-s" in done.stderr
+
+
+@pytest.mark.slow
+def test_a_tiny_cpu_fit_runs_one_arm_with_another_seed(tmp_path):
+    pytest.importorskip("ultralytics", minversion="8.4")
+    out = tmp_path / "fit.json"
+    done = run("fit.py", "--epochs", "1", "--train-images", "8", "--val-images", "4", "--imgsz",
+               "160", "--pairs", "1", "--arms", "native", "--seed", "3", "--device", "cpu",
+               "--batch", "4", "--workers", "0", "--work", str(tmp_path / "work"), "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    (only,) = json.loads(out.read_text())["batches"]["4"]["runs"]
+    assert only["arm"] == "native" and only["seed"] == 3
+
+
+@pytest.mark.slow
+def test_tiny_cpu_trajectory_under_autocast_counts_skipped_steps(tmp_path):
+    pytest.importorskip("ultralytics", minversion="8.4")
+    done = run("trajectory.py", "--device", "cpu", "--batch", "2", "--image-size", "64", "--steps", "2",
+               "--amp", "--out", str(tmp_path / "traj"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "traj" / "trajectory.json").read_text())
+    # the scaler starts at 2**16: the first steps overflow in float16 and are skipped, by every arm alike
+    assert set(result["skipped_steps"]) == {"native", "native-again", "native-rounded", "fxpasses"}
+    assert all(r["native_skipped"] in (0, 1) for r in result["rows"])
+    assert result["fxpasses"]["optimized"] == 2
+
+
+@pytest.mark.slow
+def test_tiny_cpu_region_handoffs_name_each_regions_inputs(tmp_path):
+    pytest.importorskip("ultralytics", minversion="8.4")
+    done = run("region_handoffs.py", "--batch", "2", "--image-size", "64", "--calls", "3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout[done.stdout.index("{"):])
+    assert report["regions"] and all(r["held"] >= 1 for r in report["regions"].values())
+    origins = {w for r in report["regions"].values() for w in r["inputs_mib"]}
+    assert any(w.startswith("region ") for w in origins), origins  # a region's input is another's output
