@@ -63,7 +63,7 @@ first-call)  # the real criterion's first call, this tree and ab/old in alternat
     test -d ab/old/fxpasses || { echo "no ab/old/fxpasses (see the header)"; exit 1; }
     python -m compileall -q fxpasses ab/old/fxpasses  # neither tree pays for its bytecode in a run
     for i in $(seq "${PAIRS:-2}"); do
-        echo -n "new: "; python bench/first_call.py --batch 16 --image-size 640 --arms all --device cuda 2>&1 | tail -1
+        echo -n "new: "; python bench/first_call.py --batch 16 --image-size 640 --arms all --device cuda --phases 2>&1 | tail -2
         echo -n "old: "; PYTHONPATH=/tmp/site:ab/old:. python bench/first_call.py --batch 16 --image-size 640 \
             --arms all --device cuda 2>&1 | tail -1
     done ;;
