@@ -55,12 +55,13 @@ def region_memory(node: fx.Node) -> dict | None:
     recording = max(region.recordings.values(), key=lambda r: r.used)
     args = [a for arg in node.args for a in (arg if isinstance(arg, (tuple, list)) else [arg])]
     inputs, gradients = collections.Counter(), collections.Counter()
+    gradient_of = dict(zip(recording.grad_input_index, recording.grad_inputs))  # input place -> its static gradient
     for i, static in enumerate(recording.inputs):
         if not isinstance(static, torch.Tensor) or i in recording.identity:
             continue  # a parameter read in place has no buffer
         where = origin(args[i]) if i < len(args) else "state"
         inputs[where] += mib(static)
-        gradient = dict(zip(recording.grad_input_index, recording.grad_inputs)).get(i)
+        gradient = gradient_of.get(i)
         if gradient is not None:
             gradients[where] += mib(gradient)
     return {"held": len(region.recordings),

@@ -11,8 +11,8 @@ trainer requests them), ``native-rounded`` (the control for rounding: native wit
 scaled by 1 + 2**-20, which changes the roundings of every gradient and, AdamW being invariant to
 the loss's scale, nothing else) and ``fxpasses`` (PairRLE, SelectRows, CaptureLoss; on a CPU
 CaptureLoss runs with the emulated recorder). Step: forward under float16 autocast with
-``--amp`` (a GradScaler then scales the backward, on a CPU too; each row says whether it skipped
-the step, the result the count per arm), ``loss.sum()`` backward, then the trainer's
+``--amp`` (a GradScaler then scales the backward, on a CPU too; each row says whether each arm's
+scaler skipped the step, and the result counts the skips per arm), ``loss.sum()`` backward, then the trainer's
 optimizer step for a short fit: gradients unscaled and clipped to norm 10, AdamW (``--lr``).
 Per step and arm: the objective, and the L2 distance of all parameters from ``native``'s, relative
 to their norm; ``native_movement`` is native's own distance from the start, for scale.
