@@ -238,6 +238,16 @@ _CODES = (
          "At run time a selection rewritten to a static capacity came out empty (no real row to "
          "pad with); the call ran natively.",
          "Expected now and then (a batch without foreground); frequent ones cost a native call."),
+    Code("bincount-not-bounded", "refusal",
+         "A torch.bincount keeps its own host reads (the minimum and maximum of its input): it has "
+         "weights or no minlength, its input is not a 1-D integer tensor, or the next host read "
+         "after it is not int(counts.max()) of its result with every other use of the counts after it.",
+         "Nothing to do; the bincount runs as written."),
+    Code("counts-out-of-range", "guard",
+         "At run time a value counted by a bincount rewritten to minlength bins lay outside "
+         "[0, minlength) (an image index at or above the batch size, or negative): the call was "
+         "abandoned at the read of the counts' maximum and ran natively.",
+         "Check the targets' image indices (batch_idx): each should lie in [0, batch size)."),
     Code("read-overlap-none", "refusal",
          "No node after a count read could be issued before it (each needs the counts or a "
          "node that does, is a check point of the read, or conflicts with a node it would pass): "

@@ -53,6 +53,7 @@ from ..runtime.ownership import OwnedOutputs
 from ..runtime.paired_capture import PADDED_GUARDS, CapturedPairedCall
 from ..locations import node_location
 from .copy_writes import plan_with_copies
+from .bounded_counts import bounded_counts
 from .fold_constants import device_constants
 from .fold_state import device_indices, fold_constant_reads
 from .grad_switches import drop_redundant_switches
@@ -207,7 +208,7 @@ class CaptureLoss:
                                                                   checks)])
         shared = share_duplicates(gm, self.name)
         folded = fold_constant_reads(gm, self.name) + device_indices(gm, self.name, self.devices) + \
-            device_constants(gm, self.name, self.devices)
+            device_constants(gm, self.name, self.devices) + bounded_counts(gm, self.name)
         padded = pad_capacities(gm, self.name)
         switches = drop_redundant_switches(gm, self.name)
         unfolded_copies = copy_graph_module(gm)
@@ -238,7 +239,7 @@ class CaptureLoss:
                                "check points once fused")
         if regions:
             self._own_outputs(gm, regions)
-        modified = regions or folded or any(c.applied for c in shared + padded + switches)
+        modified = regions or any(c.applied for c in shared + folded + padded + switches)
         return PassResult(gm, bool(modified),
                           region_certs + paired + certificates + read_certs)
 

@@ -1,0 +1,116 @@
+"""``torch.bincount(x, minlength=m)`` followed by ``int(counts.max())``: one host read, not three.
+
+The loss packs targets per image with ``counts = torch.bincount(batch_idx, minlength=batch_size)``
+and then reads ``int(counts.max())``. On CUDA the bincount reads ``x.min()`` and ``x.max()`` on
+the host itself. Where the next host read after the bincount, in graph order, is that
+``.item()`` of its ``max()`` and every other use of the counts comes after it, the bincount
+becomes :class:`~fxpasses.runtime.bounded_counts.BoundedBincount` (``m`` bins filled on the
+device, and whether every value lay in ``[0, m)``) and the read a
+:class:`~fxpasses.runtime.bounded_counts.CheckedRead` of the maximum and that truth together:
+where a value lay outside, the call is abandoned at the read (``counts-out-of-range``: it runs
+natively) before anything computed from the counts is seen; inside, the counts are the native
+ones exactly (integers). A certificate per bincount: rewritten, or why not
+(``bincount-not-bounded``).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..analysis.meta import ANNOTATED, annotate_new, value
+from ..analysis.ops import NODE_FACTS, node_facts
+from ..certificates import Certificate, Check, Site
+from ..locations import node_location
+from ..runtime.bounded_counts import BoundedBincount, CheckedRead
+
+_PROPAGATED = ("val", "unbacked_bindings", NODE_FACTS, ANNOTATED)  # computed again for the new nodes
+
+
+def bounded_counts(gm: fx.GraphModule, pass_name: str) -> list[Certificate]:
+    """Rewrite each bincount whose next host read checks it (see the module docstring), in place;
+    a certificate per bincount."""
+    certificates = []
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.bincount:
+            checks, read = _checks(gm.graph, node)
+            applied = all(c.ok for c in checks)
+            location = node_location(node)
+            site = Site((node.name,), (location,) if location else (), f"bincount {node.name}")
+            effect = {"host_reads": "the bincount's two (min and max of its input) removed; its bound "
+                                    f"is read with {read.name}, in one transfer",
+                      "abandon": "counts-out-of-range, where a value lies outside [0, minlength)"} \
+                if applied else {}
+            certificates.append(Certificate.from_checks(pass_name, site, checks, effect=effect))
+            if applied:
+                _rewrite(gm.graph, node, read, location or node.name)
+    if any(c.applied for c in certificates):
+        annotate_new(gm)
+    return certificates
+
+
+def _arguments(node: fx.Node) -> tuple:
+    """(input, weights, minlength) of a ``torch.bincount`` node."""
+    names = ("input", "weights", "minlength")
+    given = dict(zip(names, node.args)) | dict(node.kwargs)
+    return given.get("input"), given.get("weights"), given.get("minlength", 0)
+
+
+def _checks(graph: fx.Graph, node: fx.Node) -> tuple[list[Check], fx.Node | None]:
+    x, weights, minlength = _arguments(node)
+    shape = value(x) if isinstance(x, fx.Node) else None
+    form = weights is None and minlength is not None and minlength != 0
+    integer = isinstance(shape, torch.Tensor) and shape.dim() == 1 and not shape.is_floating_point() \
+        and not shape.is_complex() and shape.dtype is not torch.bool
+    read = _next_read(graph, node)
+    checks = [Check("unweighted-with-minlength", form, {"weights": repr(weights), "minlength": repr(minlength)},
+                    None if form else "bincount-not-bounded"),
+              Check("input-1d-integer", integer, {"input": repr(getattr(shape, "shape", None)),
+                                                  "dtype": str(getattr(shape, "dtype", None))},
+                    None if integer else "bincount-not-bounded")]
+    maximum = read.args[0] if read is not None and read.op == "call_method" and read.target == "item" \
+        and len(read.args) == 1 and not read.kwargs else None
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    checked = isinstance(maximum, fx.Node) and maximum.op == "call_method" and maximum.target == "max" \
+        and maximum.args == (node,) and not maximum.kwargs and set(maximum.users) == {read} \
+        and all(order[u] > order[read] for u in node.users if u is not maximum)
+    checks.append(Check("next-read-is-its-maximum", checked, {
+        "next_read": read.format_node() if read is not None else "none before the output",
+        "uses": sorted(u.name for u in node.users)}, None if checked else "bincount-not-bounded"))
+    return checks, read
+
+
+def _next_read(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
+    """The first node after ``node`` that reads a value on the host (or whose facts are unknown:
+    taken as one); None when the output comes first."""
+    after = False
+    for n in graph.nodes:
+        if n is node:
+            after = True
+        elif after and n.op == "output":
+            return None
+        elif after and n.op.startswith("call"):
+            facts = node_facts(n)
+            if facts is None or facts.host_read:
+                return n
+    return None
+
+
+def _rewrite(graph: fx.Graph, node: fx.Node, read: fx.Node, site: str) -> None:
+    x, _, minlength = _arguments(node)
+    kept = {k: v for k, v in node.meta.items() if k not in _PROPAGATED}  # source location, stack
+    with graph.inserting_before(node):
+        both = graph.call_function(BoundedBincount(f"bounded_{node.name}"), (x, minlength))
+        counts = graph.call_function(operator.getitem, (both, 0))
+        in_range = graph.call_function(operator.getitem, (both, 1))
+    for new in (both, counts, in_range):
+        new.meta.update(kept)
+    node.replace_all_uses_with(counts)
+    graph.erase_node(node)
+    with graph.inserting_before(read):
+        checked = graph.call_function(CheckedRead(f"checked_{read.name}", site), (read.args[0], in_range))
+    checked.meta.update({k: v for k, v in read.meta.items() if k not in _PROPAGATED})
+    read.replace_all_uses_with(checked)
+    graph.erase_node(read)
