@@ -29,10 +29,10 @@ class BoundedBincount(RuntimeOp):
     """``bincount(x, m) -> (counts, in_range)``: ``torch.bincount(x, minlength=m)`` where every
     value of ``x`` lies in ``[0, m)``, and whether they all did (a 0-dim bool tensor). A value out
     of the bound is not counted, or (above :data:`COMPARED`) counted in the nearest bin: a count
-    is then wrong, never an index out of memory."""
+    is then wrong, never an index out of memory. Not captured: its input's length is the targets'
+    count, new in most calls (a recording each)."""
 
     pure = True
-    capturable = True
     grad_free = True
 
     def __call__(self, x: torch.Tensor, minlength: int) -> tuple[torch.Tensor, torch.Tensor]:

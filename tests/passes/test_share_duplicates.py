@@ -13,6 +13,7 @@ from fxpasses import optimize
 from fxpasses.cli import import_file
 from fxpasses.passes import CaptureLoss
 from fxpasses.runtime.emulated import EmulatedRecorder
+from fxpasses.runtime.bounded_counts import BoundedBincount
 
 pytestmark = pytest.mark.skipif(torch.__version__ < "2.5", reason="torch 2.4 has no fake kernel for "
                                 "bincount: the packed buffer's size has no metadata, so nothing is shared")
@@ -45,6 +46,11 @@ def _inputs(counts, seed):
     return many, one, batch_idx, values
 
 
+def _bounded(fast) -> int:
+    """How many bincounts the final graph computes (each rewritten by bounded_counts)."""
+    return sum(isinstance(n.target, BoundedBincount) for n in fast.graph_module.graph.nodes)
+
+
 def _shared(fast):
     return [c for c in fast.certificates if c.applied and "nodes_removed" in c.effect]
 
@@ -64,9 +70,10 @@ def test_the_second_branch_packs_nothing_again_and_matches_native():
         for a, b in zip(inputs[:2], reference[:2]):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)
         assert native.ops.count("bincount") == 2
-        if seed:  # a steady call: one bincount, one host read of the most persons in an image
-            assert ours.ops.count("bincount") == 1 and ours.ops.count("_local_scalar_dense") == 1
+        if seed:  # a steady call: no bincount (bounded_counts: bins compared on the device), no item
+            assert ours.ops.count("bincount") == 0 and ours.ops.count("_local_scalar_dense") == 0
     assert fast.stats.optimized == 4 and not fast.stats.native
+    assert _bounded(fast) == 1  # one packing's counts, read once (with their bound)
     shared = _shared(fast)
     assert shared and all(c.site.locations for c in shared)
     kept = [c for c in fast.certificates if "duplicate-written" in c.codes]
@@ -145,8 +152,9 @@ def test_no_equal_size_guard_after_a_write_of_the_loss_state():
         want = reference_loss(*reference)
         torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-10, atol=1e-12)
         if seed:
-            assert ours.ops.count("bincount") == 2
+            assert ours.ops.count("bincount") == 0  # (bounded_counts: bins compared on the device)
     assert float(loss.calls) == float(reference_loss.calls) == 3
+    assert _bounded(fast) == 2  # each branch's own counts and read
     assert not [g for c in _shared(fast) for g in c.guards]
 
 
