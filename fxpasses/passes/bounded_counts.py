@@ -3,7 +3,9 @@
 The loss packs targets per image with ``counts = torch.bincount(batch_idx, minlength=batch_size)``
 and then reads ``int(counts.max())``. On CUDA the bincount reads ``x.min()`` and ``x.max()`` on
 the host itself. Where the next host read after the bincount, in graph order, is that
-``.item()`` of its ``max()`` and every other use of the counts comes after it, the bincount
+``.item()`` of its ``max()`` (the ``max()`` itself aside: on torch 2.4 a reduction over a size
+known only from data has no complete facts) and every other use of the counts comes after it,
+the bincount
 becomes :class:`~fxpasses.runtime.bounded_counts.BoundedBincount` (``m`` bins filled on the
 device, and whether every value lay in ``[0, m)``) and the read a
 :class:`~fxpasses.runtime.bounded_counts.CheckedRead` of the maximum and that truth together:
@@ -64,38 +66,33 @@ def _checks(graph: fx.Graph, node: fx.Node) -> tuple[list[Check], fx.Node | None
     form = weights is None and minlength is not None and minlength != 0
     integer = isinstance(shape, torch.Tensor) and shape.dim() == 1 and not shape.is_floating_point() \
         and not shape.is_complex() and shape.dtype is not torch.bool
-    read = _next_read(graph, node)
+    maxima = [u for u in node.users if u.op == "call_method" and u.target == "max"
+              and u.args == (node,) and not u.kwargs and len(u.users) == 1]
+    reads = [r for m in maxima for r in m.users
+             if r.op == "call_method" and r.target == "item" and len(r.args) == 1 and not r.kwargs]
+    read = reads[0] if reads else None
     checks = [Check("unweighted-with-minlength", form, {"weights": repr(weights), "minlength": repr(minlength)},
                     None if form else "bincount-not-bounded"),
               Check("input-1d-integer", integer, {"input": repr(getattr(shape, "shape", None)),
                                                   "dtype": str(getattr(shape, "dtype", None))},
                     None if integer else "bincount-not-bounded")]
-    maximum = read.args[0] if read is not None and read.op == "call_method" and read.target == "item" \
-        and len(read.args) == 1 and not read.kwargs else None
     order = {n: i for i, n in enumerate(graph.nodes)}
-    checked = isinstance(maximum, fx.Node) and maximum.op == "call_method" and maximum.target == "max" \
-        and maximum.args == (node,) and not maximum.kwargs and set(maximum.users) == {read} \
-        and all(order[u] > order[read] for u in node.users if u is not maximum)
+    between = [n for n in graph.nodes if read is not None and order[node] < order[n] < order[read]
+               and n.op.startswith("call") and n is not read.args[0]]
+    first = next((n for n in between if _reads(n)), None)
+    checked = read is not None and first is None \
+        and all(order[u] > order[read] for u in node.users if u is not read.args[0])
     checks.append(Check("next-read-is-its-maximum", checked, {
-        "next_read": read.format_node() if read is not None else "none before the output",
+        "maximum_read": read.format_node() if read is not None else "none: no int(counts.max())",
+        "read_before_it": first.format_node() if first is not None else None,
         "uses": sorted(u.name for u in node.users)}, None if checked else "bincount-not-bounded"))
     return checks, read
 
 
-def _next_read(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
-    """The first node after ``node`` that reads a value on the host (or whose facts are unknown:
-    taken as one); None when the output comes first."""
-    after = False
-    for n in graph.nodes:
-        if n is node:
-            after = True
-        elif after and n.op == "output":
-            return None
-        elif after and n.op.startswith("call"):
-            facts = node_facts(n)
-            if facts is None or facts.host_read:
-                return n
-    return None
+def _reads(n: fx.Node) -> bool:
+    """Whether ``n`` reads a value on the host (unknown facts count as a read)."""
+    facts = node_facts(n)
+    return facts is None or facts.host_read
 
 
 def _rewrite(graph: fx.Graph, node: fx.Node, read: fx.Node, site: str) -> None:
