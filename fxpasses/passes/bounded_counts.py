@@ -5,9 +5,8 @@ and then reads ``int(counts.max())``. On CUDA the bincount reads ``x.min()`` and
 the host itself. Where the next host read after the bincount, in graph order, is that
 ``.item()`` of its ``max()`` (the ``max()`` itself aside: on torch 2.4 a reduction over a size
 known only from data has no complete facts) and every other use of the counts comes after it,
-the bincount
-becomes :class:`~fxpasses.runtime.bounded_counts.BoundedBincount` (``m`` bins filled on the
-device, and whether every value lay in ``[0, m)``) and the read a
+the bincount becomes :class:`~fxpasses.runtime.bounded_counts.BoundedBincount` (``m`` bins
+filled on the device, and whether every value lay in ``[0, m)``) and the read a
 :class:`~fxpasses.runtime.bounded_counts.CheckedRead` of the maximum and that truth together:
 where a value lay outside, the call is abandoned at the read (``counts-out-of-range``: it runs
 natively) before anything computed from the counts is seen; inside, the counts are the native
@@ -61,6 +60,7 @@ def _arguments(node: fx.Node) -> tuple:
 
 
 def _checks(graph: fx.Graph, node: fx.Node) -> tuple[list[Check], fx.Node | None]:
+    """The rewrite's checks of one bincount, and the ``int(counts.max())`` read it would use."""
     x, weights, minlength = _arguments(node)
     shape = value(x) if isinstance(x, fx.Node) else None
     form = weights is None and minlength is not None and minlength != 0
