@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import collections
 import importlib
 import logging
 import statistics
@@ -30,6 +29,7 @@ from fxpasses import optimize, specialize
 from fxpasses.passes import CaptureLoss, PairRLE, SelectRows
 from fxpasses.runtime.emulated import EmulatedRecorder
 from fxpasses.workloads.ultralytics_pose import pose_batch, pose_model, pose_preds
+from host_timers import Timers  # bench/host_timers.py, beside this script
 
 
 def passes(arm: str, device: str) -> list:
@@ -70,32 +70,25 @@ PHASES = [("fxpasses.trace", "trace"), ("fxpasses.analysis.meta", "annotate"),
           ("torch.fx.graph_module", "GraphModule.recompile")]
 
 
-def time_phases() -> dict[str, list[float]]:
-    """Wrap each of :data:`PHASES` with a timer, wherever a module of fxpasses holds it by name;
-    the returned dict fills with [seconds, calls] per phase (inclusive: nested phases count twice)."""
-    spent: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+def time_phases() -> Timers:
+    """Wrap each of :data:`PHASES` with a timer of ``host_timers.Timers`` (inclusive: nested
+    phases count twice), wherever a module of fxpasses holds it by name; the timers are on."""
+    timers = Timers()
     for module_name, path in PHASES:
         owner = importlib.import_module(module_name)
         *classes, name = path.split(".")
         for c in classes:
             owner = getattr(owner, c)
         original = getattr(owner, name)
-
-        def timed(*args, _original=original, _path=path, **kwargs):
-            start = time.perf_counter()
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                spent[_path][0] += time.perf_counter() - start
-                spent[_path][1] += 1
-
+        timed = timers.wrap(path, original)
         setattr(owner, name, timed)
         if not classes:  # the modules that imported the function by name
             for module in list(sys.modules.values()):
                 if getattr(module, "__name__", "").startswith("fxpasses.") and \
                         getattr(module, name, None) is original:
                     setattr(module, name, timed)
-    return spent
+    timers.on = True
+    return timers
 
 
 def step(fn, preds, batch) -> float:
@@ -142,7 +135,7 @@ def main() -> None:
         cpu = time.process_time()
         first = step(fast, *data(100))
         cpu = time.process_time() - cpu
-        phases = {k: tuple(v) for k, v in spent.items()} if spent is not None else None
+        phases = {k: (spent.seconds[k], spent.calls[k]) for k in spent.calls} if spent is not None else None
         second = step(fast, *data(101))
         seconds = {k: round(v, 2) for s in fast.specializations for k, v in s.seconds.items()}
         print(f"{arm}: first call {first:.2f} s ({first / statistics.median(native):.0f}x native; "

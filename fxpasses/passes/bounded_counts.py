@@ -36,7 +36,7 @@ def bounded_counts(gm: fx.GraphModule, pass_name: str) -> list[Certificate]:
     certificates = []
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is torch.bincount:
-            checks, read = _checks(gm.graph, node)
+            checks, read = _checks(node)
             applied = all(c.ok for c in checks)
             location = node_location(node)
             site = Site((node.name,), (location,) if location else (), f"bincount {node.name}")
@@ -59,11 +59,11 @@ def _arguments(node: fx.Node) -> tuple:
     return given.get("input"), given.get("weights"), given.get("minlength", 0)
 
 
-def _checks(graph: fx.Graph, node: fx.Node) -> tuple[list[Check], fx.Node | None]:
+def _checks(node: fx.Node) -> tuple[list[Check], fx.Node | None]:
     """The rewrite's checks of one bincount, and the ``int(counts.max())`` read it would use."""
     x, weights, minlength = _arguments(node)
     shape = value(x) if isinstance(x, fx.Node) else None
-    form = weights is None and minlength is not None and minlength != 0
+    form = weights is None and minlength != 0
     integer = isinstance(shape, torch.Tensor) and shape.dim() == 1 and not shape.is_floating_point() \
         and not shape.is_complex() and shape.dtype is not torch.bool
     maxima = [u for u in node.users if u.op == "call_method" and u.target == "max"
@@ -76,15 +76,18 @@ def _checks(graph: fx.Graph, node: fx.Node) -> tuple[list[Check], fx.Node | None
               Check("input-1d-integer", integer, {"input": repr(getattr(shape, "shape", None)),
                                                   "dtype": str(getattr(shape, "dtype", None))},
                     None if integer else "bincount-not-bounded")]
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    between = [n for n in graph.nodes if read is not None and order[node] < order[n] < order[read]
-               and n.op.startswith("call") and n is not read.args[0]]
-    first = next((n for n in between if _reads(n)), None)
-    checked = read is not None and first is None \
-        and all(order[u] > order[read] for u in node.users if u is not read.args[0])
+    first = used = None  # a host read, a use of the counts, between the bincount and the read
+    step = node.next
+    while read is not None and step is not read and first is None and used is None:
+        if step.op.startswith("call") and step is not read.args[0]:
+            first = step if _reads(step) else None
+            used = step if node in step.all_input_nodes else None
+        step = step.next
+    checked = read is not None and first is None and used is None
     checks.append(Check("next-read-is-its-maximum", checked, {
         "maximum_read": read.format_node() if read is not None else "none: no int(counts.max())",
         "read_before_it": first.format_node() if first is not None else None,
+        "counts_used_before_it": used.name if used is not None else None,
         "uses": sorted(u.name for u in node.users)}, None if checked else "bincount-not-bounded"))
     return checks, read
 

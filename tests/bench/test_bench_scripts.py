@@ -70,13 +70,18 @@ def test_tiny_cpu_runs_write_their_results(tmp_path):
     assert result["pass_applied"] == [True] and "eager" in result and "cuda_graph" not in result
 
 
+def _tiny_fit(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """bench/fit.py on the CPU: one epoch, 8 + 4 images of 160 px, batch 4, to tmp_path/fit.json."""
+    return run("fit.py", "--epochs", "1", "--train-images", "8", "--val-images", "4", "--imgsz", "160",
+               "--device", "cpu", "--batch", "4", "--workers", "0", "--work", str(tmp_path / "work"),
+               "--out", str(tmp_path / "fit.json"), *args)
+
+
 @pytest.mark.slow
 def test_a_tiny_cpu_fit_pair_writes_both_arms(tmp_path):
     pytest.importorskip("ultralytics", minversion="8.4")
     out = tmp_path / "fit.json"
-    done = run("fit.py", "--epochs", "1", "--train-images", "8", "--val-images", "4", "--imgsz",
-               "160", "--pairs", "2", "--deadline-s", "1", "--device", "cpu", "--batch", "4",
-               "--workers", "0", "--work", str(tmp_path / "work"), "--out", str(out))
+    done = _tiny_fit(tmp_path, "--pairs", "2", "--deadline-s", "1")
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["stopped_by_deadline"] == [4]  # the first pair ran, the second would not fit
@@ -102,9 +107,7 @@ def test_a_tiny_cpu_fit_pair_writes_both_arms(tmp_path):
 def test_a_tiny_cpu_fit_runs_one_arm_with_another_seed(tmp_path):
     pytest.importorskip("ultralytics", minversion="8.4")
     out = tmp_path / "fit.json"
-    done = run("fit.py", "--epochs", "1", "--train-images", "8", "--val-images", "4", "--imgsz",
-               "160", "--pairs", "1", "--arms", "native", "--seed", "3", "--device", "cpu",
-               "--batch", "4", "--workers", "0", "--work", str(tmp_path / "work"), "--out", str(out))
+    done = _tiny_fit(tmp_path, "--pairs", "1", "--arms", "native", "--seed", "3")
     assert done.returncode == 0, done.stderr[-3000:]
     (only,) = json.loads(out.read_text())["batches"]["4"]["runs"]
     assert only["arm"] == "native" and only["seed"] == 3
