@@ -49,7 +49,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ARMS = ("native", "fxpasses")
+ARMS = ("native", "fxpasses", "native-rounded")
+ROUNDING = 1 + 2 ** -20  # native-rounded's loss scale: only roundings change (AdamW is scale-free)
 AMP = {"true": True, "bf16": "bf16", "false": False}
 
 
@@ -72,6 +73,36 @@ def _timed_amp_check(record: dict) -> None:
     trainer_module.check_amp = timed
 
 
+class RoundedCriterion:
+    """The native criterion with its loss scaled by :data:`ROUNDING`: the control arm
+    ``native-rounded``, whose metrics differ from native's only by what a change of every
+    gradient's rounding does to a fit (the trainer's AdamW and gradient clipping are invariant to
+    the loss's scale; its GradScaler's overflow test all but so)."""
+
+    def __init__(self, native):
+        self.native = native
+
+    def __call__(self, *args, **kwargs):
+        loss, items = self.native(*args, **kwargs)
+        return loss * ROUNDING, items
+
+    def __getattr__(self, name):  # only names this object does not hold (none while unpickled)
+        if "native" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.__dict__["native"], name)
+
+
+def _round_criterion(trainer) -> None:
+    """``on_pretrain_routine_end`` of the native-rounded arm: the trained model's criterion
+    (built as the trainer builds it) wrapped by :class:`RoundedCriterion`."""
+    from ultralytics.utils.torch_utils import unwrap_model
+
+    model = unwrap_model(trainer.model)
+    native = getattr(model, "criterion", None)
+    native = native if native is not None else model.init_criterion()
+    model.criterion = RoundedCriterion(native)
+
+
 def child(args: argparse.Namespace) -> None:
     """One fit in this process; its record as JSON to ``args.record``."""
     sys.path.insert(0, str(ROOT))
@@ -91,6 +122,8 @@ def child(args: argparse.Namespace) -> None:
         from fxpasses.integrations import ultralytics as fxu
 
         integration = fxu.enable(yolo)
+    elif args.child == "native-rounded":
+        yolo.add_callback("on_pretrain_routine_end", _round_criterion)
     start = time.perf_counter()
     moments = {"setup_s": None, "epochs_s": []}  # since start: setup done, each epoch validated
 
@@ -278,8 +311,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--device", default="0", help="the trainer's device: 0, cpu...")
     parser.add_argument("--seed", type=int, default=0, help="the trainer's seed")
-    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS),
-                        help="the arms to run (one alone: a control of the other's spread)")
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS[:2]),
+                        help="the arms to run (one alone: a control of the other's spread; "
+                             "native-rounded: native with its loss times 1 + 2**-20, the "
+                             "control of what rounding alone does to a fit's metrics)")
     parser.add_argument("--amp", choices=AMP, default="true",
                         help="the trainer's amp: true (its default, with its AMP check), bf16, false")
     parser.add_argument("--deadline-s", type=float, default=None,

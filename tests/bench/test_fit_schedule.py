@@ -73,3 +73,21 @@ def test_merge_joins_the_pairs_of_separate_processes_per_batch(tmp_path):
     assert merged["batches"]["4"]["summary"]["native"]["fit_s"]["values"] == [20.0, 40.0]
     assert merged["batches"]["4"]["summary"]["fxpasses"]["fit_s"]["values"] == [10.0, 30.0]
     assert merged["batches"]["16"]["summary"]["native"]["runs"] == 1
+
+
+def test_the_rounding_control_scales_only_the_loss_and_survives_a_deepcopy():
+    import copy
+
+    import torch
+
+    class Native:
+        hyp = "settings"
+
+        def __call__(self, preds, batch):
+            return preds.sum() * 3, preds.detach()
+
+    rounded = fit.RoundedCriterion(Native())
+    preds = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    loss, items = rounded(preds, {})
+    assert loss.item() == 9.0 * (1 + 2 ** -20) and torch.equal(items, preds)
+    assert rounded.hyp == "settings" and copy.deepcopy(rounded).hyp == "settings"
