@@ -49,9 +49,9 @@ host-ab)  # host time per step of the real criterion (batch 16), this tree and a
     done ;;
 fit)  # complete-fit time of a real model.train(), native against the integration
     python bench/fit.py ${FIT_ARGS:?set FIT_ARGS} --device 0 --out "$OUT/fit" ;;
-fit-seeds)  # the batch-16 AMP fit, both arms, over trainer seeds: the metrics' spread (~100 s a seed)
+fit-seeds)  # the batch-16 AMP fit over trainer seeds, ARMS (native fxpasses unless set; ~50 s an arm)
     for S in ${SEEDS:-1 2 3}; do
-        python bench/fit.py --batch 16 --epochs 5 --pairs 1 --seed $S --device 0 --work /tmp/fitw \
+        python bench/fit.py --batch 16 --epochs 5 --pairs 1 --seed $S --device 0 --work /tmp/fitw --arms ${ARMS:-native fxpasses} \
             --out "$OUT/fit_seed$S.json" 2>&1 | grep -E "fit [0-9]|mAP"
     done ;;
 memory)  # peak GPU memory of the real criterion, eager and all passes, one arm per process
