@@ -16,7 +16,11 @@ results ``--merge`` then joins). Each process trains the nano pose model from sc
 (``yolo26n-pose.yaml``: no weights are downloaded) with the trainer's defaults, ``plots=False``,
 the trainer's ``seed`` (``--seed``, 0 unless given: another seed gives the metrics' spread between
 native runs, which with one seed are identical), and the label caches removed first (every run scans its labels alike); ``fxpasses`` adds
-``fxpasses.integrations.ultralytics.enable(model)`` before ``train``. ``--amp`` is the trainer's
+``fxpasses.integrations.ultralytics.enable(model)`` before ``train`` (``--passes``: a subset of
+its passes, to tell which one a difference comes from); the control arm ``native-rounded`` (not
+run unless named in ``--arms``) trains with the native criterion's loss times 1 + 2**-20, which
+changes only the roundings of every gradient: the spread a rounding-level change gives a fit's
+metrics. ``--amp`` is the trainer's
 ``amp``: ``true`` (its default: the trainer's AMP check runs; offline it cannot download its
 checkpoint, catches the ConnectionError and keeps AMP on; the children run with
 ``YOLO_OFFLINE=1`` so that the check tries once, without retries), ``bf16`` (no check) or
@@ -121,7 +125,11 @@ def child(args: argparse.Namespace) -> None:
     if args.child == "fxpasses":
         from fxpasses.integrations import ultralytics as fxu
 
-        integration = fxu.enable(yolo)
+        from fxpasses.passes import CaptureLoss, PairRLE, SelectRows
+
+        chosen = {"pair": PairRLE, "select": SelectRows, "capture": CaptureLoss}
+        integration = fxu.enable(yolo, passes=None if args.passes is None
+                                 else [chosen[name]() for name in args.passes])
     elif args.child == "native-rounded":
         yolo.add_callback("on_pretrain_routine_end", _round_criterion)
     start = time.perf_counter()
@@ -183,7 +191,7 @@ def run_one(args: argparse.Namespace, arm: str, batch: int, index: int, work: Pa
     cmd = [sys.executable, __file__, "--child", arm, "--record", str(record), "--data", args.data,
            "--batch", str(batch), "--epochs", str(args.epochs), "--imgsz", str(args.imgsz),
            "--workers", str(args.workers), "--device", args.device, "--amp", args.amp,
-           "--seed", str(args.seed),
+           "--seed", str(args.seed), *(["--passes", *args.passes] if args.passes else []),
            "--project", str(work / "runs"), "--name", name, "--progress-fd", str(progress)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
@@ -315,6 +323,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="the arms to run (one alone: a control of the other's spread; "
                              "native-rounded: native with its loss times 1 + 2**-20, the "
                              "control of what rounding alone does to a fit's metrics)")
+    parser.add_argument("--passes", nargs="+", choices=("pair", "select", "capture"), default=None,
+                        help="the fxpasses arm's passes, in this order (the integration's "
+                             "default unless given: all three)")
     parser.add_argument("--amp", choices=AMP, default="true",
                         help="the trainer's amp: true (its default, with its AMP check), bf16, false")
     parser.add_argument("--deadline-s", type=float, default=None,
