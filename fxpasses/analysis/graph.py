@@ -45,6 +45,19 @@ def downstream(g: nx.DiGraph, nodes: Iterable[fx.Node]) -> set[fx.Node]:
     return out
 
 
+def dependents(nodes: Iterable[fx.Node]) -> set[fx.Node]:
+    """:func:`downstream` of ``nodes`` read from their ``users`` (no DiGraph built: for one
+    query on a graph that changes between queries, building one costs more than the walk)."""
+    out: set[fx.Node] = set()
+    stack = [u for n in nodes for u in n.users]
+    while stack:
+        node = stack.pop()
+        if node not in out:
+            out.add(node)
+            stack.extend(node.users)
+    return out
+
+
 def grad_modes(graph: fx.Graph) -> dict[fx.Node, bool]:
     """The grad mode each node runs in, following recorded ``_set_grad_enabled`` switches."""
     mode, modes = True, {}

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 
-from ..analysis.graph import downstream, to_digraph
+from ..analysis.graph import dependents
 from ..analysis.meta import annotate_new, metadata_unchanged, storages_of, value
 from ..analysis.order import effects
 from ..certificates import Certificate, Check, Site
@@ -113,7 +113,7 @@ def _written(node: fx.Node) -> str | None:
     mine = storages_of(node)
     if not mine:
         return "no metadata"
-    after = downstream(to_digraph(node.graph), [node]) - {node}
+    after = dependents([node]) - {node}
     for user in node.graph.nodes:
         if user not in after:
             continue

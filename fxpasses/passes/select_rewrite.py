@@ -52,7 +52,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from ..analysis.graph import downstream, to_digraph
+from ..analysis.graph import dependents, downstream, to_digraph
 from ..analysis.capture import is_state
 from ..analysis.meta import storages_of, tensors_in, value
 from ..analysis.ops import node_facts
@@ -588,7 +588,7 @@ def check_point(gm: fx.GraphModule, planned: fx.Node | None, start: fx.Node, mad
     # what the capacity shapes; for a deferred guard (no capacity) every node: what follows it
     # computes on a decision that may not hold, and an index made before it may be one that
     # decision protected (if (idx >= 0).all(): table[idx])
-    padded = downstream(to_digraph(graph), [planned]) if planned is not None else set(graph.nodes)
+    padded = dependents([planned]) if planned is not None else set(graph.nodes)
     external = external_storages(gm)
     cleaned = set(cleaned)
     nonzero: set = set()  # size symbols a guard before has checked to be nonzero
