@@ -709,8 +709,10 @@ class CapturedRegion(RuntimeOp):
                 if not alone:  # this thread's native call of another loss holds them
                     return ONE_THREAD.code, None, flat
                 self.made += 1
-                try:
-                    recording = self._record(flat, starts, identity, specs)
+                try:  # grad mode restored: a capture that raises inside the region's no-grad
+                    # block would leave it off, and the eager run would lose every gradient
+                    with torch.set_grad_enabled(torch.is_grad_enabled()):
+                        recording = self._record(flat, starts, identity, specs)
                 except Exception as exc:  # never lose the step: this region runs eagerly from now on
                     self.failure = f"{type(exc).__name__}: {exc}"[:500]
                     return CAPTURE_OK.code, None, flat
