@@ -65,6 +65,7 @@ from torch.utils import _pytree as pytree
 from ..certificates.codes import note
 from ..guards import SiteGuard, ambient_state
 from ..ir.runtime_op import Propagator, RuntimeOp
+from ..log import logger
 from .call_reads import StateChangedError, current
 from .module_state import MODULE_STATE
 from .recording_change import describe_change
@@ -715,6 +716,8 @@ class CapturedRegion(RuntimeOp):
                         recording = self._record(flat, starts, identity, specs)
                 except Exception as exc:  # never lose the step: this region runs eagerly from now on
                     self.failure = f"{type(exc).__name__}: {exc}"[:500]
+                    logger.warning("fxpasses: region %s could not be recorded and runs eagerly "
+                                   "from now on (capture-failed): %s", self.op_id, self.failure)
                     return CAPTURE_OK.code, None, flat
             recording.used = next(self._clock)
             if self.recordings:  # what moved (recording_change)

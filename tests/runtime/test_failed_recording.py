@@ -35,7 +35,7 @@ def region_fn(x):
     return y * scale
 
 
-def test_a_capture_raising_in_a_no_grad_block_leaves_gradients_on():
+def test_a_capture_raising_in_a_no_grad_block_leaves_gradients_on(caplog):
     region = CapturedRegion("r", region_fn, recorder=FailingCapture(), record_after=1)
     for _ in range(2):
         x = torch.arange(1.0, 5.0, dtype=torch.float64, requires_grad=True)
@@ -47,3 +47,5 @@ def test_a_capture_raising_in_a_no_grad_block_leaves_gradients_on():
         region_fn(ref).sum().backward()
         torch.testing.assert_close(x.grad, ref.grad, rtol=0, atol=0)
     assert region.failure is not None and "capturing" in region.failure
+    said = [r.getMessage() for r in caplog.records if r.name == "fxpasses"]
+    assert len(said) == 1 and "region r could not be recorded" in said[0] and "capturing" in said[0]
