@@ -100,6 +100,28 @@ def _index_from_host_data(n: fx.Node) -> bool:
         any(isinstance(i, list) for i in index)
 
 
+_FROM_DATA = (torch.tensor, torch.as_tensor)
+
+
+def _tensor_from_host_data(n: fx.Node) -> bool:
+    """``torch.tensor(data, device=d)`` (``torch.as_tensor``, ``x.new_tensor(data)``) on a device
+    other than the CPU, of Python numbers or of a CPU tensor: the constructor copies host memory
+    to the device, a blocking copy from pageable memory (0-dim ones too: a stride read as a float,
+    Ultralytics' tal.py:349) that no dispatch mode sees and a CUDA graph cannot capture."""
+    if n.op == "call_function" and n.target in _FROM_DATA:
+        data = n.args[0] if n.args else n.kwargs.get("data")
+    elif n.op == "call_method" and n.target == "new_tensor":
+        data = n.args[1] if len(n.args) > 1 else n.kwargs.get("data")
+    else:
+        return False
+    made = n.meta.get("val")
+    if not isinstance(made, torch.Tensor) or made.device.type == "cpu":
+        return False
+    given = [a.meta.get("val") for a in pytree.tree_leaves(data) if isinstance(a, fx.Node)]
+    tensors = [t for t in given if isinstance(t, torch.Tensor)]
+    return not tensors or any(t.device.type == "cpu" for t in tensors)
+
+
 def _has_empty_tensor(values: Any) -> bool:
     """A tensor with a size known to be 0 (a data-dependent size is not compared: that would guard)."""
     return any(isinstance(t, torch.Tensor) and any(type(d) is int and d == 0 for d in t.shape)
@@ -186,7 +208,8 @@ class PartialFakeTensorProp(FakeTensorProp):
         if rec is None:  # placeholders, get_attr, output
             return
         module = self.fetch_attr(n.target) if n.op == "call_module" else None
-        host = rec.host or bool(n.meta.get("unbacked_bindings")) or _index_from_host_data(n)
+        host = rec.host or bool(n.meta.get("unbacked_bindings")) or _index_from_host_data(n) \
+            or _tensor_from_host_data(n)
         n.meta[NODE_FACTS] = NodeFacts(tuple(rec.ops), bool(rec.writes), frozenset(rec.writes),
                                        host, rec.random, rec.computes,
                                        complete, is_torch_code(n, module))

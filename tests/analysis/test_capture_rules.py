@@ -113,3 +113,30 @@ def test_a_device_tensor_indexed_by_a_python_list_is_a_host_copy():
         assert sum(host.values()) == 3 * copies, {k for k, v in host.items() if v}
         getitem = next(n for n in gm.graph.nodes if "[1, 0, 1]" in n.format_node())
         assert (verdict(getitem, (device,))[0].code == "host-sync") == copies
+
+
+def test_a_device_tensor_made_from_host_data_is_a_host_copy():
+    # On the H100, a fit with SelectRows and CaptureLoss (no PairRLE: the flow's unknown effects
+    # kept these tensors from being folded into device constants) crashed: the assigner's
+    # ``torch.tensor(self.stride_val, device=d)`` (tal.py:349) failed its region's capture. The
+    # constructor copies host memory inside itself, where no dispatch mode sees it. A CPU-only
+    # build makes no CUDA fakes: the meta device stands in for the GPU on the values read.
+    from fxpasses.analysis.meta import _tensor_from_host_data
+
+    def f(x, cpu_table):
+        a = torch.tensor(2.5, dtype=x.dtype, device=x.device)
+        b = torch.tensor(x.shape[1:], device=x.device)
+        c = torch.as_tensor(cpu_table, device=x.device)
+        d = torch.as_tensor(x, device=x.device)
+        e = x.new_tensor([1.0, 2.0])
+        return x.sum() + a + b.sum() + c.sum() + d.sum() + e.sum()
+
+    gm = trace(f, (torch.randn(4, 3), torch.ones(2)))
+    annotate(gm, [torch.randn(4, 3), torch.ones(2)])
+    made = {n.name: n for n in gm.graph.nodes}
+    assert not any(_tensor_from_host_data(n) for n in gm.graph.nodes)  # on the CPU: no copy
+    for n in gm.graph.nodes:  # the same graph with its device values on another device
+        if n.name != "cpu_table" and isinstance(n.meta.get("val"), torch.Tensor):
+            n.meta["val"] = torch.empty(n.meta["val"].shape, device="meta")
+    copies = {name for name, n in made.items() if _tensor_from_host_data(n)}
+    assert copies == {"tensor", "tensor_1", "as_tensor", "new_tensor"}, copies  # not ``as_tensor_1``
