@@ -10,7 +10,8 @@ native runs drift apart on this device, deterministic algorithms requested as th
 trainer requests them), ``native-rounded`` (the control for rounding: native with its objective
 scaled by 1 + 2**-20, which changes the roundings of every gradient and, AdamW being invariant to
 the loss's scale, nothing else) and ``fxpasses`` (PairRLE, SelectRows, CaptureLoss; on a CPU
-CaptureLoss runs with the emulated recorder). Step: forward under float16 autocast with
+CaptureLoss runs with the emulated recorder). Step (``--accumulate`` batches, their backwards summed into ``.grad`` before one optimizer step,
+as the trainer accumulates ``nbs / batch`` batches): forward under float16 autocast with
 ``--amp`` (a GradScaler then scales the backward, on a CPU too; each row says whether each arm's
 scaler skipped the step, and the result counts the skips per arm), ``loss.sum()`` backward, then the trainer's
 optimizer step for a short fit: gradients unscaled and clipped to norm 10, AdamW (``--lr``).
@@ -56,11 +57,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--amp", action="store_true")
     parser.add_argument("--lr", type=float, default=0.002)
+    parser.add_argument("--accumulate", type=int, default=1,
+                        help="batches whose gradients each optimizer step sums, as the trainer's "
+                             "nbs / batch (64 / 16 = 4): the losses' backwards accumulate into "
+                             "the same .grad before one step")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if args.steps < 1 or args.batch < 1:
-        parser.error("--steps and --batch must be at least 1")
+    if args.steps < 1 or args.batch < 1 or args.accumulate < 1:
+        parser.error("--steps, --batch and --accumulate must be at least 1")
     from ultralytics.utils.torch_utils import init_seeds
     init_seeds(0, deterministic=True)  # what the trainer's deterministic=True (its default) sets
     base = pose_model(device=args.device).train()
@@ -72,22 +77,28 @@ def main() -> None:
     start = flat_parameters(base)
     rows = []
     for step in range(args.steps):
-        g = torch.Generator().manual_seed(10_000 + step)
-        images = torch.rand(args.batch, 3, args.image_size, args.image_size, generator=g).to(args.device)
-        batch = pose_batch(args.batch, seed=10_000 + step, image_size=args.image_size, device=args.device)
-        row: dict[str, Any] = {"step": step, "persons": int(batch["batch_idx"].numel())}
+        seeds = [10_000 + step * args.accumulate + k for k in range(args.accumulate)]
+        images, batches = [], []
+        for seed in seeds:
+            g = torch.Generator().manual_seed(seed)
+            images.append(torch.rand(args.batch, 3, args.image_size, args.image_size, generator=g).to(args.device))
+            batches.append(pose_batch(args.batch, seed=seed, image_size=args.image_size, device=args.device))
+        row: dict[str, Any] = {"step": step, "persons": sum(int(b["batch_idx"].numel()) for b in batches)}
         for arm in ARMS:
-            with torch.autocast(kind, dtype=torch.float16, enabled=args.amp):
-                loss, _ = crits[arm](models[arm](images), batch)
-                objective = loss.sum() * (ROUNDING if arm == "native-rounded" else 1)
-            scalers[arm].scale(objective).backward()
+            objective = 0.0
+            for image, batch in zip(images, batches):  # .grad accumulates over the batches
+                with torch.autocast(kind, dtype=torch.float16, enabled=args.amp):
+                    loss, _ = crits[arm](models[arm](image), batch)
+                    part = loss.sum() * (ROUNDING if arm == "native-rounded" else 1)
+                scalers[arm].scale(part).backward()
+                objective += float(part)
             scalers[arm].unscale_(opts[arm])
             torch.nn.utils.clip_grad_norm_(models[arm].parameters(), max_norm=10.0)
             scalers[arm].step(opts[arm])
             scale = scalers[arm].get_scale() if args.amp else None
             scalers[arm].update()
             opts[arm].zero_grad(set_to_none=True)
-            row[f"{arm}_objective"] = float(objective)
+            row[f"{arm}_objective"] = objective
             if args.amp:  # the scaler halves its scale exactly when it skips the step
                 row[f"{arm}_skipped"] = int(scalers[arm].get_scale() < scale)
         reference = flat_parameters(models["native"])
