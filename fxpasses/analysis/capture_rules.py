@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from ..certificates.codes import note
 from ..ir.runtime_op import RuntimeOp
-from .meta import node_is_dynamic, tensors_in, value
+from .meta import node_is_dynamic, tensor_from_host_data, tensors_in, value
 from .ops import NodeFacts, node_facts
 
 
@@ -138,6 +138,8 @@ ROWS: tuple[Row, ...] = (
     Row("user code (effects unknown)", _user_code, False, "op-unknown", barrier=True),
     Row("writes its inputs or module state", _writes_input, False, "op-in-place", barrier=True),
     Row("reads device data on the host", _host_read, False, "host-sync"),
+    Row("copies host data to the device inside a constructor (a blocking copy)",
+        lambda p: tensor_from_host_data(p.node), False, "host-sync"),
     Row("draws random numbers", _random, False, "op-random"),
     Row("data-dependent shape", _dynamic, False, "dynamic-shape"),
     Row("tensor off the capture devices", _off_device, False, "device-not-captured"),

@@ -103,11 +103,12 @@ def _index_from_host_data(n: fx.Node) -> bool:
 _FROM_DATA = (torch.tensor, torch.as_tensor)
 
 
-def _tensor_from_host_data(n: fx.Node) -> bool:
+def tensor_from_host_data(n: fx.Node) -> bool:
     """``torch.tensor(data, device=d)`` (``torch.as_tensor``, ``x.new_tensor(data)``) on a device
     other than the CPU, of Python numbers or of a CPU tensor: the constructor copies host memory
     to the device, a blocking copy from pageable memory (0-dim ones too: a stride read as a float,
-    Ultralytics' tal.py:349) that no dispatch mode sees and a CUDA graph cannot capture."""
+    Ultralytics' tal.py:349) that no dispatch mode sees and a CUDA graph cannot capture. Read by
+    the capture rules only: other analyses keep their facts (no host read of device data)."""
     if n.op == "call_function" and n.target in _FROM_DATA:
         data = n.args[0] if n.args else n.kwargs.get("data")
     elif n.op == "call_method" and n.target == "new_tensor":
@@ -208,8 +209,7 @@ class PartialFakeTensorProp(FakeTensorProp):
         if rec is None:  # placeholders, get_attr, output
             return
         module = self.fetch_attr(n.target) if n.op == "call_module" else None
-        host = rec.host or bool(n.meta.get("unbacked_bindings")) or _index_from_host_data(n) \
-            or _tensor_from_host_data(n)
+        host = rec.host or bool(n.meta.get("unbacked_bindings")) or _index_from_host_data(n)
         n.meta[NODE_FACTS] = NodeFacts(tuple(rec.ops), bool(rec.writes), frozenset(rec.writes),
                                        host, rec.random, rec.computes,
                                        complete, is_torch_code(n, module))

@@ -313,8 +313,9 @@ _CODES = (
          "and no region is moved across it.",
          "Read the metadata-failed certificate for the node that failed."),
     Code("host-sync", "refusal",
-         "An op reads device data on the host (.item(), nonzero, boolean-mask indexing); it runs "
-         "eagerly between regions.",
+         "An op reads device data on the host (.item(), nonzero, boolean-mask indexing) or copies "
+         "host data to the device inside itself (torch.tensor(data, device=d), x[[1, 0]]), which "
+         "a CUDA graph cannot capture; it runs eagerly between regions.",
          "Express the selection with static shapes (masks, clamped counts) to capture it."),
     Code("dynamic-shape", "refusal",
          "The node's shape depends on data (downstream of a data-dependent op); it runs eagerly.",

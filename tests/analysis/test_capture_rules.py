@@ -121,7 +121,7 @@ def test_a_device_tensor_made_from_host_data_is_a_host_copy():
     # ``torch.tensor(self.stride_val, device=d)`` (tal.py:349) failed its region's capture. The
     # constructor copies host memory inside itself, where no dispatch mode sees it. A CPU-only
     # build makes no CUDA fakes: the meta device stands in for the GPU on the values read.
-    from fxpasses.analysis.meta import _tensor_from_host_data
+    from fxpasses.analysis.meta import tensor_from_host_data
 
     def f(x, cpu_table):
         a = torch.tensor(2.5, dtype=x.dtype, device=x.device)
@@ -134,9 +134,12 @@ def test_a_device_tensor_made_from_host_data_is_a_host_copy():
     gm = trace(f, (torch.randn(4, 3), torch.ones(2)))
     annotate(gm, [torch.randn(4, 3), torch.ones(2)])
     made = {n.name: n for n in gm.graph.nodes}
-    assert not any(_tensor_from_host_data(n) for n in gm.graph.nodes)  # on the CPU: no copy
+    assert not any(tensor_from_host_data(n) for n in gm.graph.nodes)  # on the CPU: no copy
     for n in gm.graph.nodes:  # the same graph with its device values on another device
         if n.name != "cpu_table" and isinstance(n.meta.get("val"), torch.Tensor):
             n.meta["val"] = torch.empty(n.meta["val"].shape, device="meta")
-    copies = {name for name, n in made.items() if _tensor_from_host_data(n)}
+    copies = {name for name, n in made.items() if tensor_from_host_data(n)}
     assert copies == {"tensor", "tensor_1", "as_tensor", "new_tensor"}, copies  # not ``as_tensor_1``
+    decided, row = verdict(made["tensor"], ("meta",))  # a capture rule, not a fact others read
+    assert decided.code == "host-sync" and not decided.capturable and "constructor" in row.name
+    assert not node_facts(made["tensor"]).host_read
