@@ -243,6 +243,11 @@ _CODES = (
          "weights or no minlength, its input is not a 1-D integer tensor, or the next host read "
          "after it is not int(counts.max()) of its result with every other use of the counts after it.",
          "Nothing to do; the bincount runs as written."),
+    Code("unique-not-count-max", "refusal",
+         "A unique(return_counts=True) keeps its host read (its output's length): its input is not "
+         "an integer tensor, it returns inverse indices or works along a dim, or its values or "
+         "counts are used for more than the largest count.",
+         "Nothing to do; the unique runs as written."),
     Code("counts-out-of-range", "guard",
          "At run time a value counted by a bincount rewritten to minlength bins lay outside "
          "[0, minlength) (an image index at or above the batch size, or negative): the call was "

@@ -54,6 +54,7 @@ from ..runtime.paired_capture import PADDED_GUARDS, CapturedPairedCall
 from ..locations import node_location
 from .copy_writes import plan_with_copies
 from .bounded_counts import bounded_counts
+from .unique_counts import unique_count_max
 from .fold_constants import device_constants
 from .fold_state import device_indices, fold_constant_reads
 from .grad_switches import drop_redundant_switches
@@ -208,7 +209,8 @@ class CaptureLoss:
                                                                   checks)])
         shared = share_duplicates(gm, self.name)
         folded = fold_constant_reads(gm, self.name) + device_indices(gm, self.name, self.devices) + \
-            device_constants(gm, self.name, self.devices) + bounded_counts(gm, self.name)
+            device_constants(gm, self.name, self.devices) + bounded_counts(gm, self.name) + \
+            unique_count_max(gm, self.name)
         padded = pad_capacities(gm, self.name)
         switches = drop_redundant_switches(gm, self.name)
         unfolded_copies = copy_graph_module(gm)
