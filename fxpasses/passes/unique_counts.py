@@ -64,8 +64,9 @@ def _options(node: fx.Node) -> dict:
             **dict(zip(names, node.args)), **node.kwargs}
 
 
-def _checks(node: fx.Node) -> tuple[list[Check], list[fx.Node]]:
-    """The rewrite's checks of one ``unique``, and the ``max()`` nodes of its counts."""
+def _checks(node: fx.Node) -> tuple[list[Check], list[tuple[fx.Node, torch.dtype]]]:
+    """The rewrite's checks of one ``unique``, and the ``max()`` nodes of its counts with their
+    dtypes."""
     options = _options(node)
     x = value(options["input"]) if isinstance(options["input"], fx.Node) else None
     integer = isinstance(x, torch.Tensor) and not x.is_floating_point() and not x.is_complex() \
@@ -90,20 +91,21 @@ def _checks(node: fx.Node) -> tuple[list[Check], list[fx.Node]]:
                                            "dim": repr(options["dim"])},
                     None if plain else "unique-not-count-max"),
               Check("read-for-its-largest-count", used, {
-                  "maxima": sorted(m.name for m in maxima), "other_uses": sorted(u.name for u in other)},
+                  "maxima": sorted(m.name for m, _ in maxima), "other_uses": sorted(u.name for u in other)},
                   None if used else "unique-not-count-max")]
     return checks, maxima
 
 
-def _count_maxima(counts: fx.Node) -> list[fx.Node] | None:
-    """The ``max()`` nodes ``counts`` reaches through integer casts, or None where it reaches
-    anything else."""
+def _count_maxima(counts: fx.Node, dtype: torch.dtype = torch.int64) -> list[tuple[fx.Node, torch.dtype]] | None:
+    """The ``max()`` nodes ``counts`` reaches through integer casts, each with its dtype (the last
+    cast's: torch 2.4 gives a reduction over a size known only from data no metadata), or None
+    where it reaches anything else."""
     found = []
     for user in counts.users:
         if user.op == "call_method" and user.target == "max" and user.args == (counts,) and not user.kwargs:
-            found.append(user)
-        elif user.op == "call_method" and user.target == "to" and _cast(user):
-            more = _count_maxima(user)
+            found.append((user, dtype))
+        elif user.op == "call_method" and user.target == "to" and _cast(user) is not None:
+            more = _count_maxima(user, _cast(user))
             if more is None:
                 return None
             found += more
@@ -112,20 +114,20 @@ def _count_maxima(counts: fx.Node) -> list[fx.Node] | None:
     return found
 
 
-def _cast(node: fx.Node) -> bool:
+def _cast(node: fx.Node) -> torch.dtype | None:
+    """The dtype of ``.to(dtype)`` to one of :data:`_CASTS`, else None."""
     dtype = node.kwargs.get("dtype", node.args[1] if len(node.args) == 2 else None)
-    return dtype in _CASTS and len(node.args) <= 2 and set(node.kwargs) <= {"dtype"}
+    return dtype if dtype in _CASTS and len(node.args) <= 2 and set(node.kwargs) <= {"dtype"} else None
 
 
-def _rewrite(graph: fx.Graph, unique: fx.Node, maxima: list[fx.Node]) -> None:
+def _rewrite(graph: fx.Graph, unique: fx.Node, maxima: list[tuple[fx.Node, torch.dtype]]) -> None:
     """:class:`MaxMultiplicity` of the input in place of each maximum (cast as it was);
     ``unique``, its pair's items and length checks, and the counts' casts and maxima erased."""
     kept = {k: v for k, v in unique.meta.items() if k in ("stack_trace", "source_fn_stack", "nn_module_stack")}
     with graph.inserting_before(unique):
         largest = graph.call_function(MaxMultiplicity(f"largest_count_{unique.name}"), (_options(unique)["input"],))
     largest.meta.update(kept)
-    for maximum in maxima:
-        dtype = value(maximum).dtype
+    for maximum, dtype in maxima:
         if dtype != torch.int64:
             with graph.inserting_before(maximum):
                 same = graph.call_method("to", (largest,), {"dtype": dtype})
