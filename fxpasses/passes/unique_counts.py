@@ -51,8 +51,8 @@ def unique_count_max(gm: fx.GraphModule, pass_name: str) -> list[Certificate]:
 
 
 def _unique_with_counts(node: fx.Node) -> bool:
-    if node.op == "call_method" and node.target == "unique" or \
-            node.op == "call_function" and node.target is torch.unique:
+    if (node.op == "call_method" and node.target == "unique") or \
+            (node.op == "call_function" and node.target is torch.unique):
         return bool(_options(node).get("return_counts"))
     return False
 
@@ -128,11 +128,12 @@ def _rewrite(graph: fx.Graph, unique: fx.Node, maxima: list[tuple[fx.Node, torch
         largest = graph.call_function(MaxMultiplicity(f"largest_count_{unique.name}"), (_options(unique)["input"],))
     largest.meta.update(kept)
     for maximum, dtype in maxima:
+        same = largest
         if dtype != torch.int64:
             with graph.inserting_before(maximum):
                 same = graph.call_method("to", (largest,), {"dtype": dtype})
             same.meta.update(kept)
-        maximum.replace_all_uses_with(same if dtype != torch.int64 else largest)
+        maximum.replace_all_uses_with(same)
     freed = dependents([unique])  # length checks, the pair's items, the casts, the maxima: unused now
     for node in reversed(list(graph.nodes)):
         if node in freed:
