@@ -153,17 +153,21 @@ class Integration:
 
 
 def summary(criterion: OptimizedCriterion) -> str:
-    """What was optimized, calls optimized/native (by code), recordings: one line."""
+    """What was optimized, calls optimized/native (by code), recordings, regions that could not
+    be recorded: one line."""
     fast = criterion.optimized
     stats = fast.stats
     applied = sorted({c.pass_name for c in fast.certificates
                       if c.decision == "applied" and c.pass_name != "trace"})
     native = ", ".join(f"{code} {n}" for code, n in stats.native.most_common())
     recorded = sum(counters.get("recorded", 0) for counters in stats.sites.values())
+    failed = sum(1 for counters in stats.sites.values() if counters.get("capture-failed"))
     return (f"{type(criterion.native).__name__} with {', '.join(p.name for p in fast.passes)} "
             f"(applied: {', '.join(applied) or 'none'}): {stats.calls} calls, {stats.optimized} "
             f"optimized, {sum(stats.native.values())} native{f' ({native})' if native else ''}, "
-            f"{len(fast.specializations)} traces, {recorded} recordings")
+            f"{len(fast.specializations)} traces, {recorded} recordings"
+            + (f", {failed} regions not recorded (capture-failed: they ran eagerly; "
+               f"FXPASSES_LOG=WARNING names why)" if failed else ""))
 
 
 def enable(model: Any, passes: Sequence[Pass] | None = None) -> Integration:

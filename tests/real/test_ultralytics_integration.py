@@ -127,3 +127,29 @@ def test_a_report_that_cannot_be_written_does_not_fail_the_finished_fit(pose_mod
     records = _log_records(lambda: integration.on_train_end(trainer))
     assert len(records) == 1 and records[0].levelno == logging.INFO
     assert (tmp_path / "fxpasses.json").exists() and (tmp_path / "fxpasses.txt").read_text()
+
+
+def test_the_fit_line_names_regions_that_could_not_be_recorded():
+    # a region whose capture raised runs eagerly from then on; the trainer's log line says so
+    from torch import nn
+
+    from fxpasses import optimize
+    from fxpasses.passes import CaptureLoss
+    from fxpasses.runtime.emulated import EmulatedRecorder
+
+    class Refusing(EmulatedRecorder):
+        def _capturing(self, graph, pool, run):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    class Loss(nn.Module):
+        def forward(self, x):
+            return ((x * 2).exp() - x.sin()).sum()
+
+    native = Loss()
+    fast = optimize(native, passes=[CaptureLoss(devices=("cpu",), recorder=Refusing(), min_region_ops=1)])
+    for _ in range(3):
+        fast(torch.randn(4, 3, requires_grad=True)).backward()
+    line = fxu.summary(fxu.OptimizedCriterion(native, fast))
+    assert line.endswith("1 regions not recorded (capture-failed: they ran eagerly; "
+                         "FXPASSES_LOG=WARNING names why)"), line
+    assert fast.stats.optimized == 3
