@@ -1,7 +1,9 @@
 """A networkx view of a torch.fx graph, for reachability questions.
 
 Nodes of the DiGraph are the ``fx.Node`` objects; an edge ``u -> v`` means ``v`` uses ``u``'s
-value. torch.fx has no reachability query of its own; networkx has them all.
+value. torch.fx has no reachability query of its own; networkx has them all. Every node
+downstream of some nodes is the one query read from the fx nodes' ``users`` directly
+(:func:`downstream`): one walk, where a DiGraph is a build of the whole graph first.
 """
 
 from __future__ import annotations
@@ -37,17 +39,10 @@ def dependent_pairs(g: nx.DiGraph, nodes: Iterable[fx.Node]) -> list[tuple[str, 
     return found
 
 
-def downstream(g: nx.DiGraph, nodes: Iterable[fx.Node]) -> set[fx.Node]:
-    """Every node that depends on any of ``nodes`` (the nodes themselves excluded)."""
-    out: set[fx.Node] = set()
-    for node in nodes:
-        out |= nx.descendants(g, node)
-    return out
-
-
-def dependents(nodes: Iterable[fx.Node]) -> set[fx.Node]:
-    """:func:`downstream` of ``nodes`` read from their ``users`` (no DiGraph built: for one
-    query on a graph that changes between queries, building one costs more than the walk)."""
+def downstream(nodes: Iterable[fx.Node]) -> set[fx.Node]:
+    """Every node that depends on any of ``nodes`` (the nodes themselves excluded unless one
+    depends on another), read from their ``users``: no DiGraph is needed for it, and building
+    one per query cost more than the walk."""
     out: set[fx.Node] = set()
     stack = [u for n in nodes for u in n.users]
     while stack:

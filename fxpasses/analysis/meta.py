@@ -100,7 +100,7 @@ def _index_from_host_data(n: fx.Node) -> bool:
         any(isinstance(i, list) for i in index)
 
 
-_FROM_DATA = (torch.tensor, torch.as_tensor)
+FROM_DATA = (torch.tensor, torch.as_tensor)  # constructors from data (host data: a copy to a device)
 
 
 def tensor_from_host_data(n: fx.Node) -> bool:
@@ -109,7 +109,7 @@ def tensor_from_host_data(n: fx.Node) -> bool:
     to the device, a blocking copy from pageable memory (0-dim ones too: a stride read as a float,
     Ultralytics' tal.py:349) that no dispatch mode sees and a CUDA graph cannot capture. Read by
     the capture rules only: other analyses keep their facts (no host read of device data)."""
-    if n.op == "call_function" and n.target in _FROM_DATA:
+    if n.op == "call_function" and n.target in FROM_DATA:
         data = n.args[0] if n.args else n.kwargs.get("data")
     elif n.op == "call_method" and n.target == "new_tensor":
         data = n.args[1] if len(n.args) > 1 else n.kwargs.get("data")

@@ -20,8 +20,8 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 
-from ..analysis.graph import dependents
-from ..analysis.meta import annotate_new, metadata_unchanged, storages_of, value
+from ..analysis.graph import downstream
+from ..analysis.meta import FROM_DATA, annotate_new, metadata_unchanged, storages_of, value
 from ..analysis.order import effects
 from ..certificates import Certificate, Check, Site
 from ..locations import node_location
@@ -29,7 +29,6 @@ from ..runtime.constants import DeviceConstant
 
 _FACTORIES = {torch.arange, torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.full,
               torch.linspace, torch.eye}
-_FROM_DATA = {torch.tensor, torch.as_tensor}
 _MOVES = {"type_as", "to", "cuda"}
 
 
@@ -78,7 +77,7 @@ def _chain(node: fx.Node, devices: Sequence[str]) -> list[fx.Node] | None:
     out = value(node)
     if not isinstance(out, torch.Tensor) or out.device.type not in devices or out.requires_grad:
         return None
-    if node.op == "call_function" and node.target in _FROM_DATA and \
+    if node.op == "call_function" and node.target in FROM_DATA and \
             node.kwargs.get("device") is not None and _numbers_only(node):
         return [node]
     if node.op == "call_method" and node.target in _MOVES and node.args and \
@@ -113,7 +112,7 @@ def _written(node: fx.Node) -> str | None:
     mine = storages_of(node)
     if not mine:
         return "no metadata"
-    after = dependents([node]) - {node}
+    after = downstream([node]) - {node}
     for user in node.graph.nodes:
         if user not in after:
             continue

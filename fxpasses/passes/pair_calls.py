@@ -279,7 +279,7 @@ class PairCalls:
         independent = Check("calls-independent", not dependent, {
             "dependencies": tuple(f"{a} -> {b}" for a, b in dependent), "analysis": "networkx.has_path"},
             None if not dependent else "calls-dependent")
-        moved, jumped = self._reordering(gm, s, g) if not dependent else ([], [])
+        moved, jumped = self._reordering(gm, s) if not dependent else ([], [])
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         # a moved node now runs after every jumped node: only those it used to precede swap
         of = {n: effects(n) for n in {*moved, *jumped}}  # once per node, not per pair
@@ -298,12 +298,12 @@ class PairCalls:
         return [independent, reorder]
 
     @staticmethod
-    def _reordering(gm: fx.GraphModule, s: CallGroup, g) -> tuple[list[fx.Node], list[fx.Node]]:
+    def _reordering(gm: fx.GraphModule, s: CallGroup) -> tuple[list[fx.Node], list[fx.Node]]:
         """Nodes the rewrite moves after the merged call, and the nodes they jump over."""
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         last = max(s.calls, key=order.__getitem__)
         earlier = [c for c in s.calls if c is not last]
-        dependents = downstream(g, earlier)
+        dependents = downstream(earlier)
         moved = [n for n in gm.graph.nodes if n in dependents and order[n] < order[last]]
         if not moved:
             return [], []
@@ -345,8 +345,7 @@ class PairCalls:
         """Replace the calls by one PairedCall and getitems, the rows of the ``detached`` calls
         entering it detached (see :meth:`_branch_gradients`); returns the new nodes' names."""
         graph = gm.graph
-        g = to_digraph(graph)
-        moved, _ = self._reordering(gm, s, g)
+        moved, _ = self._reordering(gm, s)
         order = {n: i for i, n in enumerate(graph.nodes)}
         last = max(s.calls, key=order.__getitem__)
         site = PairedCall(f"pair_{s.path.replace('.', '_')}_{s.method}", s.method)

@@ -52,7 +52,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from ..analysis.graph import dependents, downstream, to_digraph
+from ..analysis.graph import downstream, to_digraph
 from ..analysis.capture import is_state
 from ..analysis.meta import storages_of, tensors_in, value
 from ..analysis.ops import node_facts
@@ -218,7 +218,7 @@ def _clean_integer_casts(gm: fx.GraphModule, spaces: list[SpaceRewrite], rows: s
     row: such a cast stays an index that waits for the read."""
     graph = gm.graph
     dag = to_digraph(graph)
-    padded = downstream(dag, [s.planned for s in spaces])
+    padded = downstream([s.planned for s in spaces])
     cleaned = set()
     for node in list(graph.nodes):
         if node not in rows or node not in casts:
@@ -315,9 +315,8 @@ def _read_with_its_counts(gm: fx.GraphModule, truth: DeferredTruth,
     count that does not fit abandons the call first, so the truth is read from rows that fit)."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     read_at = {id(m): before for before, members in merged.items() for m in members}
-    dag = to_digraph(gm.graph)
     needs = [s for members in merged.values() for s in members if isinstance(s, SpaceRewrite)
-             and truth.count in downstream(dag, [s.planned])]
+             and truth.count in downstream([s.planned])]
     return all(order[read_at[id(s)]] <= order[read_at[id(truth)]] for s in needs)
 
 
@@ -588,7 +587,7 @@ def check_point(gm: fx.GraphModule, planned: fx.Node | None, start: fx.Node, mad
     # what the capacity shapes; for a deferred guard (no capacity) every node: what follows it
     # computes on a decision that may not hold, and an index made before it may be one that
     # decision protected (if (idx >= 0).all(): table[idx])
-    padded = dependents([planned]) if planned is not None else set(graph.nodes)
+    padded = downstream([planned]) if planned is not None else set(graph.nodes)
     external = external_storages(gm)
     cleaned = set(cleaned)
     nonzero: set = set()  # size symbols a guard before has checked to be nonzero

@@ -20,7 +20,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..analysis.graph import dependents
+from ..analysis.graph import downstream
 from ..analysis.meta import annotate_new, value
 from ..certificates import Certificate, Check, Site
 from ..ir.trace_ops import ExpectLength
@@ -134,7 +134,7 @@ def _rewrite(graph: fx.Graph, unique: fx.Node, maxima: list[tuple[fx.Node, torch
                 same = graph.call_method("to", (largest,), {"dtype": dtype})
             same.meta.update(kept)
         maximum.replace_all_uses_with(same)
-    freed = dependents([unique])  # length checks, the pair's items, the casts, the maxima: unused now
+    freed = downstream([unique])  # length checks, the pair's items, the casts, the maxima: unused now
     for node in reversed(list(graph.nodes)):
         if node in freed:
             graph.erase_node(node)
