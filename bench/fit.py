@@ -107,6 +107,16 @@ def _round_criterion(trainer) -> None:
     model.criterion = RoundedCriterion(native)
 
 
+def _check_criterion(trainer) -> None:
+    """``on_pretrain_routine_end`` after the integration's: its criterion checked call by call
+    (bench/call_checks.py)."""
+    from call_checks import CheckedCriterion
+    from ultralytics.utils.torch_utils import unwrap_model
+
+    model = unwrap_model(trainer.model)
+    model.criterion = CheckedCriterion(model.criterion, model.criterion.native)
+
+
 def child(args: argparse.Namespace) -> None:
     """One fit in this process; its record as JSON to ``args.record``."""
     sys.path.insert(0, str(ROOT))
@@ -130,6 +140,8 @@ def child(args: argparse.Namespace) -> None:
         chosen = {"pair": PairRLE, "select": SelectRows, "capture": CaptureLoss}
         integration = fxu.enable(yolo, passes=None if args.passes is None
                                  else [chosen[name]() for name in args.passes])
+        if args.check_calls:
+            yolo.add_callback("on_pretrain_routine_end", _check_criterion)
     elif args.child == "native-rounded":
         yolo.add_callback("on_pretrain_routine_end", _round_criterion)
     start = time.perf_counter()
@@ -168,6 +180,12 @@ def child(args: argparse.Namespace) -> None:
 
         record["fxpasses"] = {"summary": summary(integration.criterion),
                               "stats": integration.criterion.optimized.stats.as_dict()}
+    checked = getattr(getattr(trainer, "model", None), "criterion", None)
+    if args.check_calls and checked is not None and "rows" in vars(checked):
+        from call_checks import summary as checks_summary
+
+        record["call_checks"] = {"summary": checks_summary(checked.rows), "rows": checked.rows}
+        say(f"  {args.name}: calls checked {json.dumps(record['call_checks']['summary'])}", progress)
     Path(args.record).write_text(json.dumps(record))
 
 
@@ -192,6 +210,7 @@ def run_one(args: argparse.Namespace, arm: str, batch: int, index: int, work: Pa
            "--batch", str(batch), "--epochs", str(args.epochs), "--imgsz", str(args.imgsz),
            "--workers", str(args.workers), "--device", args.device, "--amp", args.amp,
            "--seed", str(args.seed), *(["--passes", *args.passes] if args.passes else []),
+           *(["--check-calls"] if args.check_calls and arm == "fxpasses" else []),
            "--project", str(work / "runs"), "--name", name, "--progress-fd", str(progress)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
@@ -326,6 +345,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--passes", nargs="+", choices=("pair", "select", "capture"), default=None,
                         help="the fxpasses arm's passes, in this order (the integration's "
                              "default unless given: all three)")
+    parser.add_argument("--check-calls", action="store_true",
+                        help="the fxpasses arm's every training call also checked against the "
+                             "native criterion at equal inputs (bench/call_checks.py; 4 loss "
+                             "runs a call: a diagnosis, its times are not the arm's)")
     parser.add_argument("--amp", choices=AMP, default="true",
                         help="the trainer's amp: true (its default, with its AMP check), bf16, false")
     parser.add_argument("--deadline-s", type=float, default=None,
