@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from ..analysis.ops import method_writes_self
 from ..ir.proofs import KEPT_WHOLE, KeptWhole
@@ -64,6 +65,12 @@ def _mode_depths() -> tuple[int, int]:
 
 def _name(func: Any) -> str:
     return getattr(func, "__name__", "")
+
+
+def _converts(name: str, args: tuple, kwargs: dict) -> bool:
+    """``t.type(dtype)``: a conversion (a new tensor when the dtype differs), where ``t.type()``
+    is metadata (the type's name)."""
+    return name == "type" and (len(args) > 1 or bool(kwargs))
 
 
 def _is_tensor_method(func: Any) -> bool:
@@ -326,9 +333,17 @@ class Recorder:
             special = _TENSOR_METHODS.get(name)
             if special is not None:
                 return special(self, args, kwargs)
-            if name in _METADATA_METHODS:
-                return self.run(func, args, kwargs)
+            if name in _METADATA_METHODS and not _converts(name, args, kwargs):
+                return self._metadata(func, args, kwargs)
         return self.call(func, args, kwargs)
+
+    def _metadata(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A metadata method's value (fixed by the input signature). A tensor in it would be
+        a computation left out of the graph, then replayed as the first call's constant."""
+        out = self.run(func, args, kwargs)
+        if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(out)):
+            raise Unsupported(f"{_name(func)} returned a tensor where the trace expects metadata")
+        return out
 
     def run(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """``func`` on the real values, nothing recorded."""
@@ -395,7 +410,7 @@ class Recorder:
             return out
         if name in _UNSUPPORTED:
             raise Unsupported(f"tensor.{name} during a trace")
-        return self.run(func, args, {})  # metadata the input signature fixes
+        return self._metadata(func, args, {})  # metadata the input signature fixes
 
     def opaque_call(self, op: str, target: Any, call: Callable, args: tuple, kwargs: dict,
                     node_args: tuple | None = None) -> Any:
