@@ -20,7 +20,10 @@ native runs, which with one seed are identical), and the label caches removed fi
 its passes, to tell which one a difference comes from); the control arm ``native-rounded`` (not
 run unless named in ``--arms``) trains with the native criterion's loss times 1 + 2**-20, which
 changes only the roundings of every gradient: the spread a rounding-level change gives a fit's
-metrics. ``--amp`` is the trainer's
+metrics. ``--check-calls`` checks every training call of the fxpasses arm against the native
+criterion at equal inputs inside the fit (:mod:`call_checks`, beside this script; four loss runs
+a call, so that arm's times are not its speed): the worst differences, native's own as the
+control, and the calls beyond them, in the run's record. ``--amp`` is the trainer's
 ``amp``: ``true`` (its default: the trainer's AMP check runs; offline it cannot download its
 checkpoint, catches the ConnectionError and keeps AMP on; the children run with
 ``YOLO_OFFLINE=1`` so that the check tries once, without retries), ``bf16`` (no check) or

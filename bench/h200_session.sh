@@ -2,7 +2,7 @@
 # One session's GPU work on the lent H200, in three calls of at most 10 minutes each (see
 # bench/RESULTS.md for what each produced). Run from the repository root with the wheels of
 # ultralytics, ultralytics-thop, ultralytics-platform, polars and polars-runtime-32 in .whl/
-# (the machine has no package index):  bash bench/h200_session.sh census|bench|memory|kernels|diagnose|host-ab|fit|fit-seeds|amp-bisect|first-call
+# (the machine has no package index):  bash bench/h200_session.sh census|bench|memory|kernels|diagnose|host-ab|fit|fit-seeds|fit-check|amp-bisect|first-call
 # first-call and host-ab alternate this tree with an older one on one host (hosts differ by 2x): before
 # the device call, `mkdir -p ab/old && git archive REV fxpasses | tar -x -C ab/old` and carry "ab"
 set -uo pipefail
@@ -10,7 +10,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:. YOLO_OFFLINE=1 PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pyc}
 python -c "import torch, ultralytics; print('torch', torch.__version__, 'ultralytics', ultralytics.__version__, torch.cuda.get_device_name())"
-case "${1:?census, bench, memory, kernels, diagnose, host-ab, fit, fit-seeds, amp-bisect or first-call}" in
+case "${1:?census, bench, memory, kernels, diagnose, host-ab, fit, fit-seeds, fit-check, amp-bisect or first-call}" in
 census)  # the random-loss census on 13 of the 16 CPUs, the GPU tests beside it
     python -m fxpasses.testing.census --cases 10000 --jobs 13 --seed 500 --minutes "${MINUTES:-8.3}" \
         --examples "$OUT/census_examples.txt" > "$OUT/census.txt" 2>&1 &
@@ -62,6 +62,11 @@ amp-bisect)  # which pass the batch-16 fp16 fit's lower mAP follows (seed 0; ~60
     done
     python bench/trajectory.py --device cuda --batch 16 --steps 30 --accumulate 4 --amp --out "$OUT/traj_acc4" \
         2>&1 | tail -4 ;;
+fit-check)  # the batch-16 AMP fit, every loss call checked against native at equal inputs (SEEDS)
+    for S in ${SEEDS:-0}; do
+        python bench/fit.py --batch 16 --epochs 5 --pairs 1 --seed $S --device 0 --work /tmp/fitw --arms fxpasses \
+            --check-calls --out "$OUT/fit_checked_seed$S.json" 2>&1 | grep -E "fit [0-9]|mAP|FAILED|checked"
+    done ;;
 memory)  # peak GPU memory of the real criterion, eager and all passes, one arm per process
     for B in 16 4; do for A in eager all; do
         python bench/peak_memory.py --loss real --arm $A --batch $B --steps ${STEPS:-30} --pools > "$OUT/memory_${A}_$B.txt" 2>&1
