@@ -9,7 +9,8 @@ fxpasses imports it, and importing this module does not either until a function 
 * :func:`pose_batch` is a dict batch as the trainer's collate makes it (``batch_idx``, ``cls``,
   ``bboxes`` normalised xywh, ``keypoints`` normalised x, y with visibility 2.0, unlabelled
   keypoints stored as (0, 0, 0)), persons per image drawn by :func:`~.counts.object_counts`
-  (empty images, a varying maximum), optionally with NaN/inf in unlabelled keypoints.
+  (empty images, a varying maximum), some persons without any labelled keypoint, optionally
+  with NaN/inf in unlabelled keypoints.
 * :func:`trainer_batches` gives the train batches a real ``PoseTrainer`` hands its criterion
   (its own dataloader and ``preprocess_batch``: the tensors, and ``im_file``, ``ori_shape``,
   ``resized_shape``, ``ratio_pad`` as tuples of Python values), with the model it builds.
@@ -52,10 +53,13 @@ def pose_criterion(model: Any = None, **hyp: Any) -> Any:
 
 
 def pose_batch(batch_size: int = 4, *, seed: int = 0, image_size: int = 640, max_objects: int = 20,
-               unlabelled: float = 0.3, poison: bool = False, counts: Tensor | None = None,
-               device: str | torch.device = "cpu") -> dict[str, Tensor]:
+               unlabelled: float = 0.3, unlabelled_persons: float = 0.2, poison: bool = False,
+               counts: Tensor | None = None, device: str | torch.device = "cpu") -> dict[str, Tensor]:
     """A trainer-style dict batch (see the module docstring). ``counts`` fixes the persons per
-    image; ``poison`` stores NaN/+inf/-inf instead of 0 in some unlabelled keypoints."""
+    image; ``unlabelled`` is each keypoint's chance to be unlabelled, ``unlabelled_persons`` each
+    person's chance to have no labelled keypoint at all (as COCO's small, crowded or occluded
+    persons have none; the assigner then scores that person's anchors by box IoU, not by
+    keypoint OKS); ``poison`` stores NaN/+inf/-inf instead of 0 in some unlabelled keypoints."""
     g = torch.Generator().manual_seed(seed)
     if counts is None:
         counts = object_counts(g, batch_size, max_objects)
@@ -69,6 +73,7 @@ def pose_batch(batch_size: int = 4, *, seed: int = 0, image_size: int = 640, max
     fills = torch.tensor([0.0, math.nan, math.inf, -math.inf] if poison else [0.0],
                          dtype=torch.float64)
     fill = fills[torch.randint(0, len(fills), xy.shape, generator=g)]
+    visible &= rand(n)[:, None] >= unlabelled_persons  # drawn last: the other draws are as before
     xy = torch.where(visible[..., None], xy, fill)
     keypoints = torch.cat((xy, torch.where(visible, 2.0, 0.0)[..., None]), -1)
     batch = {"batch_idx": torch.repeat_interleave(torch.arange(len(counts)), counts).double(),

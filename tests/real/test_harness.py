@@ -26,6 +26,16 @@ def test_counts_vary_with_empty_images_and_a_moving_maximum():
     assert 0.6 < few < 0.85
 
 
+def test_some_persons_have_no_labelled_keypoint_and_the_rest_about_seventy_percent():
+    batches = [pose_batch(4, seed=seed, image_size=64) for seed in range(40)]
+    labelled = torch.cat([b["keypoints"][..., 2] != 0 for b in batches])  # persons x 17
+    none = ~labelled.any(1)
+    assert 0.12 < none.float().mean() < 0.28  # about 20 % of persons
+    assert 0.65 < labelled[~none].float().mean() < 0.75  # the others: about 30 % unlabelled
+    off = pose_batch(4, seed=0, image_size=64, unlabelled_persons=0.0)["keypoints"]
+    assert (off[..., 2] != 0).any(1).all()  # off: every person keeps a labelled keypoint
+
+
 def test_a_batch_calls_the_real_criterion_with_gradients(pose_model):
     crit = pose_model.init_criterion()
     batch = pose_batch(3, seed=1, image_size=128, counts=torch.tensor([0, 2, 5]))
