@@ -123,7 +123,8 @@ def test_tiny_cpu_trajectory_under_autocast_counts_skipped_steps(tmp_path):
     # the scaler starts at 2**16: the first steps overflow in float16 and are skipped, by every arm alike
     assert set(result["skipped_steps"]) == {"native", "native-again", "native-rounded", "fxpasses"}
     assert all(r["native_skipped"] in (0, 1) for r in result["rows"])
-    assert result["fxpasses"]["optimized"] == 4  # two batches a step, their gradients summed
+    calls = result["fxpasses"]  # two batches a step, their gradients summed: every call counted
+    assert calls["calls"] == calls["optimized"] + sum(calls["native"].values()) == 4 and calls["optimized"] >= 1
 
 
 @pytest.mark.slow
