@@ -70,7 +70,7 @@ def _name(func: Any) -> str:
 def _converts(name: str, args: tuple, kwargs: dict) -> bool:
     """``t.type(dtype)``: a conversion (a new tensor when the dtype differs), where ``t.type()``
     is metadata (the type's name)."""
-    return name == "type" and (len(args) > 1 or bool(kwargs))
+    return name == "type" and (args[1] if len(args) > 1 else kwargs.get("dtype")) is not None
 
 
 def _is_tensor_method(func: Any) -> bool:

@@ -30,6 +30,7 @@ class Converting(nn.Module):
     def forward(self, pred, target):
         weight = self.convert(pred.detach() * 2.0)  # as the assigner's boxes: no gradient
         assert pred.type().endswith("Tensor")  # metadata: the type's name
+        assert pred.type(dtype=None) == pred.type()
         return ((pred.double() - target) ** 2 * weight).sum()
 
 
