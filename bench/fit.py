@@ -183,10 +183,12 @@ def child(args: argparse.Namespace) -> None:
 
         record["fxpasses"] = {"summary": summary(integration.criterion),
                               "stats": integration.criterion.optimized.stats.as_dict()}
-    checked = getattr(getattr(trainer, "model", None), "criterion", None)
-    if args.check_calls and checked is not None and "rows" in vars(checked):
-        from call_checks import summary as checks_summary
+    if args.check_calls:
+        from call_checks import CheckedCriterion, summary as checks_summary
+        from ultralytics.utils.torch_utils import unwrap_model
 
+        checked = unwrap_model(trainer.model).criterion
+        assert isinstance(checked, CheckedCriterion), type(checked)  # _check_criterion installed it
         record["call_checks"] = {"summary": checks_summary(checked.rows), "rows": checked.rows}
         say(f"  {args.name}: calls checked {json.dumps(record['call_checks']['summary'])}", progress)
     Path(args.record).write_text(json.dumps(record))

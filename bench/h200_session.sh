@@ -49,10 +49,12 @@ host-ab)  # host time per step of the real criterion (batch 16), this tree and a
     done ;;
 fit)  # complete-fit time of a real model.train(), native against the integration
     python bench/fit.py ${FIT_ARGS:?set FIT_ARGS} --device 0 --out "$OUT/fit" ;;
-fit-seeds)  # the batch-16 AMP fit over trainer seeds, ARMS (native fxpasses unless set; ~50 s an arm)
+fit-seeds|fit-check)  # the batch-16 AMP fit over trainer seeds, ARMS (native fxpasses unless set; ~50 s an arm);
+    # fit-check: the fxpasses arm alone (seed 0 unless SEEDS), every loss call checked against native at equal inputs
+    [ "$1" = fit-check ] && { ARMS=${ARMS:-fxpasses}; SEEDS=${SEEDS:-0}; CHECK=--check-calls; }
     for S in ${SEEDS:-1 2 3}; do
         python bench/fit.py --batch 16 --epochs 5 --pairs 1 --seed $S --device 0 --work /tmp/fitw --arms ${ARMS:-native fxpasses} \
-            --out "$OUT/fit_seed$S.json" 2>&1 | grep -E "fit [0-9]|mAP"
+            ${CHECK:-} --out "$OUT/fit_seed$S.json" 2>&1 | grep -E "fit [0-9]|mAP|FAILED|checked"
     done ;;
 amp-bisect)  # which pass the batch-16 fp16 fit's lower mAP follows (seed 0; ~60 s a fit), and the
     # trajectory with the trainer's gradient accumulation (nbs 64 / batch 16 = 4)
@@ -62,11 +64,6 @@ amp-bisect)  # which pass the batch-16 fp16 fit's lower mAP follows (seed 0; ~60
     done
     python bench/trajectory.py --device cuda --batch 16 --steps 30 --accumulate 4 --amp --out "$OUT/traj_acc4" \
         2>&1 | tail -4 ;;
-fit-check)  # the batch-16 AMP fit, every loss call checked against native at equal inputs (SEEDS)
-    for S in ${SEEDS:-0}; do
-        python bench/fit.py --batch 16 --epochs 5 --pairs 1 --seed $S --device 0 --work /tmp/fitw --arms fxpasses \
-            --check-calls --out "$OUT/fit_checked_seed$S.json" 2>&1 | grep -E "fit [0-9]|mAP|FAILED|checked"
-    done ;;
 memory)  # peak GPU memory of the real criterion, eager and all passes, one arm per process
     for B in 16 4; do for A in eager all; do
         python bench/peak_memory.py --loss real --arm $A --batch $B --steps ${STEPS:-30} --pools > "$OUT/memory_${A}_$B.txt" 2>&1
