@@ -5,10 +5,15 @@ The per-call GPU tests compare on generated predictions; a fit's predictions com
 being trained. :class:`CheckedCriterion` takes the trainer's own inputs at each call with grad
 enabled: on three detached copies of the predictions it runs the native criterion twice (the
 second run is the control: native's own call-to-call difference, e.g. CUDA's atomic
-accumulations) and the optimized one once, takes each run's gradients (of the loss's sum) for
-the predictions and the flow's parameters with ``torch.autograd.grad``, and records the
-differences; then it returns the optimized criterion's call on the real predictions, so the fit
-trains as the fxpasses arm does. Four loss runs a call: a diagnosis, not a timing.
+accumulations) and the optimized one once, takes each run's gradients for the predictions and
+the flow's parameters with ``torch.autograd.grad``, and records the differences; then it returns
+the optimized criterion's call on the real predictions, so the fit trains as the fxpasses arm
+does. The gradients are those of the loss's sum times the trainer's current loss scale (its
+GradScaler's; divided out before comparing), so a run whose scaled gradients overflow where
+native's do not (a step the scaler would skip) is seen. Under autocast a fourth run, native in
+float32 with autocast off, is the reference both are measured against: an optimized difference
+from it no larger than native's own is rounding. Up to five loss runs a call: a diagnosis, not
+a timing.
 """
 
 from __future__ import annotations
@@ -28,10 +33,20 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm().clamp(min=1e-30)).item()
 
 
-def _copies(preds: Any) -> tuple[Any, list[torch.Tensor]]:
-    copied = pytree.tree_map(lambda t: t.detach().clone().requires_grad_(t.requires_grad)
-                             if isinstance(t, torch.Tensor) else t, preds)
+def _copies(preds: Any, float32: bool = False) -> tuple[Any, list[torch.Tensor]]:
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        detached = t.detach().float() if float32 and t.is_floating_point() else t.detach()
+        return detached.clone().requires_grad_(t.requires_grad)
+
+    copied = pytree.tree_map(lambda t: copy(t) if isinstance(t, torch.Tensor) else t, preds)
     return copied, [t for t in pytree.tree_leaves(copied) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _autocast_device(preds: Any) -> str | None:
+    """The device type whose autocast is on for these predictions, None when it is off."""
+    tensors = [t for t in pytree.tree_leaves(preds) if isinstance(t, torch.Tensor)]
+    kind = tensors[0].device.type if tensors else "cpu"
+    return kind if torch.is_autocast_enabled(kind) else None
 
 
 def _flow_parameters(native: Any) -> list[torch.nn.Parameter]:
@@ -43,28 +58,38 @@ def _flow_parameters(native: Any) -> list[torch.nn.Parameter]:
 class CheckedCriterion:
     """``optimized`` (a criterion wrapping ``native``) with each grad-enabled call checked."""
 
-    def __init__(self, optimized: Any, native: Any):
-        self.__dict__.update(optimized=optimized, native=native, rows=[])
+    def __init__(self, optimized: Any, native: Any, scale: Any = lambda: 1.0):
+        self.__dict__.update(optimized=optimized, native=native, scale=scale, rows=[])
 
-    def _run(self, criterion: Any, preds: Any, batch: Any, flow: list) -> tuple[torch.Tensor, list]:
-        copied, leaves = _copies(preds)
+    def _run(self, criterion: Any, preds: Any, batch: Any, flow: list, scale: float,
+             float32: bool = False) -> tuple[torch.Tensor, list, bool]:
+        """The loss, its gradients (unscaled) and whether any scaled gradient was non-finite."""
+        copied, leaves = _copies(preds, float32)
         loss, _ = criterion(copied, batch)
-        grads = torch.autograd.grad(loss.sum(), [*leaves, *flow], allow_unused=True)
-        return loss.detach(), [torch.zeros_like(x) if g is None else g for g, x in zip(grads, [*leaves, *flow])]
+        grads = torch.autograd.grad(loss.sum() * scale, [*leaves, *flow], allow_unused=True)
+        grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, [*leaves, *flow])]
+        nonfinite = not all(bool(torch.isfinite(g).all()) for g in grads)
+        return loss.detach(), [g.double() / scale for g in grads], nonfinite
 
     def __call__(self, preds: Any, batch: Any) -> Any:
         if torch.is_grad_enabled():
             flow = _flow_parameters(self.native)
             n = sum(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(preds))
-            want, want_g = self._run(self.native, preds, batch, flow)
-            again, again_g = self._run(self.native, preds, batch, flow)
-            got, got_g = self._run(self.optimized, preds, batch, flow)
-            self.rows.append({
-                "loss": [_rel(got, want), _rel(again, want)],
-                "pred_grads": [max(map(_rel, got_g[:n], want_g[:n]), default=0.0),
-                               max(map(_rel, again_g[:n], want_g[:n]), default=0.0)],
-                "flow_grads": [max(map(_rel, got_g[n:], want_g[n:]), default=0.0),
-                               max(map(_rel, again_g[n:], want_g[n:]), default=0.0)]})
+            scale = float(self.scale())
+            want, want_g, want_skip = self._run(self.native, preds, batch, flow, scale)
+            again, again_g, _ = self._run(self.native, preds, batch, flow, scale)
+            got, got_g, got_skip = self._run(self.optimized, preds, batch, flow, scale)
+            row = {"scale": scale, "nonfinite": [got_skip, want_skip],
+                   "loss": [_rel(got, want), _rel(again, want)],
+                   "pred_grads": [_worst(got_g[:n], want_g[:n]), _worst(again_g[:n], want_g[:n])],
+                   "flow_grads": [_worst(got_g[n:], want_g[n:]), _worst(again_g[n:], want_g[n:])]}
+            device = _autocast_device(preds)
+            if device is not None:
+                with torch.autocast(device, enabled=False):
+                    _, ref_g, _ = self._run(self.native, preds, batch, flow, 1.0, float32=True)
+                row["pred_grads_vs_fp32"] = [_worst(got_g[:n], ref_g[:n]), _worst(want_g[:n], ref_g[:n])]
+                row["flow_grads_vs_fp32"] = [_worst(got_g[n:], ref_g[n:]), _worst(want_g[n:], ref_g[n:])]
+            self.rows.append(row)
         return self.optimized(preds, batch)
 
     def __getattr__(self, name: str) -> Any:
@@ -76,9 +101,17 @@ class CheckedCriterion:
         return self.optimized.__reduce__()
 
 
+def _worst(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """The largest relative difference over the pairs; NaN if any pair's is (``max`` would drop it)."""
+    differences = [_rel(g, w) for g, w in zip(got, want)]
+    return float("nan") if any(d != d for d in differences) else max(differences, default=0.0)
+
+
 def summary(rows: list[dict]) -> dict:
     """Per quantity: the worst optimized-vs-native and control (native-vs-native) differences over
-    the calls, and the calls where the optimized one exceeds 10 times the control's worst and 1e-3."""
+    the calls, and the calls where the optimized one exceeds 10 times the control's worst and 1e-3;
+    the calls whose scaled gradients were non-finite in each; under autocast, both runs' differences
+    from float32 (medians, worsts) and the calls where the optimized one exceeds twice native's."""
     out: dict[str, Any] = {"calls": len(rows)}
     for key in ("loss", "pred_grads", "flow_grads"):
         got = [r[key][0] for r in rows]
@@ -88,4 +121,15 @@ def summary(rows: list[dict]) -> dict:
                     "median": sorted(got)[len(got) // 2] if got else None,
                     "outliers": [i for i, g in enumerate(got)
                                  if not g <= max(10 * worst_control, 1e-3)]}  # NaN is an outlier
+    out["nonfinite"] = {"optimized": sum(r["nonfinite"][0] for r in rows),
+                        "native": sum(r["nonfinite"][1] for r in rows),
+                        "differ": [i for i, r in enumerate(rows) if r["nonfinite"][0] != r["nonfinite"][1]]}
+    for key in ("pred_grads_vs_fp32", "flow_grads_vs_fp32"):  # under autocast: both against float32
+        pairs = [r[key] for r in rows if key in r]
+        if pairs:
+            got, native = sorted(p[0] for p in pairs), sorted(p[1] for p in pairs)
+            out[key] = {"median": [got[len(got) // 2], native[len(native) // 2]],
+                        "worst": [got[-1], native[-1]],
+                        "beyond_twice_native": [i for i, r in enumerate(rows) if key in r
+                                                and not r[key][0] <= max(2 * r[key][1], 1e-3)]}
     return out

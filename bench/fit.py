@@ -21,9 +21,10 @@ its passes, to tell which one a difference comes from); the control arm ``native
 run unless named in ``--arms``) trains with the native criterion's loss times 1 + 2**-20, which
 changes only the roundings of every gradient: the spread a rounding-level change gives a fit's
 metrics. ``--check-calls`` checks every training call of the fxpasses arm against the native
-criterion at equal inputs inside the fit (:mod:`call_checks`, beside this script; four loss runs
-a call, so that arm's times are not its speed): the worst differences, native's own as the
-control, and the calls beyond them, in the run's record. ``--amp`` is the trainer's
+criterion at equal inputs inside the fit (:mod:`call_checks`, beside this script; up to five
+loss runs a call, so that arm's times are not its speed), its gradients at the trainer's loss
+scale: the worst differences, native's own as the control, the calls beyond them, the calls
+whose scaled gradients overflow in either, and under AMP both against float32, in the run's record. ``--amp`` is the trainer's
 ``amp``: ``true`` (its default: the trainer's AMP check runs; offline it cannot download its
 checkpoint, catches the ConnectionError and keeps AMP on; the children run with
 ``YOLO_OFFLINE=1`` so that the check tries once, without retries), ``bf16`` (no check) or
@@ -117,7 +118,8 @@ def _check_criterion(trainer) -> None:
     from ultralytics.utils.torch_utils import unwrap_model
 
     model = unwrap_model(trainer.model)
-    model.criterion = CheckedCriterion(model.criterion, model.criterion.native)
+    model.criterion = CheckedCriterion(model.criterion, model.criterion.native,
+                                       scale=lambda: trainer.scaler.get_scale() if trainer.scaler.is_enabled() else 1.0)
 
 
 def child(args: argparse.Namespace) -> None:

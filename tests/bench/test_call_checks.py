@@ -58,3 +58,43 @@ def test_a_wrong_call_is_an_outlier_and_the_training_call_is_the_optimized_one(k
     assert summary["loss"]["worst_control"] == 0.0
     flagged = summary["loss"]["outliers"] + summary["pred_grads"]["outliers"]
     assert (flagged == []) is (kind == "equal"), summary
+
+
+def _preds(seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return ({"boxes": torch.randn(4, 3, generator=g).to(dtype).requires_grad_(),
+             "scores": torch.randn(4, generator=g).to(dtype).requires_grad_()},
+            {"target": torch.randn(4, 3, generator=g)})
+
+
+def test_gradients_that_overflow_at_the_loss_scale_only_in_the_optimized_run_are_counted():
+    native = Native()
+
+    def overflowing(preds, batch):  # equal values; a gradient of 1e36, infinite at scale 2**16
+        loss, items = native(preds, batch)
+        steep = (preds["scores"] * 1e36).sum()
+        return loss + (steep - steep.detach()), items
+
+    checked = call_checks.CheckedCriterion(overflowing, native, scale=lambda: 2.0 ** 16)
+    checked(*_preds(0))
+    summary = call_checks.summary(checked.rows)
+    assert checked.rows[0]["scale"] == 2.0 ** 16
+    assert summary["nonfinite"] == {"optimized": 1, "native": 0, "differ": [0]}, summary
+    assert summary["pred_grads"]["outliers"] == [0]
+
+
+def test_under_autocast_both_runs_are_measured_against_float32():
+    native = Native()
+    checked = call_checks.CheckedCriterion(native, native, scale=lambda: 4.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for seed in range(2):
+            checked(*_preds(seed, torch.bfloat16))
+    summary = call_checks.summary(checked.rows)
+    for key in ("pred_grads_vs_fp32", "flow_grads_vs_fp32"):
+        got, native_error = summary[key]["median"]
+        assert got == native_error and 0 < got < 0.1, summary  # bf16's rounding, the same in both
+        assert summary[key]["beyond_twice_native"] == []
+    assert summary["nonfinite"]["differ"] == []
+    checked.rows.clear()
+    checked(*_preds(0))  # autocast off: no reference run
+    assert "flow_grads_vs_fp32" not in checked.rows[0]
