@@ -24,9 +24,13 @@ import torch
 from torch.utils import _pytree as pytree
 
 
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    """Relative L2 difference; NaN where the two are not finite at the same places."""
-    got, want = got.detach().double(), want.detach().double()
+def _rel(got: torch.Tensor | None, want: torch.Tensor | None) -> float:
+    """Relative L2 difference (None: an unused input's zero gradient); NaN where the two are not
+    finite at the same places."""
+    if got is None and want is None:
+        return 0.0
+    got = torch.zeros_like(want) if got is None else got
+    want = torch.zeros_like(got) if want is None else want
     if not torch.equal(torch.isfinite(got), torch.isfinite(want)):
         return float("nan")
     got, want = torch.nan_to_num(got), torch.nan_to_num(want)
@@ -63,13 +67,15 @@ class CheckedCriterion:
 
     def _run(self, criterion: Any, preds: Any, batch: Any, flow: list, scale: float,
              float32: bool = False) -> tuple[torch.Tensor, list, bool]:
-        """The loss, its gradients (unscaled) and whether any scaled gradient was non-finite."""
+        """The loss, its gradients (unscaled; None for an input it does not use) and whether any
+        scaled gradient was non-finite."""
         copied, leaves = _copies(preds, float32)
         loss, _ = criterion(copied, batch)
         grads = torch.autograd.grad(loss.sum() * scale, [*leaves, *flow], allow_unused=True)
+        unused = [g is None for g in grads]
         grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, [*leaves, *flow])]
         nonfinite = not all(bool(torch.isfinite(g).all()) for g in grads)
-        return loss.detach(), [g.double() / scale for g in grads], nonfinite
+        return loss.detach(), [None if u else g.double() / scale for g, u in zip(grads, unused)], nonfinite
 
     def __call__(self, preds: Any, batch: Any) -> Any:
         if torch.is_grad_enabled():
@@ -90,6 +96,7 @@ class CheckedCriterion:
                 row["pred_grads_vs_fp32"] = [_worst(got_g[:n], ref_g[:n]), _worst(want_g[:n], ref_g[:n])]
                 row["flow_grads_vs_fp32"] = [_worst(got_g[n:], ref_g[n:]), _worst(want_g[n:], ref_g[n:])]
             self.rows.append(row)
+            _watch_training_backward(row, preds, want_g[:n], scale)
         return self.optimized(preds, batch)
 
     def __getattr__(self, name: str) -> Any:
@@ -99,6 +106,30 @@ class CheckedCriterion:
 
     def __reduce__(self) -> tuple:
         return self.optimized.__reduce__()
+
+
+def _watch_training_backward(row: dict, preds: Any, want: list[torch.Tensor], scale: float) -> None:
+    """The gradients the trainer's own backward of this call gives the predictions, at its loss
+    scale, compared with native's (``row["training_pred_grads"]``: the worst relative difference
+    so far, and how many predictions received one): what the model learns from, not a copy's.
+    Predictions native does not use are left out: a model's raw outputs (``feats``) beside the
+    tensors made from them receive those tensors' gradients in the trainer's backward."""
+    leaves = [t for t in pytree.tree_leaves(preds) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if len({id(t) for t in leaves}) != len(leaves):  # one tensor twice: its copies split its gradient
+        return
+    row["training_pred_grads"] = [0.0, 0]
+
+    def hook(i: int):
+        def compare(grad: torch.Tensor) -> None:
+            got = _rel(grad.double() / scale, want[i])
+            worst = row["training_pred_grads"][0]
+            row["training_pred_grads"] = [got if got != got or not got <= worst else worst,
+                                          row["training_pred_grads"][1] + 1]
+        return compare
+
+    for i, t in enumerate(leaves):
+        if want[i] is not None:
+            t.register_hook(hook(i))
 
 
 def _worst(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
@@ -121,6 +152,13 @@ def summary(rows: list[dict]) -> dict:
                     "median": sorted(got)[len(got) // 2] if got else None,
                     "outliers": [i for i, g in enumerate(got)
                                  if not g <= max(10 * worst_control, 1e-3)]}  # NaN is an outlier
+    training = [r["training_pred_grads"] for r in rows if "training_pred_grads" in r]
+    if training:  # the trainer's backward of each call (predictions' gradients) against native's
+        out["training_pred_grads"] = {
+            "worst": max((t[0] for t in training), key=lambda d: (d != d, d)),
+            "received": [min(t[1] for t in training), max(t[1] for t in training)],
+            "outliers": [i for i, r in enumerate(rows)
+                         if "training_pred_grads" in r and not r["training_pred_grads"][0] <= 1e-3]}
     out["nonfinite"] = {"optimized": sum(r["nonfinite"][0] for r in rows),
                         "native": sum(r["nonfinite"][1] for r in rows),
                         "differ": [i for i, r in enumerate(rows) if r["nonfinite"][0] != r["nonfinite"][1]]}

@@ -98,3 +98,26 @@ def test_under_autocast_both_runs_are_measured_against_float32():
     checked.rows.clear()
     checked(*_preds(0))  # autocast off: no reference run
     assert "flow_grads_vs_fp32" not in checked.rows[0]
+
+
+@pytest.mark.parametrize("second_call_wrong", [False, True])
+def test_the_trainers_own_backward_of_the_call_is_compared_with_native(second_call_wrong):
+    """The check's runs use copies and come first; the training call's own gradients (what the
+    model learns from), seen in the trainer's backward at its loss scale, are compared too: a
+    criterion right on the check's run and wrong on the next is caught."""
+    native, calls = Native(), []
+
+    def optimized(preds, batch):
+        calls.append(None)
+        loss, items = native(preds, batch)
+        return (loss * 1.01 if second_call_wrong and len(calls) == 2 else loss), items
+
+    checked = call_checks.CheckedCriterion(optimized, native, scale=lambda: 8.0)
+    preds, batch = _preds(0)
+    loss, _ = checked(preds, batch)
+    (loss.sum() * 8.0).backward()  # as GradScaler.scale(loss).backward()
+    worst, received = checked.rows[0]["training_pred_grads"]
+    assert received == 2 and len(calls) == 2
+    summary = call_checks.summary(checked.rows)
+    assert summary["pred_grads"]["outliers"] == []  # the check's own run was right
+    assert summary["training_pred_grads"]["outliers"] == ([0] if second_call_wrong else []), worst
