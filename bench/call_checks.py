@@ -63,7 +63,7 @@ class CheckedCriterion:
     """``optimized`` (a criterion wrapping ``native``) with each grad-enabled call checked."""
 
     def __init__(self, optimized: Any, native: Any, scale: Any = lambda: 1.0):
-        self.__dict__.update(optimized=optimized, native=native, scale=scale, rows=[])
+        self.__dict__.update(optimized=optimized, native=native, scale=scale, rows=[], handles=[])
 
     def _run(self, criterion: Any, preds: Any, batch: Any, flow: list, scale: float,
              float32: bool = False) -> tuple[torch.Tensor, list, bool]:
@@ -78,6 +78,8 @@ class CheckedCriterion:
         return loss.detach(), [None if u else g.double() / scale for g, u in zip(grads, unused)], nonfinite
 
     def __call__(self, preds: Any, batch: Any) -> Any:
+        while self.handles:  # the last training call's hooks on the flow's parameters
+            self.handles.pop().remove()
         if torch.is_grad_enabled():
             flow = _flow_parameters(self.native)
             n = sum(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(preds))
@@ -96,7 +98,9 @@ class CheckedCriterion:
                 row["pred_grads_vs_fp32"] = [_worst(got_g[:n], ref_g[:n]), _worst(want_g[:n], ref_g[:n])]
                 row["flow_grads_vs_fp32"] = [_worst(got_g[n:], ref_g[n:]), _worst(want_g[n:], ref_g[n:])]
             self.rows.append(row)
-            _watch_training_backward(row, preds, want_g[:n], scale)
+            leaves = [t for t in pytree.tree_leaves(preds) if isinstance(t, torch.Tensor) and t.requires_grad]
+            _watch_training_backward(row, "training_pred_grads", leaves, want_g[:n], scale)
+            self.handles.extend(_watch_training_backward(row, "training_flow_grads", flow, want_g[n:], scale))
         return self.optimized(preds, batch)
 
     def __getattr__(self, name: str) -> Any:
@@ -108,28 +112,24 @@ class CheckedCriterion:
         return self.optimized.__reduce__()
 
 
-def _watch_training_backward(row: dict, preds: Any, want: list[torch.Tensor], scale: float) -> None:
-    """The gradients the trainer's own backward of this call gives the predictions, at its loss
-    scale, compared with native's (``row["training_pred_grads"]``: the worst relative difference
-    so far, and how many predictions received one): what the model learns from, not a copy's.
-    Predictions native does not use are left out: a model's raw outputs (``feats``) beside the
-    tensors made from them receive those tensors' gradients in the trainer's backward."""
-    leaves = [t for t in pytree.tree_leaves(preds) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if len({id(t) for t in leaves}) != len(leaves):  # one tensor twice: its copies split its gradient
-        return
-    row["training_pred_grads"] = [0.0, 0]
+def _watch_training_backward(row: dict, key: str, tensors: list[torch.Tensor],
+                             want: list[torch.Tensor | None], scale: float) -> list:
+    """Hooks comparing the gradients the trainer's own backward of this call gives ``tensors``
+    (at its loss scale) with native's ``want``: ``row[key]`` is the worst relative difference so
+    far and how many received one. What the model learns from, not a copy's. Tensors native does
+    not use are left out: a model's raw outputs (``feats``) beside the tensors made from them
+    receive those tensors' gradients in the trainer's backward. Returns the hooks' handles."""
+    if len({id(t) for t in tensors}) != len(tensors):  # one tensor twice: its copies split its gradient
+        return []
+    row[key] = [0.0, 0]
 
     def hook(i: int):
         def compare(grad: torch.Tensor) -> None:
-            got = _rel(grad.double() / scale, want[i])
-            worst = row["training_pred_grads"][0]
-            row["training_pred_grads"] = [got if got != got or not got <= worst else worst,
-                                          row["training_pred_grads"][1] + 1]
+            got, (worst, received) = _rel(grad.double() / scale, want[i]), row[key]
+            row[key] = [got if got != got or not got <= worst else worst, received + 1]
         return compare
 
-    for i, t in enumerate(leaves):
-        if want[i] is not None:
-            t.register_hook(hook(i))
+    return [t.register_hook(hook(i)) for i, t in enumerate(tensors) if want[i] is not None]
 
 
 def _worst(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
@@ -152,13 +152,13 @@ def summary(rows: list[dict]) -> dict:
                     "median": sorted(got)[len(got) // 2] if got else None,
                     "outliers": [i for i, g in enumerate(got)
                                  if not g <= max(10 * worst_control, 1e-3)]}  # NaN is an outlier
-    training = [r["training_pred_grads"] for r in rows if "training_pred_grads" in r]
-    if training:  # the trainer's backward of each call (predictions' gradients) against native's
-        out["training_pred_grads"] = {
-            "worst": max((t[0] for t in training), key=lambda d: (d != d, d)),
-            "received": [min(t[1] for t in training), max(t[1] for t in training)],
-            "outliers": [i for i, r in enumerate(rows)
-                         if "training_pred_grads" in r and not r["training_pred_grads"][0] <= 1e-3]}
+    for key, control in (("training_pred_grads", "pred_grads"), ("training_flow_grads", "flow_grads")):
+        training = [r[key] for r in rows if key in r]
+        if training:  # the trainer's backward of each call against native's (its control: the copies')
+            out[key] = {"worst": max((t[0] for t in training), key=lambda d: (d != d, d)),
+                        "received": [min(t[1] for t in training), max(t[1] for t in training)],
+                        "outliers": [i for i, r in enumerate(rows) if key in r and not
+                                     r[key][0] <= max(10 * out[control]["worst_control"], 1e-3)]}
     out["nonfinite"] = {"optimized": sum(r["nonfinite"][0] for r in rows),
                         "native": sum(r["nonfinite"][1] for r in rows),
                         "differ": [i for i, r in enumerate(rows) if r["nonfinite"][0] != r["nonfinite"][1]]}

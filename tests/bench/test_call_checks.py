@@ -121,3 +121,7 @@ def test_the_trainers_own_backward_of_the_call_is_compared_with_native(second_ca
     summary = call_checks.summary(checked.rows)
     assert summary["pred_grads"]["outliers"] == []  # the check's own run was right
     assert summary["training_pred_grads"]["outliers"] == ([0] if second_call_wrong else []), worst
+    assert summary["training_flow_grads"]["received"] == [2, 2]  # the flow's weight and bias
+    assert summary["training_flow_grads"]["outliers"] == ([0] if second_call_wrong else [])
+    checked(*_preds(1))  # the next call's check runs do not fire the last call's hooks
+    assert checked.rows[0]["training_flow_grads"][1] == 2 and len(checked.handles) == 2
