@@ -169,5 +169,6 @@ def summary(rows: list[dict]) -> dict:
             out[key] = {"median": [got[len(got) // 2], native[len(native) // 2]],
                         "worst": [got[-1], native[-1]],
                         "beyond_twice_native": [i for i, r in enumerate(rows) if key in r
-                                                and not r[key][0] <= max(2 * r[key][1], 1e-3)]}
+                                                and not r[key][0] <= max(2 * r[key][1], 1e-3)
+                                                and not all(d != d for d in r[key])]}  # NaN in both: left out
     return out
