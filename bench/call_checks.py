@@ -12,8 +12,11 @@ does. The gradients are those of the loss's sum times the trainer's current loss
 GradScaler's; divided out before comparing), so a run whose scaled gradients overflow where
 native's do not (a step the scaler would skip) is seen. Under autocast a fourth run, native in
 float32 with autocast off, is the reference both are measured against: an optimized difference
-from it no larger than native's own is rounding. Up to five loss runs a call: a diagnosis, not
-a timing.
+from it no larger than native's own is rounding. The check's runs are on copies and come first;
+hooks on the real predictions and the flow's parameters then compare the gradients the trainer's
+own backward of the training call gives them with native's, so a criterion right on the copy and
+wrong on the call the model learns from is seen too. Up to five loss runs a call: a diagnosis,
+not a timing.
 """
 
 from __future__ import annotations
@@ -164,10 +167,12 @@ def summary(rows: list[dict]) -> dict:
                         "differ": [i for i, r in enumerate(rows) if r["nonfinite"][0] != r["nonfinite"][1]]}
     for key in ("pred_grads_vs_fp32", "flow_grads_vs_fp32"):  # under autocast: both against float32
         pairs = [r[key] for r in rows if key in r]
+        finite = [p for p in pairs if p[0] == p[0] and p[1] == p[1]]  # NaN: not finite alike
         if pairs:
-            got, native = sorted(p[0] for p in pairs), sorted(p[1] for p in pairs)
-            out[key] = {"median": [got[len(got) // 2], native[len(native) // 2]],
-                        "worst": [got[-1], native[-1]],
+            got, native = sorted(p[0] for p in finite), sorted(p[1] for p in finite)
+            out[key] = {"median": [got[len(got) // 2], native[len(native) // 2]] if finite else None,
+                        "worst": [got[-1], native[-1]] if finite else None,
+                        "not_finite": len(pairs) - len(finite),
                         "beyond_twice_native": [i for i, r in enumerate(rows) if key in r
                                                 and not r[key][0] <= max(2 * r[key][1], 1e-3)
                                                 and not all(d != d for d in r[key])]}  # NaN in both: left out
