@@ -33,6 +33,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 from ..analysis.capture import bucketed_symbols
@@ -185,11 +186,16 @@ def padding_inert(gm: fx.GraphModule, sites: list[tuple[fx.Node, int]],
     # free) the network's graph that made the predictions, whose backward the caller runs later
     inputs = tuple(t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
                    for t in inputs)
-    wrt = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad] + \
-        [p for p in gm.parameters() if p.requires_grad]
+    # and the parameters read through aliases (same memory, fresh leaves), as a recording reads
+    # them: differentiated through the parameters themselves, their hooks (user code: a gradient
+    # logger, a rewriting hook) would run for the witness's backwards
+    aliases = {id(p): p.detach().requires_grad_() for p in gm.parameters() if p.requires_grad}
+    swapped = {name: aliases[id(p)] for name, p in trial.named_parameters(remove_duplicate=False)
+               if id(p) in aliases}
+    wrt = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad] + list(aliases.values())
     counters = {id(op): dict(op.counters) for op in runtime_ops(trial)}
     try:  # autocast's cache off: a cast weight cached here would carry this run's graph into the call's
-        with no_autocast_cache():
+        with no_autocast_cache(), _reparametrize_module(trial, swapped):
             for op in ops:
                 op.padded = False
             exact = _evaluate(trial, inputs, wrt)
