@@ -1,7 +1,9 @@
 """A hook on a parameter of the real criterion (the flow's: it is the model's head's, so a user's
 gradient hooks on the model reach it) runs once per backward, as natively, under CaptureLoss:
 the trace's padding witness differentiates with respect to aliases of the parameters, never
-through their hooks (a hook's side effects: a gradient logger would log the witness's runs)."""
+through their hooks (a hook's side effects: a gradient logger would log the witness's runs).
+With PairRLE's paired call captured as well, the emulated recorder runs the hook twice (a strict
+xfail naming why)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import pytest
 import torch
 
 from fxpasses import optimize
-from fxpasses.passes import CaptureLoss
+from fxpasses.passes import CaptureLoss, PairRLE
 from fxpasses.runtime.emulated import EmulatedRecorder
 from fxpasses.workloads.ultralytics_pose import pose_batch, pose_preds
 
@@ -23,14 +25,21 @@ def _step(loss, flow, seed):
     return [p.grad.clone() for p in flow.parameters()]
 
 
-def test_a_parameter_hook_runs_once_per_backward_and_its_gradient_is_natives(pose_model):
+@pytest.mark.parametrize("paired", [False, pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
+    "found 2026-12-06, not fixed: the emulated recorder (the CPU stand-in for CUDA graphs) replays a "
+    "paired flow call's backward with torch.autograd.grad with respect to the live parameters, so "
+    "their hooks run inside the replay and again when autograd accumulates the result (a rewriting "
+    "hook applies twice). A CUDA graph's backward replay calls no autograd; not checked on a GPU")))],
+    ids=["capture", "pair+capture"])
+def test_a_parameter_hook_runs_once_per_backward_and_its_gradient_is_natives(pose_model, paired):
     crit = pose_model.init_criterion()
     flow = pose_model.model[-1].flow_model
     first = next(flow.parameters())
     fired = []
     first.register_hook(lambda grad: (fired.append(None), grad * 2)[1])  # a hook that rewrites
-    fast = optimize(crit, passes=[CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder())])
-    for seed in range(3):  # the trace (with its padding witness), a recording, a replay
+    fast = optimize(crit, passes=[*([PairRLE()] if paired else []),
+                                  CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder())])
+    for seed in range(4):  # the trace (with its padding witness), recordings, replays
         fired.clear()
         got = _step(fast, flow, seed)
         assert len(fired) == 1, (seed, len(fired))
