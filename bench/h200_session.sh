@@ -49,12 +49,13 @@ host-ab)  # host time per step of the real criterion (batch 16), this tree and a
     done ;;
 fit)  # complete-fit time of a real model.train(), native against the integration
     python bench/fit.py ${FIT_ARGS:?set FIT_ARGS} --device 0 --out "$OUT/fit" ;;
-fit-seeds|fit-check)  # the batch-16 AMP fit over trainer seeds, ARMS (native fxpasses unless set; ~50 s an arm);
-    # fit-check: the fxpasses arm alone (seed 0 unless SEEDS), every loss call checked against native at equal inputs
+fit-seeds|fit-check)  # the batch-16 AMP fit over trainer seeds, ARMS (native fxpasses unless set; ~50 s an arm),
+    # the fxpasses arm with PASSES (e.g. "select"; all three unless set); fit-check: the fxpasses arm alone (seed 0
+    # unless SEEDS), every loss call checked against native at equal inputs (~135 s)
     [ "$1" = fit-check ] && { ARMS=${ARMS:-fxpasses}; SEEDS=${SEEDS:-0}; CHECK=--check-calls; }
     for S in ${SEEDS:-1 2 3}; do
         python bench/fit.py --batch 16 --epochs 5 --pairs 1 --seed $S --device 0 --work /tmp/fitw --arms ${ARMS:-native fxpasses} \
-            ${CHECK:-} --out "$OUT/fit_seed$S.json" 2>&1 | grep -E "fit [0-9]|mAP|FAILED|checked"
+            ${PASSES:+--passes $PASSES} ${CHECK:-} --out "$OUT/fit_seed$S.json" 2>&1 | grep -E "fit [0-9]|mAP|FAILED|checked"
     done ;;
 amp-bisect)  # which pass the batch-16 fp16 fit's lower mAP follows (seed 0; ~60 s a fit), and the
     # trajectory with the trainer's gradient accumulation (nbs 64 / batch 16 = 4)
