@@ -24,11 +24,11 @@ metrics. ``--check-calls`` checks every training call of the fxpasses arm agains
 criterion at equal inputs inside the fit (:mod:`call_checks`, beside this script; up to five
 loss runs a call, so that arm's times are not its speed), its gradients at the trainer's loss
 scale: the worst differences, native's own as the control, the calls beyond them, the calls
-whose scaled gradients overflow in either, and under AMP both against float32, in the run's record. ``--amp`` is the trainer's
-``amp``: ``true`` (its default: the trainer's AMP check runs; offline it cannot download its
-checkpoint, catches the ConnectionError and keeps AMP on; the children run with
-``YOLO_OFFLINE=1`` so that the check tries once, without retries), ``bf16`` (no check) or
-``false``.
+whose scaled gradients overflow in either, under AMP both against float32, and the training
+call's own gradients, in the run's record. ``--amp`` is the trainer's ``amp``: ``true`` (its
+default: the trainer's AMP check runs; offline it cannot download its checkpoint, catches the
+ConnectionError and keeps AMP on; the children run with ``YOLO_OFFLINE=1`` so that the check
+tries once, without retries), ``bf16`` (no check) or ``false``.
 
 Recorded per run: the GradScaler's final scale (with AMP: the optimizer steps it skipped), the complete-fit time (``model.train()``: setup, the AMP check, the
 criterion's recordings, training, EMA, validation, checkpoints) with the moments its setup ended
@@ -119,7 +119,7 @@ def _check_criterion(trainer) -> None:
 
     model = unwrap_model(trainer.model)
     model.criterion = CheckedCriterion(model.criterion, model.criterion.native,
-                                       scale=lambda: trainer.scaler.get_scale() if trainer.scaler.is_enabled() else 1.0)
+                                       scale=lambda: _loss_scale(trainer) or 1.0)
 
 
 def child(args: argparse.Namespace) -> None:
@@ -174,7 +174,7 @@ def child(args: argparse.Namespace) -> None:
     record = {"arm": args.child, "batch": args.batch, "fit_s": fit_s, **moments,
               "peak_reserved_mib": torch.cuda.max_memory_reserved() / 2**20 if cuda else None,
               "gpu": torch.cuda.get_device_name(trainer.device) if cuda else None,
-              "seed": args.seed, "amp_setting": args.amp, "grad_scale_final": _final_scale(trainer), "amp": bool(trainer.amp), "amp_check": amp_check,
+              "seed": args.seed, "amp_setting": args.amp, "grad_scale_final": _loss_scale(trainer), "amp": bool(trainer.amp), "amp_check": amp_check,
               "device": str(trainer.device), "batch_trained": trainer.batch_size,
               "epochs_trained": trainer.epoch + 1,
               "train_losses": {k: float(v) for k, v in (trainer.tloss or {}).items()},
@@ -196,10 +196,10 @@ def child(args: argparse.Namespace) -> None:
     Path(args.record).write_text(json.dumps(record))
 
 
-def _final_scale(trainer) -> float | None:
-    """The GradScaler's scale after the fit (None without AMP). It starts at 2**16 and halves at
-    each step it skips for a non-finite gradient; it doubles only after 2000 clean steps in a row,
-    so in a shorter fit ``log2(2**16 / scale)`` is the number of optimizer steps skipped."""
+def _loss_scale(trainer) -> float | None:
+    """The GradScaler's current scale (None without AMP). It starts at 2**16 and halves at each
+    step it skips for a non-finite gradient; it doubles only after 2000 clean steps in a row, so
+    after a shorter fit ``log2(2**16 / scale)`` is the number of optimizer steps skipped."""
     scaler = getattr(trainer, "scaler", None)
     return float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
 
