@@ -114,3 +114,33 @@ def test_the_real_criterion_against_native_call_by_call(precision):
             continue
         for key in keys:
             assert row[key] <= max(AMP_FLOOR, CONTROL_FACTOR * row[f"control_{key}"]), (key, rows)
+
+
+def test_a_parameter_hook_runs_once_per_backward_with_cuda_graphs():
+    """A gradient-rewriting hook on a flow parameter (the model head's: a user's or a logger's
+    hooks reach it) runs once per backward through recorded and replayed CUDA graphs, PairRLE's
+    paired call included, and ``.grad`` is native's (the emulated recorder runs it twice:
+    tests/real/test_parameter_hooks_real.py)."""
+    from fxpasses.workloads.ultralytics_pose import pose_model
+
+    torch.manual_seed(0)
+    model = pose_model(device=DEVICE)
+    crit = model.init_criterion()
+    flow = model.model[-1].flow_model
+    first = next(flow.parameters())
+    fired = []
+    first.register_hook(lambda grad: (fired.append(None), grad * 2)[1])
+    fast = optimize(crit, passes=[PairRLE(), SelectRows(), CaptureLoss()])
+    for seed in SEEDS[:6]:  # trace, record, replay; twice
+        grads = []
+        for fn in (fast, crit):
+            fired.clear()
+            flow.zero_grad(set_to_none=True)
+            total, _ = fn(*_inputs(seed, torch.float32))
+            total.sum().backward()
+            assert len(fired) == 1, (seed, len(fired), fn is fast)
+            grads.append([p.grad.clone() for p in flow.parameters()])
+        for got, want in zip(*grads):
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-6)
+    recorded = sum(v.get("recorded", 0) for v in fast.stats.sites.values())
+    assert recorded and sum(v.get("replayed", 0) for v in fast.stats.sites.values()), fast.stats.render()
