@@ -100,9 +100,16 @@ class _Forward:
     def replay(self) -> None:
         self.pool.replaying(self.recording)
         with torch.enable_grad() if self.recording.backward is not None else torch.no_grad():
-            fresh = pytree.tree_leaves(self.fn(*self.inputs))
+            # a live parameter read through a fresh view of it (its memory; made with grad on,
+            # a replay runs inside an autograd function's forward): the backward replay
+            # differentiates with respect to the view, never through the parameter's own
+            # accumulator, so its hooks run once, when autograd hands it the gradient (as after
+            # a graph's replay), not also inside the replay
+            inputs = [t.view_as(t) if i in self.recording.identity and isinstance(t, torch.Tensor)
+                      and t.requires_grad else t for i, t in enumerate(self.inputs)]
+            fresh = pytree.tree_leaves(self.fn(*inputs))
         if self.recording.backward is not None:
-            self.activations = (fresh, self.inputs)
+            self.activations = (fresh, inputs)
         with torch.no_grad():
             for static, value in zip(self.recording.outputs, fresh):
                 if isinstance(static, torch.Tensor):

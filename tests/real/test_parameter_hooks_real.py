@@ -1,9 +1,9 @@
 """A hook on a parameter of the real criterion (the flow's: it is the model's head's, so a user's
 gradient hooks on the model reach it) runs once per backward, as natively, under CaptureLoss:
 the trace's padding witness differentiates with respect to aliases of the parameters, never
-through their hooks (a hook's side effects: a gradient logger would log the witness's runs).
-With PairRLE's paired call captured as well, the emulated recorder runs the hook twice (a strict
-xfail naming why)."""
+through their hooks (a hook's side effects: a gradient logger would log the witness's runs); the
+emulated recorder's backward replays differentiate with respect to views of the parameters, as
+a CUDA graph's replay runs no autograd (PairRLE's captured flow call: once ran it twice)."""
 
 from __future__ import annotations
 
@@ -25,12 +25,7 @@ def _step(loss, flow, seed):
     return [p.grad.clone() for p in flow.parameters()]
 
 
-@pytest.mark.parametrize("paired", [False, pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
-    "found 2026-12-06, not fixed: the emulated recorder (the CPU stand-in for CUDA graphs) replays a "
-    "paired flow call's backward with torch.autograd.grad with respect to the live parameters, so "
-    "their hooks run inside the replay and again when autograd accumulates the result (a rewriting "
-    "hook applies twice). A CUDA graph's backward replay calls no autograd; not checked on a GPU")))],
-    ids=["capture", "pair+capture"])
+@pytest.mark.parametrize("paired", [False, True], ids=["capture", "pair+capture"])
 def test_a_parameter_hook_runs_once_per_backward_and_its_gradient_is_natives(pose_model, paired):
     crit = pose_model.init_criterion()
     flow = pose_model.model[-1].flow_model
