@@ -162,9 +162,11 @@ class EmulatedRecorder(GraphRecorder):
     def record(self, fn: Callable, args: Sequence[Any], pool: Any,
                identity: frozenset[int] = frozenset()) -> Recording:
         recording = super().record(fn, args, pool, identity)
-        # a replay reads the live parameters and buffers (a graph reads their memory): the
-        # recording's aliases would be put in their place on the modules, where a native call
-        # running meanwhile in another thread would read them
+        # a replay reads the live parameters and buffers (a graph reads their memory), through
+        # views of them made per replay (_Forward.replay), never the recording's detached aliases:
+        # put in their place on the modules for the replay, a native call running meanwhile in
+        # another thread would read them and its gradient would not reach the parameters (a view's
+        # does)
         inputs = [args[i] if i in identity else static for i, static in enumerate(recording.inputs)]
         recording.forward = _Forward(fn, recording, inputs, pool)
         pool.add(recording)
