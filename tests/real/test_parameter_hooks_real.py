@@ -43,6 +43,8 @@ def test_a_parameter_hook_runs_once_per_backward_and_its_gradient_is_natives(pos
         assert len(fired) == 1
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+    sites = fast.stats.sites.values()
+    assert sum(v.get("recorded", 0) for v in sites) and sum(v.get("replayed", 0) for v in sites)
     witnessed = [c for c in fast.certificates if any(k.id == "zero-slots-inert" and k.ok for k in c.checks)]
     assert witnessed, "the padding witness did not run"  # at the trace: it differentiated
     flow_parameters = sum(1 for p in flow.parameters() if p.requires_grad)
