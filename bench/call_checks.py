@@ -75,17 +75,16 @@ class CheckedCriterion:
         copied, leaves = _copies(preds, float32)
         loss, _ = criterion(copied, batch)
         grads = torch.autograd.grad(loss.sum() * scale, [*leaves, *flow], allow_unused=True)
-        unused = [g is None for g in grads]
-        grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, [*leaves, *flow])]
-        nonfinite = not all(bool(torch.isfinite(g).all()) for g in grads)
-        return loss.detach(), [None if u else g.double() / scale for g, u in zip(grads, unused)], nonfinite
+        nonfinite = not all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
+        return loss.detach(), [None if g is None else g.double() / scale for g in grads], nonfinite
 
     def __call__(self, preds: Any, batch: Any) -> Any:
         while self.handles:  # the last training call's hooks on the flow's parameters
             self.handles.pop().remove()
         if torch.is_grad_enabled():
             flow = _flow_parameters(self.native)
-            n = sum(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(preds))
+            leaves = [t for t in pytree.tree_leaves(preds) if isinstance(t, torch.Tensor) and t.requires_grad]
+            n = len(leaves)
             scale = float(self.scale())
             want, want_g, want_skip = self._run(self.native, preds, batch, flow, scale)
             again, again_g, _ = self._run(self.native, preds, batch, flow, scale)
@@ -101,7 +100,6 @@ class CheckedCriterion:
                 row["pred_grads_vs_fp32"] = [_worst(got_g[:n], ref_g[:n]), _worst(want_g[:n], ref_g[:n])]
                 row["flow_grads_vs_fp32"] = [_worst(got_g[n:], ref_g[n:]), _worst(want_g[n:], ref_g[n:])]
             self.rows.append(row)
-            leaves = [t for t in pytree.tree_leaves(preds) if isinstance(t, torch.Tensor) and t.requires_grad]
             _watch_training_backward(row, "training_pred_grads", leaves, want_g[:n], scale)
             self.handles.extend(_watch_training_backward(row, "training_flow_grads", flow, want_g[n:], scale))
         return self.optimized(preds, batch)
