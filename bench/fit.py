@@ -45,6 +45,7 @@ deadline. Progress (per run and per epoch) on stderr; each process's output in `
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import platform
@@ -179,6 +180,7 @@ def child(args: argparse.Namespace) -> None:
               "epochs_trained": trainer.epoch + 1,
               "train_losses": {k: float(v) for k, v in (trainer.tloss or {}).items()},
               "metrics": {k: float(v) for k, v in (trainer.metrics or {}).items()},
+              "per_epoch": _per_epoch(Path(trainer.save_dir) / "results.csv"),
               "save_dir": str(trainer.save_dir), "torchvision_stand_in": stand_in}
     if integration is not None and integration.criterion is not None:
         from fxpasses.integrations.ultralytics import summary
@@ -194,6 +196,16 @@ def child(args: argparse.Namespace) -> None:
         record["call_checks"] = {"summary": checks_summary(checked.rows), "rows": checked.rows}
         say(f"  {args.name}: calls checked {json.dumps(record['call_checks']['summary'])}", progress)
     Path(args.record).write_text(json.dumps(record))
+
+
+def _per_epoch(results_csv: Path) -> list[dict[str, float]]:
+    """The trainer's ``results.csv``, one dict per epoch: the training losses, the EMA model's
+    validation losses and metrics of that epoch (``metrics`` holds only best.pt's final
+    validation: no losses, and at a few epochs' training near-chance metrics)."""
+    if not results_csv.exists():
+        return []
+    with results_csv.open(newline="") as f:
+        return [{k.strip(): float(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
 def _loss_scale(trainer) -> float | None:
@@ -255,7 +267,9 @@ def summarize(runs: list[dict]) -> dict:
                      "process_s": spread([r["process_s"] for r in mine]),
                      "peak_reserved_mib": spread([r["peak_reserved_mib"] for r in mine]),
                      "train_losses": [r["train_losses"] for r in mine],
-                     "metrics": [r["metrics"] for r in mine]}
+                     "metrics": [r["metrics"] for r in mine],
+                     "val_losses": [{k.removeprefix("val/"): v for k, v in (r.get("per_epoch") or [{}])[-1].items()
+                                     if k.startswith("val/")} for r in mine]}
     for key in ("fit_s", "process_s", "peak_reserved_mib"):
         native, fast = arms["native"][key], arms["fxpasses"][key]
         arms[f"{key}_change"] = fast["median"] / native["median"] - 1 if native and fast else None
@@ -292,11 +306,13 @@ def report(results: dict) -> None:
             a = s[arm]
             say(f"  {arm:8} fit {_row(a['fit_s'], 's')}  process {_row(a['process_s'], 's')}  "
                 f"peak reserved {_row(a['peak_reserved_mib'], 'MiB')}")
-            for losses, metrics in zip(a["train_losses"], a["metrics"]):
+            for losses, metrics, val in zip(a["train_losses"], a["metrics"], a["val_losses"]):
                 say(f"  {arm:8} losses " + " ".join(f"{k.removesuffix('_loss')} {v:.4f}"
                                                    for k, v in losses.items())
                     + " | " + " ".join(f"{k.removeprefix('metrics/')} {v:.4f}"
-                                       for k, v in metrics.items() if "mAP" in k))
+                                       for k, v in metrics.items() if "mAP" in k)
+                    + " | last epoch's val " + " ".join(f"{k.removesuffix('_loss')} {v:.4f}"
+                                                        for k, v in val.items()))
 
 
 def _dataset(args: argparse.Namespace, work: Path) -> tuple[str, list[int]]:

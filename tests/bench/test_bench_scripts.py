@@ -99,8 +99,12 @@ def test_a_tiny_cpu_fit_pair_writes_both_arms(tmp_path):
     assert all(0 < r["setup_s"] < r["epochs_s"][0] < r["fit_s"] and len(r["epochs_s"]) == 1
                for r in runs)
     assert all(r["seed"] == 0 and r["grad_scale_final"] is None for r in runs)  # no AMP on a CPU
+    for r in runs:  # the trainer's results.csv, one row per epoch, validation losses included
+        (epoch,) = r["per_epoch"]
+        assert epoch["epoch"] == 1 and epoch["val/box_loss"] > 0 and "metrics/mAP50(B)" in epoch
+    assert all(summary[arm]["val_losses"][0]["box_loss"] > 0 for arm in ("native", "fxpasses"))
     assert (tmp_path / "fit_fxpasses_b4.txt").read_text().strip()
-    assert "fxpasses losses box" in done.stderr and "would end after --deadline-s" in done.stderr
+    assert "fxpasses losses box" in done.stderr and "last epoch's val box" in done.stderr and "would end after --deadline-s" in done.stderr
 
 
 @pytest.mark.slow
