@@ -258,6 +258,13 @@ _CODES = (
          "node that does, is a check point of the read, or conflicts with a node it would pass): "
          "the host waits for the counts' copy with nothing to issue.",
          "Nothing to do; the stayed reasons in the certificate's evidence say what holds each back."),
+    Code("reads-not-joined", "refusal",
+         "The loss reads several scalars on the host (sizes read from its targets), and none after "
+         "the first could be read with it in one transfer: what a later read needs is computed after "
+         "the first by a node that writes memory, reads on the host, draws random numbers, has "
+         "unknown effects or conflicts with a node it would pass.",
+         "Nothing to do; each read waits for the device on its own. The certificate's evidence "
+         "names the node that holds each read back."),
     # -- loss capture (CaptureLoss) -------------------------------------------------------
     Code("duplicate-impure", "refusal",
          "A node computes what an earlier one did, but one of the two may write memory, draws "

@@ -17,8 +17,9 @@ tensors become constant index tensors on the device (no copy from the host each 
 the loss's own memory that no region could hold run on a copy where that computes the same
 values (:mod:`.copy_writes`, a certificate per such write, copied or kept as a barrier); copies
 are undone when no region is captured. Zero buffers sized from data become capacities where a
-witness allows (:mod:`.pad_capacity`), and grad-mode switches to the mode in effect are dropped
-(:mod:`.grad_switches`). After fusing, count reads that now follow each other with their counts
+witness allows (:mod:`.pad_capacity`), grad-mode switches to the mode in effect are dropped
+(:mod:`.grad_switches`), and the loss's later host reads of scalars join its first in one transfer
+(:mod:`.prefetch_reads`). After fusing, count reads that now follow each other with their counts
 ready become one wait (:mod:`.merge_reads`), and the nodes after each read that need neither its
 counts nor anything computed from them are issued before it, while the counts travel
 (:mod:`.overlap_reads`).
@@ -60,6 +61,7 @@ from .fold_state import device_indices, fold_constant_reads
 from .grad_switches import drop_redundant_switches
 from .merge_reads import merge_reads
 from .overlap_reads import overlap_reads
+from .prefetch_reads import prefetch_reads
 from .pad_capacity import pad_capacities
 from .share_duplicates import share_duplicates
 
@@ -213,6 +215,7 @@ class CaptureLoss:
             unique_count_max(gm, self.name)
         padded = pad_capacities(gm, self.name)
         switches = drop_redundant_switches(gm, self.name)
+        prefetched = prefetch_reads(gm, self.name)
         unfolded_copies = copy_graph_module(gm)
         plan, writes = plan_with_copies(gm, self.name, self.devices, self.min_region_ops, self.count_copies)
         if not plan.regions and any(c.applied for c in writes):  # copies that gain nothing: undone
@@ -224,7 +227,7 @@ class CaptureLoss:
             # a partitioned block's nodes would run eagerly without its switches: none is
             plan = plan_regions(gm, self.devices, self.min_region_ops, self.count_copies, partition=False)
             region_certs = [self._region_certificate(gm, i, nodes, plan) for i, nodes in enumerate(plan.regions)]
-        certificates = shared + folded + padded + switches + writes + self._refusals(plan) + self._too_small(plan)
+        certificates = shared + folded + padded + switches + prefetched + writes + self._refusals(plan) + self._too_small(plan)
         names = [f"{_PREFIX}{i}" for i, cert in enumerate(region_certs) if cert.applied]
         plan.regions = [nodes for nodes, cert in zip(plan.regions, region_certs) if cert.applied]
         calls = [(node, fact) for node in gm.graph.nodes
@@ -241,7 +244,7 @@ class CaptureLoss:
                                "check points once fused")
         if regions:
             self._own_outputs(gm, regions)
-        modified = regions or any(c.applied for c in shared + folded + padded + switches)
+        modified = regions or any(c.applied for c in shared + folded + padded + switches + prefetched)
         return PassResult(gm, bool(modified),
                           region_certs + paired + certificates + read_certs)
 

@@ -60,13 +60,20 @@ class CheckedRead(RuntimeOp):
         super().__init__(op_id)
         self.site = site
 
-    def __call__(self, value: torch.Tensor, in_range: torch.Tensor) -> int:
-        read, held = torch.stack([value.reshape(()).to(torch.int64), in_range.to(torch.int64)]).tolist()
+    host_reads = (0, 1)  # the arguments it reads on the host (a prefetch may read them earlier)
+
+    def __call__(self, value: torch.Tensor, in_range: torch.Tensor, prefetched: Any = None, at: int = 0) -> int:
+        """``prefetched``: a :class:`~fxpasses.runtime.select.PendingCounts` whose values from
+        ``at`` on are ``value`` and ``in_range``, read earlier with other reads in one transfer."""
+        if prefetched is not None:
+            read, held = prefetched.values()[at:at + 2]
+        else:
+            read, held = torch.stack([value.reshape(()).to(torch.int64), in_range.to(torch.int64)]).tolist()
         if not held:
             self.count_code("counts-out-of-range")
             raise Abandon("counts-out-of-range", self.site, "a value counted by bincount lies outside "
                           "[0, minlength)", retrace=False)
         return read
 
-    def propagate(self, value: torch.Tensor, in_range: torch.Tensor) -> Any:
+    def propagate(self, value: torch.Tensor, in_range: torch.Tensor, prefetched: Any = None, at: int = 0) -> Any:
         return value.item()

@@ -44,14 +44,19 @@ class PaddedSize(RuntimeOp):
         # it then stands for the capacity, and the metadata below the buffer stays as it was
         self.traced = traced
 
-    def __call__(self, size: Any) -> tuple[int]:
-        count = int(size)  # a tensor: the host read torch.zeros(b, tensor) makes natively
+    host_reads = (0,)  # the argument it reads on the host when a tensor (a prefetch may read it earlier)
+
+    def __call__(self, size: Any, prefetched: Any = None, at: int = 0) -> tuple[int]:
+        """``prefetched``: a :class:`~fxpasses.runtime.select.PendingCounts` whose value ``at``
+        is ``size``, read earlier with other reads in one transfer."""
+        # a tensor: the host read torch.zeros(b, tensor) makes natively
+        count = prefetched.values()[at] if prefetched is not None else int(size)
         if not self.padded or count == 0:
             return (count,)
         self.largest = max(self.largest, bucket(count, self.min_bucket))
         return (self.largest,)
 
-    def propagate(self, size: Any) -> tuple[torch.SymInt]:
+    def propagate(self, size: Any, prefetched: Any = None, at: int = 0) -> tuple[torch.SymInt]:
         """The traced symbol in its own shape environment; else a fresh unbacked size (0, or at
         least ``min_bucket``)."""
         shape_env = detect_fake_mode().shape_env

@@ -87,11 +87,16 @@ class PendingCounts:
             self.event.record()
         else:
             self.host, self.event = stacked, None
+        self._values: list[int] | None = None
 
     def values(self) -> list[int]:
-        if self.event is not None:
-            self.event.synchronize()  # the one wait: for the work before the copy, not after it
-        return [int(v) for v in self.host.tolist()]
+        """The values as Python ints; the first call waits for the copy, later ones reuse them
+        (several reads of one prefetch: :mod:`fxpasses.passes.prefetch_reads`)."""
+        if self._values is None:
+            if self.event is not None:
+                self.event.synchronize()  # the one wait: for the work before the copy, not after it
+            self._values = [int(v) for v in self.host.tolist()]
+        return self._values
 
 
 class StartCounts(RuntimeOp):

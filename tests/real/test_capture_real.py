@@ -72,8 +72,13 @@ def test_the_real_criterion_captured_with_folds_and_copies_equals_native(pose_mo
     lines = {c.site.locations[0].rsplit("/", 1)[-1] for c in copies}
     assert {"loss.py:908", "loss.py:909", "loss.py:911"} <= lines  # loss[1] *= self.hyp.pose ...
     # host reads removed: the bincount's own (loss.py:789), unique's (loss.py:400, read for counts.max())
-    bounded = [c for c in certificates if c.applied and "host_reads" in c.effect]
+    joined = [c for c in certificates if c.site.description.endswith("host reads of scalars")]
+    bounded = [c for c in certificates if c.applied and "host_reads" in c.effect and c not in joined]
     assert [c.site.locations[0].rsplit("/", 1)[-1] for c in bounded] == ["loss.py:789", "loss.py:400"]
+    # and the two sizes read from the targets (loss.py:790, the boxes' padded size) in one transfer
+    (prefetch,) = joined
+    assert prefetch.applied and prefetch.site.locations[0].endswith("loss.py:790")
+    assert prefetch.effect["host_reads"].startswith("2 reads in one transfer")
     assert not any("write-old-value-read" in c.codes for c in certificates)
     regions = [c for c in certificates if c.applied and "region" in c.effect]
     assert len(regions) >= 4

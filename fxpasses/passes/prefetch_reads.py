@@ -1,0 +1,164 @@
+"""Host reads of scalars the loss takes one after another, made one transfer.
+
+    # n = int(counts.max()) ... m = int(largest)   ->   both copied in one transfer, at the first
+
+The real criterion reads two sizes from its targets before the assigner runs: ``int(counts.max())``
+for the packed keypoints (loss.py:790, with the bincount's bound: a
+:class:`~fxpasses.runtime.bounded_counts.CheckedRead`) and the packed boxes' size (loss.py:405, a
+:class:`~fxpasses.runtime.padded_size.PaddedSize`). Each waits for the device. Both depend on the
+targets alone; computed before the first read, the second's value can travel with the first's.
+
+A run-time op that reads some of its arguments on the host says which (``host_reads``) and
+takes their values from a prefetch (``prefetched``, ``at``). The first such read of the graph
+stays where it is; a later one joins it when the nodes its read arguments need that come after the
+first read can run before it: each of known effects, writing no memory, drawing no random
+number, reading nothing on the host, under the same grad mode, and not conflicting
+(:func:`fxpasses.analysis.order.conflict`: memory, attributes) with any node it passes. Those
+nodes move before the first read, in their order; one
+:class:`~fxpasses.runtime.prefetch.Prefetch` copies every joined read's arguments to the host
+in one transfer; each read takes its values from it, and does what it did with them (a checked
+read still abandons where its bound failed, before anything computed from it). Moving pure
+integer work earlier changes no value. A certificate per group joined; a read that could not
+join says why. Written by hand: torch.fx has no scheduler.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.fx as fx
+
+from ..analysis.capture import is_grad_switch
+from ..analysis.meta import ANNOTATED, input_names, value
+from ..analysis.ops import NODE_FACTS, NodeFacts, node_facts
+from ..analysis.order import conflict, effects
+from ..certificates import Certificate, Check, Site
+from ..ir.runtime_op import RuntimeOp
+from ..locations import node_location
+from ..runtime.prefetch import Prefetch
+
+
+def prefetch_reads(gm: fx.GraphModule, pass_name: str) -> list[Certificate]:
+    """Join the graph's later scalar reads to its first (see the module docstring), in place;
+    a certificate for the group (none where the graph has fewer than two such reads)."""
+    reads = [n for n in gm.graph.nodes if _read_arguments(n)]
+    if len(reads) < 2:
+        return []
+    first, joined, moved, refused = reads[0], [reads[0]], [], {}
+    for read in reads[1:]:
+        needed, why = _to_hoist(read, first, set(moved))
+        if why is not None:
+            refused[read.name] = why
+            continue
+        joined.append(read)
+        moved.extend(needed)
+    if len(joined) > 1:
+        _rewrite(gm.graph, first, joined, sorted(moved, key=_order(gm.graph).__getitem__))
+    location = node_location(first)
+    site = Site(tuple(r.name for r in reads), (location,) if location else (),
+                f"{len(reads)} host reads of scalars")
+    check = Check("reads-joined", len(joined) > 1, {
+        "joined": tuple(r.name for r in joined), "nodes_moved_before_the_first": len(moved),
+        "not_joined": refused}, None if len(joined) > 1 else "reads-not-joined")
+    effect = {"host_reads": f"{len(joined)} reads in one transfer, at {first.name}"} if len(joined) > 1 else {}
+    return [Certificate.from_checks(pass_name, site, [check], effect=effect)]
+
+
+def _read_arguments(node: fx.Node) -> tuple[fx.Node, ...]:
+    """The arguments ``node`` reads on the host, each a 0-dim integer or boolean tensor computed
+    by the graph; empty where it is no such read (or reads anything else)."""
+    if node.op != "call_function" or not isinstance(node.target, RuntimeOp) or node.kwargs:
+        return ()
+    positions = getattr(node.target, "host_reads", ())
+    args = [node.args[i] if i < len(node.args) else None for i in positions]
+    if not args or not all(isinstance(a, fx.Node) and _scalar_integer(value(a)) for a in args):
+        return ()
+    return tuple(args)
+
+
+def _scalar_integer(val: object) -> bool:
+    return isinstance(val, torch.Tensor) and val.dim() == 0 and not val.is_floating_point() \
+        and not val.is_complex()
+
+
+def _order(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def _to_hoist(read: fx.Node, first: fx.Node, moving: set[fx.Node]) -> tuple[list[fx.Node], str | None]:
+    """The nodes after ``first`` that ``read``'s read arguments need (``moving``: already
+    moving with an earlier read), and why they cannot run before ``first`` (None: they can)."""
+    order = _order(first.graph)
+    needed, stack = set(), list(_read_arguments(read))
+    while stack:
+        node = stack.pop()
+        if node in needed or node in moving or order[node] < order[first]:
+            continue
+        if node is first:
+            return [], "needs the first read"
+        needed.add(node)
+        stack.extend(node.all_input_nodes)
+    for node in sorted(needed, key=order.__getitem__):
+        why = _why_it_stays(node)
+        if why is None:
+            passed = (p for p in _between(first, node) if p not in needed and p not in moving)
+            why = next((f"{reason}: {p.name}" for p in passed
+                        if (reason := _passing(node, p)) is not None), None)
+        if why is not None:
+            return [], f"{node.name} {why}"
+    return list(needed), None
+
+
+def _between(first: fx.Node, node: fx.Node) -> Iterable[fx.Node]:
+    """``first`` and the nodes after it, up to ``node`` (excluded)."""
+    step = first
+    while step is not node:
+        yield step
+        step = step.next
+
+
+def _why_it_stays(node: fx.Node) -> str | None:
+    if not node.op.startswith("call"):
+        return "is not a call"
+    found = effects(node)
+    if found.unknown:
+        return "has unknown effects"
+    if found.writes:
+        return "writes memory"
+    if found.random:
+        return "draws random numbers"
+    facts = node_facts(node)
+    if facts is None or facts.host_read:
+        return "reads on the host" if facts is not None else "has no metadata"
+    return None
+
+
+def _passing(node: fx.Node, passed: fx.Node) -> str | None:
+    if is_grad_switch(passed):
+        return "would pass a grad-mode switch"
+    return conflict(node, passed)
+
+
+def _rewrite(graph: fx.Graph, first: fx.Node, joined: list[fx.Node], moved: list[fx.Node]) -> None:
+    for node in moved:
+        first.prepend(node)
+    arguments = [a for r in joined for a in _read_arguments(r)]
+    with graph.inserting_before(first):
+        prefetch = graph.call_function(Prefetch(f"prefetch_{first.name}"), tuple(arguments))
+    prefetch.meta.update({k: v for k, v in first.meta.items() if k in ("stack_trace", "source_fn_stack")})
+    # metadata carried, not propagated again: the reads compute what they did (an unbacked size
+    # propagated again would be a new symbol, and everything below it would follow)
+    prefetch.meta["val"] = None
+    prefetch.meta[NODE_FACTS] = NodeFacts(("aten::stack", "aten::_to_copy"), False, frozenset(),
+                                          True, False, True, True, False)
+    prefetch.meta[ANNOTATED] = input_names(prefetch)
+    at = 0
+    for read in joined:
+        read.kwargs = {"prefetched": prefetch, "at": at}
+        read.meta[ANNOTATED] = input_names(read)
+        at += len(_read_arguments_of(read))
+
+
+def _read_arguments_of(read: fx.Node) -> tuple:
+    return tuple(read.args[i] for i in read.target.host_reads)
