@@ -262,7 +262,8 @@ _CODES = (
          "The loss reads several scalars on the host (sizes read from its targets), and none after "
          "the first could be read with it in one transfer: what a later read needs is computed after "
          "the first by a node that writes memory, reads on the host, draws random numbers, has "
-         "unknown effects or conflicts with a node it would pass.",
+         "unknown effects or conflicts with a node it would pass, or a node between the two reads "
+         "may write what the later one reads.",
          "Nothing to do; each read waits for the device on its own. The certificate's evidence "
          "names the node that holds each read back."),
     # -- loss capture (CaptureLoss) -------------------------------------------------------

@@ -13,7 +13,9 @@ takes their values from a prefetch (``prefetched``, ``at``). The first such read
 stays where it is; a later one joins it when the nodes its read arguments need that come after the
 first read can run before it: each of known effects, writing no memory, drawing no random
 number, reading nothing on the host, under the same grad mode, and not conflicting
-(:func:`fxpasses.analysis.order.conflict`: memory, attributes) with any node it passes. Those
+(:func:`fxpasses.analysis.order.conflict`: memory, attributes) with any node it passes, and when
+no node between the two reads may write what the later one reads (its value at the prefetch is
+the value it would have read). Those
 nodes move before the first read, in their order; one
 :class:`~fxpasses.runtime.prefetch.Prefetch` copies every joined read's arguments to the host
 in one transfer; each read takes its values from it, and does what it did with them (a checked
@@ -30,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from ..analysis.capture import is_grad_switch
-from ..analysis.meta import ANNOTATED, input_names, value
+from ..analysis.meta import ANNOTATED, input_names, storages_of, value
 from ..analysis.ops import NODE_FACTS, NodeFacts, node_facts
 from ..analysis.order import conflict, effects
 from ..certificates import Certificate, Check, Site
@@ -107,6 +109,11 @@ def _to_hoist(read: fx.Node, first: fx.Node, moving: set[fx.Node]) -> tuple[list
                         if (reason := _passing(node, p)) is not None), None)
         if why is not None:
             return [], f"{node.name} {why}"
+    read_from = set().union(*(storages_of(a) for a in _read_arguments(read)))
+    for step in _between(first, read):  # what the prefetch reads must be what the read would
+        found = effects(step) if step not in needed and step not in moving else None
+        if found is not None and (found.unknown or found.writes & read_from):
+            return [], f"{step.name} may write what it reads, between the reads"
     return list(needed), None
 
 

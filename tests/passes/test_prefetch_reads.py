@@ -1,7 +1,8 @@
 """Two sizes read from the targets (Ultralytics' keypoint packing, loss.py:790, and box packing,
 loss.py:405): CaptureLoss reads both in one transfer at the first read; values and gradients equal
 native's (float64) over count vectors with empty images, one image holding every target and
-the largest count growing; a read whose input a write computes keeps its own transfer."""
+the largest count growing; a read whose input a write computes, or whose argument is written
+between the reads, keeps its own transfer."""
 
 from __future__ import annotations
 
@@ -78,6 +79,19 @@ def test_a_read_whose_input_a_write_computes_keeps_its_transfer():
     (why,) = cert.checks[0].evidence["not_joined"].values()
     assert "writes memory" in why
     assert not any(isinstance(n.target, Prefetch) for n in fast.specializations[0].graph_module.graph.nodes)
+
+
+def test_a_read_whose_argument_is_written_after_the_first_keeps_its_transfer():
+    """The boxes' size is computed before the first read and bumped in place after it: a
+    prefetch at the first read would read the old value (one slot too few)."""
+    native, fast = TwoPackings(bump_after=True), optimize(TwoPackings(bump_after=True), passes=[_capture()])
+    for seed, counts in enumerate(([2, 1, 3, 1], [1, 4, 1, 1], [3, 3, 1, 1])):
+        _assert_equal(native, fast, _inputs(counts, seed))
+    assert fast.stats.optimized == 3
+    cert = _certificate(fast)
+    assert not cert.applied and cert.checks[0].code == "reads-not-joined"
+    (why,) = cert.checks[0].evidence["not_joined"].values()
+    assert "may write what it reads, between the reads" in why
 
 
 @settings(max_examples=25, deadline=None)
