@@ -128,6 +128,8 @@ def _between(first: fx.Node, node: fx.Node) -> Iterable[fx.Node]:
 def _why_it_stays(node: fx.Node) -> str | None:
     if not node.op.startswith("call"):
         return "is not a call"
+    if getattr(node.target, "host_reads", ()):  # another read (moved, it would precede the prefetch)
+        return "reads on the host"
     found = effects(node)
     if found.unknown:
         return "has unknown effects"
