@@ -34,6 +34,9 @@ class RuntimeOp:
     (an ``Abandon`` with ``retry``): each of its selections' capacities grows at most once.
     ``only_grows``: the Python int it gives never decreases from call to call (a selection's
     capacity): a recording made for a smaller one will not be replayed again.
+    ``host_reads``: the positions of the arguments (0-dim tensors) it reads on the host; such an
+    op also takes ``prefetched`` and ``at``, their values read earlier with other reads in one
+    transfer (:mod:`fxpasses.passes.prefetch_reads`).
     """
 
     pure = False
@@ -41,6 +44,7 @@ class RuntimeOp:
     grad_free = False
     only_grows = False
     adjustments = 0
+    host_reads: tuple[int, ...] = ()
 
     def __init__(self, op_id: str):
         self.op_id = op_id

@@ -72,8 +72,7 @@ def _read_arguments(node: fx.Node) -> tuple[fx.Node, ...]:
     by the graph; empty where it is no such read (or reads anything else)."""
     if node.op != "call_function" or not isinstance(node.target, RuntimeOp) or node.kwargs:
         return ()
-    positions = getattr(node.target, "host_reads", ())
-    args = [node.args[i] if i < len(node.args) else None for i in positions]
+    args = [node.args[i] if i < len(node.args) else None for i in node.target.host_reads]
     if not args or not all(isinstance(a, fx.Node) and _scalar_integer(value(a)) for a in args):
         return ()
     return tuple(args)

@@ -55,12 +55,11 @@ class CheckedRead(RuntimeOp):
 
     pure = True
     grad_free = True
+    host_reads = (0, 1)  # the arguments it reads on the host (a prefetch may read them earlier)
 
     def __init__(self, op_id: str, site: str):
         super().__init__(op_id)
         self.site = site
-
-    host_reads = (0, 1)  # the arguments it reads on the host (a prefetch may read them earlier)
 
     def __call__(self, value: torch.Tensor, in_range: torch.Tensor, prefetched: Any = None, at: int = 0) -> int:
         """``prefetched``: a :class:`~fxpasses.runtime.select.PendingCounts` whose values from

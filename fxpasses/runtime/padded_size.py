@@ -32,6 +32,7 @@ class PaddedSize(RuntimeOp):
 
     pure = True
     grad_free = True
+    host_reads = (0,)  # the argument it reads on the host when a tensor (a prefetch may read it earlier)
     only_grows = True  # (0 aside: an empty buffer stays empty)
 
     def __init__(self, op_id: str, site: str, min_bucket: int, traced: torch.SymInt | None = None):
@@ -43,8 +44,6 @@ class PaddedSize(RuntimeOp):
         # the size symbol the buffer was propagated with, where nothing but the buffer holds it:
         # it then stands for the capacity, and the metadata below the buffer stays as it was
         self.traced = traced
-
-    host_reads = (0,)  # the argument it reads on the host when a tensor (a prefetch may read it earlier)
 
     def __call__(self, size: Any, prefetched: Any = None, at: int = 0) -> tuple[int]:
         """``prefetched``: a :class:`~fxpasses.runtime.select.PendingCounts` whose value ``at``

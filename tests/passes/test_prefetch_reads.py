@@ -6,14 +6,19 @@ between the reads, keeps its own transfer."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from hypothesis import given, settings, strategies as st
+
 from fxpasses import optimize
+from fxpasses.cli import import_file
 from fxpasses.passes import CaptureLoss
 from fxpasses.runtime.emulated import EmulatedRecorder
 from fxpasses.runtime.prefetch import Prefetch
 from fxpasses.testing.host_syncs import HostSyncs
-from tests.helpers.two_packings import TwoPackings
+
+TwoPackings = import_file(Path(__file__).parents[1] / "helpers" / "two_packings.py").TwoPackings
 
 
 def _capture() -> CaptureLoss:
