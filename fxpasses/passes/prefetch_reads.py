@@ -17,8 +17,9 @@ number, reading nothing on the host, under the same grad mode, and not conflicti
 no node between the two reads may write what the later one reads (its value at the prefetch is
 the value it would have read). Those
 nodes move before the first read, in their order; one
-:class:`~fxpasses.runtime.prefetch.Prefetch` copies every joined read's arguments to the host
-in one transfer; each read takes its values from it, and does what it did with them (a checked
+:class:`~fxpasses.runtime.select.StartCounts` (``prefetch_...``: a pinned copy and an event, as
+for the count reads) copies every joined read's arguments to the host in one transfer, which
+the first read waits for; each read takes its values from it, and does what it did with them (a checked
 read still abandons where its bound failed, before anything computed from it). Moving pure
 integer work earlier changes no value. A certificate per group joined; a read that could not
 join says why. Written by hand: torch.fx has no scheduler.
@@ -38,7 +39,7 @@ from ..analysis.order import conflict, effects
 from ..certificates import Certificate, Check, Site
 from ..ir.runtime_op import RuntimeOp
 from ..locations import node_location
-from ..runtime.prefetch import Prefetch
+from ..runtime.select import StartCounts
 
 
 def prefetch_reads(gm: fx.GraphModule, pass_name: str) -> list[Certificate]:
@@ -153,7 +154,7 @@ def _rewrite(graph: fx.Graph, first: fx.Node, joined: list[fx.Node], moved: list
         first.prepend(node)
     arguments = [a for r in joined for a in _read_arguments(r)]
     with graph.inserting_before(first):
-        prefetch = graph.call_function(Prefetch(f"prefetch_{first.name}"), tuple(arguments))
+        prefetch = graph.call_function(StartCounts(f"prefetch_{first.name}"), tuple(arguments))
     prefetch.meta.update({k: v for k, v in first.meta.items() if k in ("stack_trace", "source_fn_stack")})
     # metadata carried, not propagated again: the reads compute what they did (an unbacked size
     # propagated again would be a new symbol, and everything below it would follow)

@@ -102,7 +102,9 @@ class PendingCounts:
 class StartCounts(RuntimeOp):
     """``start(n_1, ...) -> PendingCounts``: the counts' copy to the host, queued as soon as they
     are computed; the graph goes on, and :class:`CheckCounts` waits for the copy only. A
-    captured region ends here: what follows runs while the copy travels."""
+    captured region ends here: what follows runs while the copy travels. Also the copy of the
+    scalars several host reads take in one transfer (:mod:`fxpasses.passes.prefetch_reads`: the
+    first that takes its values waits)."""
 
     pure = True
     grad_free = True

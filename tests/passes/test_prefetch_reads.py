@@ -15,7 +15,7 @@ from fxpasses import optimize
 from fxpasses.cli import import_file
 from fxpasses.passes import CaptureLoss
 from fxpasses.runtime.emulated import EmulatedRecorder
-from fxpasses.runtime.prefetch import Prefetch
+from fxpasses.runtime.select import StartCounts
 from fxpasses.testing.host_syncs import HostSyncs
 
 TwoPackings = import_file(Path(__file__).parents[1] / "helpers" / "two_packings.py").TwoPackings
@@ -61,7 +61,7 @@ def test_both_sizes_are_read_in_one_transfer():
     (joined,) = [c.evidence["joined"] for c in cert.checks]
     assert len(joined) == 2 and cert.checks[0].evidence["nodes_moved_before_the_first"] > 0
     graph = fast.specializations[0].graph_module.graph
-    (prefetch,) = [n for n in graph.nodes if isinstance(n.target, Prefetch)]
+    (prefetch,) = [n for n in graph.nodes if isinstance(n.target, StartCounts)]
     assert [n.kwargs["prefetched"] for n in graph.nodes if "prefetched" in n.kwargs] == [prefetch] * 2
     inputs = _inputs([1, 3, 2, 1], 9)
     with HostSyncs("cpu") as syncs:
@@ -83,7 +83,7 @@ def test_a_read_whose_input_a_write_computes_keeps_its_transfer():
     assert not cert.applied and cert.checks[0].code == "reads-not-joined"
     (why,) = cert.checks[0].evidence["not_joined"].values()
     assert "writes memory" in why
-    assert not any(isinstance(n.target, Prefetch) for n in fast.specializations[0].graph_module.graph.nodes)
+    assert not any(isinstance(n.target, StartCounts) for n in fast.specializations[0].graph_module.graph.nodes)
 
 
 def test_a_read_whose_argument_is_written_after_the_first_keeps_its_transfer():
