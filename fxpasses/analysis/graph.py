@@ -9,7 +9,7 @@ downstream of some nodes is the one query read from the fx nodes' ``users`` dire
 from __future__ import annotations
 
 from itertools import combinations
-from typing import Iterable
+from typing import Callable, Iterable
 
 import networkx as nx
 import torch
@@ -43,13 +43,23 @@ def downstream(nodes: Iterable[fx.Node]) -> set[fx.Node]:
     """Every node that depends on any of ``nodes`` (the nodes themselves excluded unless one
     depends on another), read from their ``users``: no DiGraph is needed for it, and building
     one per query cost more than the walk."""
+    return _reached(nodes, lambda node: node.users)
+
+
+def upstream(nodes: Iterable[fx.Node]) -> set[fx.Node]:
+    """Every node any of ``nodes`` depends on (the nodes themselves excluded unless one depends
+    on another), read from their inputs: :func:`downstream`'s walk the other way."""
+    return _reached(nodes, lambda node: node.all_input_nodes)
+
+
+def _reached(nodes: Iterable[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]]) -> set[fx.Node]:
     out: set[fx.Node] = set()
-    stack = [u for n in nodes for u in n.users]
+    stack = [n for node in nodes for n in step(node)]
     while stack:
         node = stack.pop()
         if node not in out:
             out.add(node)
-            stack.extend(node.users)
+            stack.extend(step(node))
     return out
 
 

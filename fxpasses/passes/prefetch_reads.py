@@ -35,7 +35,8 @@ import torch.fx as fx
 from ..analysis.capture import is_grad_switch
 from ..analysis.meta import ANNOTATED, input_names, storages_of, value
 from ..analysis.ops import NODE_FACTS, NodeFacts, node_facts
-from ..analysis.order import conflict, effects
+from ..analysis.graph import upstream
+from ..analysis.order import Effects, conflict, effects
 from ..certificates import Certificate, Check, Site
 from ..ir.runtime_op import RuntimeOp
 from ..locations import node_location
@@ -92,29 +93,27 @@ def _to_hoist(read: fx.Node, first: fx.Node, moving: set[fx.Node]) -> tuple[list
     """The nodes after ``first`` that ``read``'s read arguments need (``moving``: already
     moving with an earlier read), and why they cannot run before ``first`` (None: they can)."""
     order = _order(first.graph)
-    needed, stack = set(), list(_read_arguments(read))
-    while stack:
-        node = stack.pop()
-        if node in needed or node in moving or order[node] < order[first]:
-            continue
-        if node is first:
-            return [], "needs the first read"
-        needed.add(node)
-        stack.extend(node.all_input_nodes)
-    for node in sorted(needed, key=order.__getitem__):
-        why = _why_it_stays(node)
+    arguments = _read_arguments(read)
+    ancestors = upstream(arguments) | set(arguments)
+    if first in ancestors:
+        return [], "needs the first read"
+    needed = sorted((n for n in ancestors if order[n] > order[first] and n not in moving), key=order.__getitem__)
+    # the nodes that stay between the reads, each one's effects read once
+    chosen = set(needed)
+    staying = [(p, effects(p)) for p in _between(first, read) if p not in moving and p not in chosen]
+    for node in needed:
+        mine = effects(node)
+        why = _why_it_stays(node, mine)
         if why is None:
-            passed = (p for p in _between(first, node) if p not in needed and p not in moving)
-            why = next((f"{reason}: {p.name}" for p in passed
-                        if (reason := _passing(node, p)) is not None), None)
+            why = next((f"{reason}: {p.name}" for p, theirs in staying if order[p] < order[node]
+                        if (reason := _passing(mine, p, theirs)) is not None), None)
         if why is not None:
             return [], f"{node.name} {why}"
-    read_from = set().union(*(storages_of(a) for a in _read_arguments(read)))
-    for step in _between(first, read):  # what the prefetch reads must be what the read would
-        found = effects(step) if step not in needed and step not in moving else None
-        if found is not None and (found.unknown or found.writes & read_from):
+    read_from = set().union(*(storages_of(a) for a in arguments))
+    for step, found in staying:  # what the prefetch reads must be what the read would
+        if found.unknown or found.writes & read_from:
             return [], f"{step.name} may write what it reads, between the reads"
-    return list(needed), None
+    return needed, None
 
 
 def _between(first: fx.Node, node: fx.Node) -> Iterable[fx.Node]:
@@ -125,12 +124,11 @@ def _between(first: fx.Node, node: fx.Node) -> Iterable[fx.Node]:
         step = step.next
 
 
-def _why_it_stays(node: fx.Node) -> str | None:
+def _why_it_stays(node: fx.Node, found: Effects) -> str | None:
     if not node.op.startswith("call"):
         return "is not a call"
     if getattr(node.target, "host_reads", ()):  # another read (moved, it would precede the prefetch)
         return "reads on the host"
-    found = effects(node)
     if found.unknown:
         return "has unknown effects"
     if found.writes:
@@ -143,16 +141,17 @@ def _why_it_stays(node: fx.Node) -> str | None:
     return None
 
 
-def _passing(node: fx.Node, passed: fx.Node) -> str | None:
+def _passing(mine: Effects, passed: fx.Node, theirs: Effects) -> str | None:
     if is_grad_switch(passed):
         return "would pass a grad-mode switch"
-    return conflict(node, passed)
+    return conflict(mine, theirs)
 
 
 def _rewrite(graph: fx.Graph, first: fx.Node, joined: list[fx.Node], moved: list[fx.Node]) -> None:
     for node in moved:
         first.prepend(node)
-    arguments = [a for r in joined for a in _read_arguments(r)]
+    per_read = [_read_arguments(r) for r in joined]  # before the reads take their kwargs
+    arguments = [a for args in per_read for a in args]
     with graph.inserting_before(first):
         prefetch = graph.call_function(StartCounts(f"prefetch_{first.name}"), tuple(arguments))
     prefetch.meta.update({k: v for k, v in first.meta.items() if k in ("stack_trace", "source_fn_stack")})
@@ -163,11 +162,7 @@ def _rewrite(graph: fx.Graph, first: fx.Node, joined: list[fx.Node], moved: list
                                           True, False, True, True, False)
     prefetch.meta[ANNOTATED] = input_names(prefetch)
     at = 0
-    for read in joined:
+    for read, args in zip(joined, per_read):
         read.kwargs = {"prefetched": prefetch, "at": at}
         read.meta[ANNOTATED] = input_names(read)
-        at += len(_read_arguments_of(read))
-
-
-def _read_arguments_of(read: fx.Node) -> tuple:
-    return tuple(read.args[i] for i in read.target.host_reads)
+        at += len(args)
