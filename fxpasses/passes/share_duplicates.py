@@ -13,10 +13,10 @@ refusal with its code):
 
 - the op is pure: no write to its inputs (``NodeFacts.writes_input``), no random draw, facts
   complete; fxpasses' own ops (guards, reads of the loss's state, set-item) are never shared;
-- no node of the graph writes in place to the memory of either node's value or of their inputs
-  (the union of every node's written storages from shape propagation; a node whose facts are
-  partial or absent may write all its inputs), and no user resizes either value in place: the
-  shared value is the same at every use as the two were;
+- no node placed after either of the two writes in place to the memory of its value or of its
+  inputs (every node's written storages from shape propagation; a node whose facts are partial or
+  absent may write all its inputs), and no user resizes either value in place: the shared value
+  is the same at every use as the two were;
 - both run in the same grad mode (a ``no_grad`` block around one of them gives it no autograd
   history; shape metadata cannot tell, its inputs are detached; hooks on a traced tensor are
   refused by the trace, ``requires_grad_`` is a resize above), and the two values have the same
@@ -24,10 +24,16 @@ refusal with its code):
   gradients shared by two uses gets their sum through one backward node: native's gradient up
   to rounding.
 
+A buffer the loss makes and writes in place (the packed targets) is no pure node; the second of
+two buffers whose write chains repeat each other step for step is the first
+(:func:`~fxpasses.analysis.write_chains.mirrored_chain`: the second chain's nodes share the first
+chain's, and what reads the second buffer after its last write reads the first). A node whose
 Sizes read from two inputs of the same shape through the same ops (each branch's batch size,
 read from its own predictions) count as one when that lets a duplicate share; the second is then
 checked against the first on every call (``ExpectEqualSizes``: a call where they differ is
 abandoned and runs natively), and none is taken after a write of an input or of the loss's state.
+So are two reads of the loss's state that give one tensor (each branch's ``self.stride``, the
+model's): the second read is checked to give the same object on every call (``ExpectSameObject``).
 
 torch's own CSE (``torch.fx.passes.dialect.common.cse_pass``) assumes a functional graph; this
 graph has in-place ops, hence the write check. The second node's unbacked sizes are renamed to
@@ -46,10 +52,11 @@ from torch.fx.experimental.symbolic_shapes import rebind_unbacked
 from torch.utils import _pytree as pytree
 
 from ..analysis.capture import is_state
-from ..analysis.meta import ANNOTATED, FAKE_MODE, input_names, resizes_in_place, storages_of, value
+from ..analysis.meta import ANNOTATED, FAKE_MODE, annotate_new, input_names, resizes_in_place, storages_of, value
+from ..analysis.write_chains import mirrored_chain, writer_positions, written_after
 from ..analysis.ops import is_torch_code, node_facts
 from ..analysis.structure_key import argument_key
-from ..ir.trace_ops import ExpectEqualSizes, set_item
+from ..ir.trace_ops import ExpectEqualSizes, ExpectSameObject, ReadSource, set_item
 from ..certificates import Certificate, Check, Guard, Site
 from ..locations import node_location
 from .grad_switches import traced_grad_modes
@@ -118,6 +125,23 @@ def _equal_sizes(nodes: list[fx.Node]) -> dict[fx.Node, fx.Node]:
     return equal
 
 
+def _same_objects(nodes: list[fx.Node]) -> dict[fx.Node, fx.Node]:
+    """``read2 -> read1`` for reads of the loss's state at two paths (``one2one.stride``,
+    ``one2many.stride``) that give the same tensor now: the same in every call that the guard a
+    share of them adds lets through."""
+    first: dict[int, fx.Node] = {}
+    same: dict[fx.Node, fx.Node] = {}
+    for node in nodes:
+        if node.op == "call_function" and isinstance(node.target, ReadSource) and not node.args \
+                and node.target.source is not None:
+            held = node.target()
+            if isinstance(held, torch.Tensor):
+                kept = first.setdefault(id(held), node)
+                if kept is not node:
+                    same[node] = kept
+    return same
+
+
 def _kind(val: Any) -> tuple:
     """What must agree between two shared values: per leaf, its type, and for a tensor its
     dtype, device, rank and whether it requires grad (sizes may be different symbols)."""
@@ -126,7 +150,7 @@ def _kind(val: Any) -> tuple:
                  for leaf in pytree.tree_leaves(val))
 
 
-def _refusal(kept: fx.Node, other: fx.Node, written: frozenset[int],
+def _refusal(kept: fx.Node, other: fx.Node, order: dict[fx.Node, int], writers: dict[int, list[int]],
              grad_modes: dict[fx.Node, Any]) -> tuple[str, dict] | None:
     """Why ``other`` may not take ``kept``'s value (a code and its evidence), or None."""
     for node in (kept, other):
@@ -134,8 +158,9 @@ def _refusal(kept: fx.Node, other: fx.Node, written: frozenset[int],
         if facts is None or not facts.complete or facts.writes_input or facts.random:
             return "duplicate-impure", {"node": node.name, "facts": "none" if facts is None else {
                 "complete": facts.complete, "writes_input": facts.writes_input, "random": facts.random}}
-    touched = [n for n in (kept, other, *kept.all_input_nodes, *other.all_input_nodes)
-               if storages_of(n) & written]
+    # memory written before a node reads it (a buffer packed in place, then read) is final there
+    touched = [n for node in (kept, other) for n in (node, *node.all_input_nodes)
+               if written_after(n, order[node], writers)]
     if touched:
         return "duplicate-written", {"written_in_place": sorted({n.name for n in touched})}
     resized = [u.name for n in (kept, other) for u in n.users if resizes_in_place(u)]
@@ -150,6 +175,31 @@ def _refusal(kept: fx.Node, other: fx.Node, written: frozenset[int],
     return None
 
 
+def _scan(nodes: list[fx.Node], mirrored: dict[fx.Node, fx.Node], equal: dict[fx.Node, fx.Node],
+          order: dict[fx.Node, int], writers: dict[int, list[int]], grad_modes: dict[fx.Node, Any],
+          ) -> tuple[dict[fx.Node, fx.Node], list[tuple[fx.Node, fx.Node, tuple[str, dict]]]]:
+    """Each node that takes an earlier one's value (nodes of ``mirrored`` chains named by their
+    counterparts), and each pair refused: (kept, other, why)."""
+    shared: dict[fx.Node, fx.Node] = {}
+    first: dict[Any, fx.Node] = {}
+    refused = []
+    for node in nodes:
+        if node in mirrored:
+            continue
+        key = _node_key(node, lambda n: ("node", (shared.get(n) or mirrored.get(n) or equal.get(n) or n).name))
+        if key is None:
+            continue
+        kept = first.setdefault(key, node)
+        if kept is node:
+            continue
+        why = _refusal(kept, node, order, writers, grad_modes)
+        if why is None:
+            shared[node] = kept
+        else:
+            refused.append((kept, node, why))
+    return shared, refused
+
+
 def share_duplicates(gm: fx.GraphModule, pass_name: str) -> list[Certificate]:
     """Give each node that duplicates an earlier one (see the module docstring) the earlier
     one's value, erase it, and certify each group of shared nodes (one certificate per source
@@ -157,26 +207,27 @@ def share_duplicates(gm: fx.GraphModule, pass_name: str) -> list[Certificate]:
     nodes = list(gm.graph.nodes)
     if any(n.op.startswith("call") and node_facts(n) is None and "val" not in n.meta for n in nodes):
         return []  # propagation stopped somewhere: writes are not all known
+    order = {n: i for i, n in enumerate(nodes)}
     writes = {n: _may_write(n) for n in nodes}
-    written = frozenset().union(*writes.values())
+    writers = writer_positions(writes, order)
     visible = _visible_writes(writes)  # a guard after a write of an input or state: not abandonable
-    equal = {other: kept for other, kept in _equal_sizes(nodes).items() if visible[other] is None}
+    equal = {other: kept for other, kept in (_equal_sizes(nodes) | _same_objects(nodes)).items()
+             if visible[other] is None}
     grad_modes = traced_grad_modes(gm, nodes)
-    shared: dict[fx.Node, fx.Node] = {}
-    first: dict[Any, fx.Node] = {}
-    refused: list[Certificate] = []
-    for node in nodes:
-        key = _node_key(node, lambda n: ("node", (shared.get(n) or equal.get(n) or n).name))
-        if key is None:
-            continue
-        kept = first.setdefault(key, node)
-        if kept is node:
-            continue
-        why = _refusal(kept, node, written, grad_modes)
-        if why is None:
-            shared[node] = kept
-        else:
-            refused.append(_certificate(pass_name, kept, [node], why))
+    mirrored: dict[fx.Node, fx.Node] = {}  # a buffer's write chain -> the earlier chain it repeats
+    while True:  # until no chain newly shown to repeat another lets more nodes share
+        shared, refused = _scan(nodes, mirrored, equal, order, writers, grad_modes)
+        name = lambda n: ("node", (shared.get(n) or mirrored.get(n) or equal.get(n) or n).name)  # noqa: E731
+        found: dict[fx.Node, fx.Node] = {}
+        for kept, other, _ in refused:
+            chain = mirrored_chain(kept, other, nodes, order, writes, writers, name, grad_modes) or {}
+            if found.keys().isdisjoint({*chain, *chain.values()}):  # each node in one chain at most
+                found.update(chain)
+        if not found:
+            break
+        mirrored.update(found)
+    refused = [_certificate(pass_name, kept, [other], why) for kept, other, why in refused]
+    shared = {**shared, **mirrored}
     equal = {other: kept for other, kept in equal.items()  # only where it let a duplicate share
              if any(u in shared for u in other.users)}
     if not shared:
@@ -187,30 +238,37 @@ def share_duplicates(gm: fx.GraphModule, pass_name: str) -> list[Certificate]:
     for other, kept in shared.items():
         rebind_unbacked(mode.shape_env, other, value(kept))
     readers = {u for other in [*shared, *equal] for u in other.users if u not in shared}
+    # a reader of a chain's view now reads the other buffer's memory: propagated again below
+    viewers = {u for other in mirrored for u in other.users if u not in shared}
     for other, kept in shared.items():
         other.replace_all_uses_with(kept)
     for other, kept in equal.items():  # the guard alone reads the second size
         other.replace_all_uses_with(kept, delete_user_cb=lambda user, g=guards[other]: user is not g)
-    for reader in readers:  # rewired to a node of the same value: nothing to propagate again
+    for reader in readers - viewers:  # rewired to a node of the same value: nothing to propagate again
         if ANNOTATED in reader.meta:
             reader.meta[ANNOTATED] = input_names(reader)
-    groups: dict[tuple[str, str], list[fx.Node]] = defaultdict(list)
+    groups: dict[tuple[str, str, bool], list[fx.Node]] = defaultdict(list)
     for other in shared:
-        groups[(node_location(shared[other]), node_location(other))].append(other)
-    for other in reversed(list(shared)):
+        groups[(node_location(shared[other]), node_location(other), other in mirrored)].append(other)
+    for other in sorted(shared, key=order.__getitem__, reverse=True):
         gm.graph.erase_node(other)
     gm.recompile()
+    if viewers:
+        annotate_new(gm)
     return [_certificate(pass_name, shared[group[0]], group, None, [shared[o] for o in group],
-                         [_guard_record(g) for g in dict.fromkeys(g for n in group for g in guarded_by[n])])
-            for group in groups.values()] + refused
+                         [_guard_record(g) for g in dict.fromkeys(g for n in group for g in guarded_by[n])],
+                         writes=sum(bool(writes[o]) for o in group) if chain else None)
+            for (_, _, chain), group in groups.items()] + refused
 
 
 def _guard(gm: fx.GraphModule, kept: fx.Node, other: fx.Node) -> fx.Node:
-    """``ExpectEqualSizes(kept, other)`` just after ``other``: a call whose sizes differ is
-    abandoned before anything computed with ``kept`` for ``other`` is used."""
+    """``ExpectEqualSizes(kept, other)`` (``ExpectSameObject`` for reads of the loss's state)
+    just after ``other``: a call where they differ is abandoned before anything computed with
+    ``kept`` for ``other`` is used."""
     location = node_location(other)
+    check = ExpectSameObject if isinstance(other.target, ReadSource) else ExpectEqualSizes
     with gm.graph.inserting_after(other):
-        guard = gm.graph.call_function(ExpectEqualSizes(f"expect_equal_{other.name}", location or other.name),
+        guard = gm.graph.call_function(check(f"expect_equal_{other.name}", location or other.name),
                                        (kept, other))
     guard.meta["stack_trace"] = other.meta.get("stack_trace")
     return guard
@@ -218,19 +276,25 @@ def _guard(gm: fx.GraphModule, kept: fx.Node, other: fx.Node) -> fx.Node:
 
 def _guard_record(guard: fx.Node) -> Guard:
     kept, other = guard.args
-    return Guard(guard.name, f"{other.name} == {kept.name}: the sizes the shared nodes took as "
+    what = "object" if isinstance(guard.target, ExpectSameObject) else "sizes"
+    return Guard(guard.name, f"{other.name} == {kept.name}: the {what} the shared nodes took as "
                  "equal are, else the call is abandoned", "guard-failed",
                  {"kept": kept.name, "other": other.name, "location": node_location(other)})
 
 
 def _certificate(pass_name: str, kept: fx.Node, others: list[fx.Node], why: tuple[str, dict] | None,
-                 kept_all: list[fx.Node] | None = None, guards: list[Guard] = ()) -> Certificate:
+                 kept_all: list[fx.Node] | None = None, guards: list[Guard] = (),
+                 writes: int | None = None) -> Certificate:
+    """``writes``: for nodes of a write chain that repeats an earlier one, how many of them write."""
     kept_all = kept_all or [kept]
     where = [loc for loc in dict.fromkeys(node_location(n) for n in (*kept_all, *others)) if loc]
     names = [n.name for n in others]
     evidence = {"kept": [n.name for n in kept_all], "shared": names,
                 "ops": sorted({n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
                                for n in others})}
+    if writes is not None:
+        evidence["write_chain"] = (f"{len(others)} node(s), {writes} writing in place, repeat the earlier "
+                                   "buffer's chain step for step; read after its last write")
     checks = [Check("duplicate-computes-the-same", why is None,
                     evidence | (why[1] if why else {}), why[0] if why else None)]
     site = Site(tuple(names), tuple(where),

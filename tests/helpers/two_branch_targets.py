@@ -67,3 +67,51 @@ class TwoDraws(nn.Module):
 
     def forward(self, x):
         return torch.rand_like(x) - torch.rand_like(x)
+
+
+class Branch:
+    """One branch's settings, a plain object as Ultralytics' per-branch losses are: its scale
+    tensor (each branch's ``self.stride``, one tensor held by both)."""
+
+    def __init__(self, scale):
+        self.scale = scale
+
+
+class SamePackings(nn.Module):
+    """Both branches pack the same targets by the same steps (allocate, write the rows, scale
+    in place by their own holder's scale tensor, the same object in both), as the real
+    criterion's ``preprocess`` and ``_batch_keypoints`` do in ``one2many`` and ``one2one``."""
+
+    def __init__(self):
+        super().__init__()
+        scale = torch.tensor([2.0, 3.0], dtype=torch.float64)
+        self.branches = (Branch(scale), Branch(scale))
+
+    def pack(self, batch_idx, values, images, branch):
+        counts = torch.bincount(batch_idx, minlength=images)
+        packed = values.new_zeros((images, int(counts.max()), values.shape[1]))
+        within = torch.arange(len(batch_idx)) - (counts.cumsum(0) - counts)[batch_idx]
+        packed[batch_idx, within] = values
+        packed[..., :2] *= branch.scale[[1, 0]]
+        return packed
+
+    def score(self, preds, packed):
+        present = (packed != 0).any(-1, keepdim=True).to(preds.dtype)
+        error = (preds.unsqueeze(1) - packed).square() * present
+        return error.sum() / present.sum().clamp_min(1) + preds.tanh().sum()
+
+    def forward(self, many, one, batch_idx, values):
+        first = self.pack(batch_idx, values, many.shape[0], self.branches[0])
+        loss = self.score(many, first)
+        return loss + self.score(one, self.pack(batch_idx, values, one.shape[0], self.branches[1]))
+
+
+class RepackedAfterUse(SamePackings):
+    """:class:`SamePackings` whose first buffer is written again after the second is packed:
+    shared, that write would reach the second branch's targets."""
+
+    def forward(self, many, one, batch_idx, values):
+        first = self.pack(batch_idx, values, many.shape[0], self.branches[0])
+        second = self.pack(batch_idx, values, one.shape[0], self.branches[1])
+        first[..., :1] += 1.0
+        return self.score(many, first) + self.score(one, second)

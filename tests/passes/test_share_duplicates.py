@@ -167,3 +167,77 @@ def test_random_draws_with_equal_arguments_stay_two_draws():
     refused = [c for c in fast.certificates if "duplicate-impure" in c.codes]
     assert [c.site.nodes for c in refused] == [("rand_like_1",)]
     assert refused[0].checks[0].evidence["facts"]["random"] is True
+
+
+def _matches_native(fast, loss, counts, seed):
+    inputs, reference = _inputs(counts, seed), _inputs(counts, seed)
+    with _Counted() as ours:
+        got = fast(*inputs)
+    with _Counted() as native:
+        want = loss(*reference)
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-10, atol=1e-12, equal_nan=True)
+    for a, b in zip(inputs[:2], reference[:2]):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12, equal_nan=True)
+    return ours.ops, native.ops
+
+
+def test_a_second_packing_by_the_same_steps_is_the_first_one_and_matches_native():
+    """Both branches allocate, write the rows and scale in place by the same steps: the second
+    buffer's write chain repeats the first's, so the second packing is not run at all."""
+    loss = helpers.SamePackings()
+    fast = optimize(loss, passes=[_capture()])
+    for seed, counts in enumerate([(2, 1, 3), (1, 4, 0), (3, 3, 3), (1, 2, 5)]):
+        ours, native = _matches_native(fast, loss, counts, seed)
+        assert native.count("new_zeros") == native.count("index_put_") == 2
+        if seed:
+            assert ours.count("new_zeros") == ours.count("index_put_") == 1
+    chains = [c for c in _shared(fast) if "write_chain" in c.checks[0].evidence]
+    written = {op for c in chains for op in c.checks[0].evidence["ops"]}
+    assert {"new_zeros", "set_item", "imul"} <= written, written
+    guards = [g for c in _shared(fast) for g in c.guards]
+    assert any("object" in g.description for g in guards)  # the two holders' scale: one tensor
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 6), min_size=1, max_size=5),
+                          st.sampled_from([None, float("nan"), float("inf")])), min_size=1, max_size=4))
+def test_shared_write_chains_equal_native_over_count_vectors(batches):
+    """Empty images, all persons in one image, one person, the largest count exceeded, a batch
+    with no person, a non-finite target value: native's values and gradients (float64)."""
+    loss = helpers.SamePackings()
+    fast = optimize(loss, passes=[_capture()])
+    for seed, (counts, odd) in enumerate([((2, 1, 3), None), *batches]):
+        inputs, reference = _inputs(counts, seed), _inputs(counts, seed)
+        if odd is not None and len(inputs[3]):
+            inputs[3][0, 1] = reference[3][0, 1] = odd
+        got, want = fast(*inputs), loss(*reference)
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-10, atol=1e-12, equal_nan=True)
+        for a, b in zip(inputs[:2], reference[:2]):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12, equal_nan=True)
+
+
+def test_a_buffer_written_again_after_the_second_packing_is_not_shared():
+    loss = helpers.RepackedAfterUse()
+    fast = optimize(loss, passes=[_capture()])
+    for seed, counts in enumerate([(2, 1, 3), (1, 4, 0), (3, 3, 3)]):
+        ours, native = _matches_native(fast, loss, counts, seed)
+        if seed:
+            assert ours.count("new_zeros") == native.count("new_zeros") == 2
+    kept = [c for c in fast.certificates if "duplicate-written" in c.codes]
+    assert any("new_zeros" in c.checks[0].evidence["ops"] for c in kept)
+    assert not any("write_chain" in c.checks[0].evidence for c in _shared(fast))
+
+
+def test_holders_whose_scale_stops_being_one_tensor_abandon_the_call_and_match_native():
+    """The second branch read the first's scale in place of its own (one object when traced);
+    once the user gives the second branch a scale of its own, a call is native, never stale."""
+    loss = helpers.SamePackings()
+    fast = optimize(loss, passes=[_capture()])
+    _matches_native(fast, loss, (2, 1, 3), 0)
+    loss.branches[1].scale = torch.tensor([5.0, 7.0], dtype=torch.float64)
+    _matches_native(fast, loss, (1, 4, 2), 1)
+    assert any(k.startswith("guard-failed") for k in fast.stats.abandoned), fast.stats.render()

@@ -56,7 +56,8 @@ def test_the_real_criterion_captured_with_folds_and_copies_equals_native(pose_mo
     certificates = [c for c in fast.certificates if c.pass_name == "CaptureLoss"]
     folds = [c for c in certificates if c.applied and "folded" in c.effect]
     strides = [c for c in folds if "host read" in c.effect["folded"]]
-    assert len(strides) == 12 and all("ultralytics/utils/tal.py:" in c.site.locations[0] for c in strides)
+    # one branch's stride reads: the other branch reads the same tensor (shared under a guard)
+    assert len(strides) == 6 and all("ultralytics/utils/tal.py:" in c.site.locations[0] for c in strides)
     constants = [c for c in folds if "copied to the device" in c.site.description]
     made_once = {c.site.locations[0].rsplit("/", 1)[-1] for c in constants}  # made on the host
     assert made_once == {"tal.py:560", "tal.py:561", "loss.py:873", "tal.py:349"}
@@ -65,6 +66,13 @@ def test_the_real_criterion_captured_with_folds_and_copies_equals_native(pose_mo
     # loss.py:441's image-size tensor is loss.py:873's, made once; the one2one branch's packing of
     # the targets (loss.py:399-410: unique, counts.max()) is the one2many branch's
     assert {"loss.py:441", "loss.py:400", "loss.py:402"} <= lines
+    # and its buffers written in place (loss.py:405-411, 790-793): the same steps, so the same
+    # buffers (fxpasses.analysis.write_chains)
+    chains = [c for c in shared if "write_chain" in c.checks[0].evidence]
+    lines = {loc.rsplit("/", 1)[-1] for c in chains for loc in c.site.locations}
+    assert {"loss.py:405", "loss.py:410", "loss.py:411", "loss.py:790", "loss.py:792", "loss.py:793"} <= lines
+    objects = [g for c in shared for g in c.guards if "object" in g.description]
+    assert objects and all("stride" in g.evidence["other"] for g in objects)
     indices = {c.site.locations[0].rsplit("/", 1)[-1] for c in folds
                if c not in strides and c not in constants}
     assert indices == {"loss.py:445", "loss.py:793", "loss.py:920", "loss.py:921"}  # x[[1, 0]]
@@ -123,12 +131,12 @@ def test_fresh_batches_replay_every_region_and_no_region_takes_the_target_rows(p
     assert {"loss.py:785", "loss.py:791", "loss.py:444"} <= lines  # keypoints, arange, targets
     owned = {k: v for k, v in fast.stats.sites.items() if "own_write_anc_strides" in k}
     assert len(owned) == 2 and all(v["outputs-copied"] >= 4 for v in owned.values())  # both branches, replayed calls
-    # the one-to-one branch's target packing (loss.py:405, each branch's) issued while the
-    # one-to-many branch's counts travel: before that branch's read, not after its loss region
+    # the one-to-one branch's target packing (loss.py:405) is the one-to-many branch's (the same
+    # steps: fxpasses.analysis.write_chains), made once, before that branch's read
     first_read = next(i for i, n in enumerate(gm.graph.nodes) if isinstance(n.target, CheckCounts))
-    packed = [n for n in list(gm.graph.nodes)[:first_read]
+    packed = [i for i, n in enumerate(gm.graph.nodes)
               if n.target is torch.zeros and node_location(n).endswith("loss.py:405")]
-    assert len(packed) == 2
+    assert len(packed) == 1 and packed[0] < first_read
     overlap = [c for c in fast.certificates if c.pass_name == "CaptureLoss" and "issued while" in c.site.description]
     assert overlap[0].applied and overlap[0].checks[0].evidence["moved"] >= 20
 
