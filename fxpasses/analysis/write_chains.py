@@ -83,9 +83,12 @@ def _gradless(node: fx.Node) -> bool:
     return all(not t.requires_grad for t in pytree.tree_leaves(value(node)) if isinstance(t, torch.Tensor))
 
 
-def _kinds(node: fx.Node) -> tuple:
-    return tuple((t.dtype, t.device, t.dim()) if isinstance(t, torch.Tensor) else type(t).__name__
-                 for t in pytree.tree_leaves(value(node)))
+def kinds(val: Any) -> tuple:
+    """What must agree between two shared values: per leaf, its type, and for a tensor its
+    dtype, device, rank and whether it requires grad (sizes may be different symbols)."""
+    return tuple((type(leaf).__name__, leaf.dtype, leaf.device, leaf.dim(), leaf.requires_grad)
+                 if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+                 for leaf in pytree.tree_leaves(val))
 
 
 def mirrored_chain(first: fx.Node, second: fx.Node, nodes: list[fx.Node], order: dict[fx.Node, int],
@@ -120,7 +123,7 @@ def mirrored_chain(first: fx.Node, second: fx.Node, nodes: list[fx.Node], order:
             key = chain_key(kept, name)
             if key is None or key != chain_key(other, lambda n: name(counterpart.get(n, n))):
                 return None
-        if grad_modes[kept] != grad_modes[other] or _kinds(kept) != _kinds(other):
+        if grad_modes[kept] != grad_modes[other] or kinds(value(kept)) != kinds(value(other)):
             return None
         counterpart[other] = kept
     return counterpart

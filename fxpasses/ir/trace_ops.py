@@ -104,17 +104,9 @@ class ExpectEqualSizes(GuardOp):
             self._fail(f"{first} != {second}")
 
 
-class ExpectSameObject(GuardOp):
+class ExpectSameObject(ExpectEqualSizes):
     """Two reads of the loss's state (each branch's ``self.stride``) give the same object, as
     they did when a pass chose to compute with one of them for both."""
-
-    reads_values = False
-
-    def __init__(self, op_id: str, location: str):
-        super().__init__(op_id, True, location)
-
-    def propagate(self, first: Any, second: Any) -> None:
-        return None
 
     def __call__(self, first: Any, second: Any) -> None:
         if first is not second:

@@ -49,11 +49,10 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import rebind_unbacked
-from torch.utils import _pytree as pytree
 
 from ..analysis.capture import is_state
 from ..analysis.meta import ANNOTATED, FAKE_MODE, annotate_new, input_names, resizes_in_place, storages_of, value
-from ..analysis.write_chains import mirrored_chain, writer_positions, written_after
+from ..analysis.write_chains import kinds, mirrored_chain, writer_positions, written_after
 from ..analysis.ops import is_torch_code, node_facts
 from ..analysis.structure_key import argument_key
 from ..ir.trace_ops import ExpectEqualSizes, ExpectSameObject, ReadSource, set_item
@@ -142,14 +141,6 @@ def _same_objects(nodes: list[fx.Node]) -> dict[fx.Node, fx.Node]:
     return same
 
 
-def _kind(val: Any) -> tuple:
-    """What must agree between two shared values: per leaf, its type, and for a tensor its
-    dtype, device, rank and whether it requires grad (sizes may be different symbols)."""
-    return tuple((type(leaf).__name__, leaf.dtype, leaf.device, leaf.dim(), leaf.requires_grad)
-                 if isinstance(leaf, torch.Tensor) else type(leaf).__name__
-                 for leaf in pytree.tree_leaves(val))
-
-
 def _refusal(kept: fx.Node, other: fx.Node, order: dict[fx.Node, int], writers: dict[int, list[int]],
              grad_modes: dict[fx.Node, Any]) -> tuple[str, dict] | None:
     """Why ``other`` may not take ``kept``'s value (a code and its evidence), or None."""
@@ -169,9 +160,9 @@ def _refusal(kept: fx.Node, other: fx.Node, order: dict[fx.Node, int], writers: 
     if grad_modes[kept] != grad_modes[other]:
         return "duplicate-autograd", {"grad_mode": {kept.name: str(grad_modes[kept]),
                                                     other.name: str(grad_modes[other])}}
-    if _kind(value(kept)) != _kind(value(other)):
-        return "duplicate-impure", {"kinds_differ": {kept.name: str(_kind(value(kept))),
-                                                     other.name: str(_kind(value(other)))}}
+    if kinds(value(kept)) != kinds(value(other)):
+        return "duplicate-impure", {"kinds_differ": {kept.name: str(kinds(value(kept))),
+                                                     other.name: str(kinds(value(other)))}}
     return None
 
 

@@ -77,7 +77,7 @@ class Branch:
         self.scale = scale
 
 
-class SamePackings(nn.Module):
+class SamePackings(TwoBranches):
     """Both branches pack the same targets by the same steps (allocate, write the rows, scale
     in place by their own holder's scale tensor, the same object in both), as the real
     criterion's ``preprocess`` and ``_batch_keypoints`` do in ``one2many`` and ``one2one``."""
@@ -94,11 +94,6 @@ class SamePackings(nn.Module):
         packed[batch_idx, within] = values
         packed[..., :2] *= branch.scale[[1, 0]]
         return packed
-
-    def score(self, preds, packed):
-        present = (packed != 0).any(-1, keepdim=True).to(preds.dtype)
-        error = (preds.unsqueeze(1) - packed).square() * present
-        return error.sum() / present.sum().clamp_min(1) + preds.tanh().sum()
 
     def forward(self, many, one, batch_idx, values):
         first = self.pack(batch_idx, values, many.shape[0], self.branches[0])
