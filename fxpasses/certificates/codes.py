@@ -253,6 +253,12 @@ _CODES = (
          "[0, minlength) (an image index at or above the batch size, or negative): the call was "
          "abandoned at the read of the counts' maximum and ran natively.",
          "Check the targets' image indices (batch_idx): each should lie in [0, batch size)."),
+    Code("largest-count-empty", "guard",
+         "At run time the largest count of a unique (counts.max(), rewritten to count without a host "
+         "read) was asked of no values: native raises there, or never gets there (a branch of its own "
+         "on an empty batch, which a pass may have moved the count before): the call was abandoned "
+         "and ran natively, which does either.",
+         "Nothing to do for a batch without targets; it runs natively."),
     Code("read-overlap-none", "refusal",
          "No node after a count read could be issued before it (each needs the counts or a "
          "node that does, is a check point of the read, or conflicts with a node it would pass): "

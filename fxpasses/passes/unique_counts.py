@@ -125,7 +125,8 @@ def _rewrite(graph: fx.Graph, unique: fx.Node, maxima: list[tuple[fx.Node, torch
     ``unique``, its pair's items and length checks, and the counts' casts and maxima erased."""
     kept = {k: v for k, v in unique.meta.items() if k in ("stack_trace", "source_fn_stack", "nn_module_stack")}
     with graph.inserting_before(unique):
-        largest = graph.call_function(MaxMultiplicity(f"largest_count_{unique.name}"), (_options(unique)["input"],))
+        largest = graph.call_function(MaxMultiplicity(f"largest_count_{unique.name}", node_location(unique)),
+                                      (_options(unique)["input"],))
     largest.meta.update(kept)
     for maximum, dtype in maxima:
         same = largest

@@ -4,14 +4,17 @@
 synchronisation) only to take a maximum. Each element's count is the number of elements equal to
 it: up to :data:`PAIRWISE` elements, one comparison of every pair (three kernels, as ``unique``,
 ``to`` and ``max`` were); above, the longest run of the sorted values (``sort``, the run starts,
-their running maximum). Both are exact for integers; an empty input raises at ``max()`` as the
-native ``counts.max()`` does.
+their running maximum). Both are exact for integers. An empty input has no largest count: native
+``counts.max()`` raises there, or never gets there (Ultralytics' ``preprocess`` returns early on
+no targets, a branch a pass may have moved this op before): the call is abandoned
+(``largest-count-empty``) and runs natively, which does either.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..ir.abandon import Abandon
 from ..ir.runtime_op import RuntimeOp
 
 # elements up to which each is compared with each (a batch's targets: a few hundred); the pairs'
@@ -20,13 +23,21 @@ PAIRWISE = 1 << 12
 
 
 class MaxMultiplicity(RuntimeOp):
-    """``largest(x) -> counts.max()`` of ``x.unique(return_counts=True)``, a 0-dim int64 tensor."""
+    """``largest(x) -> counts.max()`` of ``x.unique(return_counts=True)``, a 0-dim int64 tensor.
+    ``site``: the unique's source location."""
 
     pure = True
     grad_free = True
 
+    def __init__(self, op_id: str, site: str = ""):
+        super().__init__(op_id)
+        self.site = site
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.detach().reshape(-1)
+        if flat.numel() == 0:  # (a size: no host read)
+            self.count_code("largest-count-empty")
+            raise Abandon("largest-count-empty", self.site, "the largest count of no values", retrace=False)
         if flat.numel() <= PAIRWISE:
             return (flat.unsqueeze(0) == flat.unsqueeze(1)).sum(1).max()
         ordered = flat.sort().values

@@ -11,12 +11,15 @@ class TwoPackings(nn.Module):
     ``unique(return_counts=True)`` and ``torch.zeros(b, counts.max(), 4)``; zero slots inert.
     ``write_between``: the boxes' image indices are written in place (``add_(0)``) after the
     first read; ``bump_after``: the boxes' size is computed before the first read and written in
-    place through a view (``add_(1)``, one more slot) after it."""
+    place through a view (``add_(1)``, one more slot) after it; ``guard_empty``: a batch without
+    targets returns before the boxes are packed, as Ultralytics' ``preprocess`` does
+    (``if nl == 0``, loss.py:396: ``counts.max()`` of no targets raises)."""
 
-    def __init__(self, write_between: bool = False, bump_after: bool = False):
+    def __init__(self, write_between: bool = False, bump_after: bool = False, guard_empty: bool = False):
         super().__init__()
         self.write_between = write_between
         self.bump_after = bump_after
+        self.guard_empty = guard_empty
 
     def forward(self, pred, batch_idx, boxes, kpts):
         b = pred.shape[0]
@@ -27,6 +30,8 @@ class TwoPackings(nn.Module):
         packed_kpts = kpts.new_zeros((b, int(counts.max()), 3))
         within = torch.arange(len(batch_idx), device=batch_idx.device) - (counts.cumsum(0) - counts)[batch_idx]
         packed_kpts[batch_idx, within] = kpts
+        if self.guard_empty and len(batch_idx) == 0:
+            return (pred[:, None, :3] * packed_kpts).sum() + pred.sum() * 0
         images = batch_idx.clone()
         if self.write_between:
             images.add_(0)

@@ -107,3 +107,18 @@ def test_values_and_gradients_equal_native_over_count_vectors(batches):
     for seed, counts in enumerate(batches):
         _assert_equal(native, fast, _inputs(counts, seed))
     assert fast.stats.optimized + sum(fast.stats.native.values()) == len(batches)
+
+
+def test_a_batch_without_targets_abandons_where_the_moved_count_would_raise():
+    """The boxes' largest count (``unique``, ``counts.max()``) moves before the first read, past
+    the loss's own ``if len(batch_idx) == 0`` (hoisted, then placed after the region its size
+    check joined): on a batch without targets it abandons (``largest-count-empty``) and the call
+    runs natively, which returns early; three such batches in a row do not disable the
+    specialization (each raised before, and three raises in a row do)."""
+    native, fast = TwoPackings(guard_empty=True), optimize(TwoPackings(guard_empty=True), passes=[_capture()])
+    for seed, counts in enumerate([[2, 1, 3], [1, 4, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0], [3, 0, 2], [1, 1, 2]]):
+        _assert_equal(native, fast, _inputs(counts, seed))
+    assert _certificate(fast).applied  # still one transfer
+    assert not fast.stats.native.get("optimized-path-raised"), fast.stats.render()
+    assert any(k.startswith("largest-count-empty") for k in fast.stats.abandoned), fast.stats.render()
+    assert fast.stats.optimized == 4, fast.stats.render()  # the spec serves again after the empty ones

@@ -1,7 +1,7 @@
 """``x.unique(return_counts=True)`` read only for ``counts.max()`` (Ultralytics' target packing,
 loss.py:400): the largest count without unique, no host read (each element compared with each,
 or the longest run of the sorted input); values and gradients equal native's (float64), integer
-counts exact on both paths, an empty input raising as native."""
+counts exact on both paths, an empty input abandoning (native then raises)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 from torch import nn
 
 from fxpasses import optimize, trace
+from fxpasses.ir.abandon import Abandon
 from fxpasses.analysis.meta import annotate
 from fxpasses.passes import CaptureLoss
 from fxpasses.passes.unique_counts import unique_count_max
@@ -118,7 +119,10 @@ def test_both_ways_of_counting_give_uniques_largest_count(values, dtype, pairwis
     assert int(got) == int(x.unique(return_counts=True)[1].max())
 
 
-def test_an_empty_input_raises_as_native_does():
+def test_an_empty_input_abandons_and_the_call_raises_as_native_does():
+    """No values have no largest count: the graph abandons (``largest-count-empty``) and the call
+    runs natively, which raises here (a loss that returns early on no values gets its value:
+    tests/passes/test_prefetch_reads.py)."""
     def largest(x):
         _, counts = x.unique(return_counts=True)
         return counts.max()
@@ -128,9 +132,14 @@ def test_an_empty_input_raises_as_native_does():
     annotate(gm, [x])
     assert unique_count_max(gm, "CaptureLoss")[0].applied
     gm.recompile()
-    for fn in (largest, gm):
+    empty = torch.tensor([], dtype=torch.long)
+    with pytest.raises(Abandon, match="largest-count-empty"):
+        gm(empty)
+    fast = optimize(largest, passes=[_capture()])
+    assert int(fast(x)) == 2
+    for fn in (largest, fast):
         with pytest.raises(RuntimeError):
-            fn(torch.tensor([], dtype=torch.long))
+            fn(empty)
 
 
 def test_a_unique_whose_values_are_used_or_of_floats_keeps_its_read():
