@@ -2,7 +2,7 @@
 # One session's GPU work on the lent H200, in three calls of at most 10 minutes each (see
 # bench/RESULTS.md for what each produced). Run from the repository root with the wheels of
 # ultralytics, ultralytics-thop, ultralytics-platform, polars and polars-runtime-32 in .whl/
-# (the machine has no package index):  bash bench/h200_session.sh census|bench|memory|kernels|diagnose|host-ab|fit|fit-seeds|fit-check|amp-bisect|first-call
+# (the machine has no package index):  bash bench/h200_session.sh census|bench|memory|kernels|diagnose|host-ab|fit|fit-seeds|fit-check|amp-bisect|first-call|headroom
 # first-call and host-ab alternate this tree with an older one on one host (hosts differ by 2x): before
 # the device call, `mkdir -p ab/old && git archive REV fxpasses | tar -x -C ab/old` and carry "ab"
 set -uo pipefail
@@ -10,7 +10,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:. YOLO_OFFLINE=1 PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pyc}
 python -c "import torch, ultralytics; print('torch', torch.__version__, 'ultralytics', ultralytics.__version__, torch.cuda.get_device_name())"
-case "${1:?census, bench, memory, kernels, diagnose, host-ab, fit, fit-seeds, fit-check, amp-bisect or first-call}" in
+case "${1:?census, bench, memory, kernels, diagnose, host-ab, fit, fit-seeds, fit-check, amp-bisect, first-call or headroom}" in
 census)  # the random-loss census on 13 of the 16 CPUs, the GPU tests beside it
     python -m fxpasses.testing.census --cases 10000 --jobs 13 --seed 500 --minutes "${MINUTES:-8.3}" \
         --examples "$OUT/census_examples.txt" > "$OUT/census.txt" 2>&1 &
@@ -65,6 +65,13 @@ amp-bisect)  # which pass the batch-16 fp16 fit's lower mAP follows (seed 0; ~60
     done
     python bench/trajectory.py --device cuda --batch 16 --steps 30 --accumulate 4 --amp --out "$OUT/traj_acc4" \
         2>&1 | tail -4 ;;
+headroom)  # SelectRows' capacity headroom: the default (4, powers of two) against 2 on finer buckets, batch 16
+    for H in "--growth 4" "--growth 2 --fine"; do
+        python bench/capacity_headroom.py $H interleaved --loss real --batch 16 --rounds ${ROUNDS:-20} --arms all \
+            --out "$OUT/headroom_${H//[ -]/}" 2>&1 | grep -v Warn | tail -2
+    done
+    python bench/kernels.py --loss real --arm all --batch 16 > "$OUT/kernels_all.txt" 2>&1
+    echo "kernels all rc $?"; grep -v Warn "$OUT/kernels_all.txt" | head -14 | cut -c1-140 ;;
 memory)  # peak GPU memory of the real criterion, eager and all passes, one arm per process
     for B in 16 4; do for A in eager all; do
         python bench/peak_memory.py --loss real --arm $A --batch $B --steps ${STEPS:-30} --pools > "$OUT/memory_${A}_$B.txt" 2>&1
