@@ -92,7 +92,8 @@ def test_two_hundred_fresh_batches_equal_native(two_hundred):
     assert not unequal, unequal
     stats = fast.stats
     kinds = {k.split(" at ")[0] for k in stats.abandoned}
-    assert kinds <= {"selection-capacity", "guard-failed", "selection-empty"}, stats.render()
+    # (largest-count-empty: a batch without persons, which natively returns early at loss.py:396)
+    assert kinds <= {"selection-capacity", "guard-failed", "selection-empty", "largest-count-empty"}, stats.render()
     # every region's replay admitted whenever its memory is free: none held by its own constants
     # (a device constant every recording outputs once made region 0 run eagerly in 127 of 200)
     assert not any(v.get("outputs-alive") for v in stats.sites.values()), stats.render()
