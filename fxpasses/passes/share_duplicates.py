@@ -52,9 +52,8 @@ from torch.fx.experimental.symbolic_shapes import rebind_unbacked
 
 from ..analysis.capture import is_state
 from ..analysis.meta import ANNOTATED, FAKE_MODE, annotate_new, input_names, resizes_in_place, storages_of, value
-from ..analysis.write_chains import kinds, mirrored_chain, writer_positions, written_after
+from ..analysis.write_chains import chain_key, kinds, mirrored_chain, writer_positions, written_after
 from ..analysis.ops import is_torch_code, node_facts
-from ..analysis.structure_key import argument_key
 from ..ir.trace_ops import ExpectEqualSizes, ExpectSameObject, ReadSource, set_item
 from ..certificates import Certificate, Check, Guard, Site
 from ..locations import node_location
@@ -67,10 +66,7 @@ def _node_key(node: fx.Node, name: Callable[[fx.Node], Any]) -> Any:
     if not is_torch_code(node) or node.target is set_item or not node.users \
             or getattr(node.target, "__name__", "").startswith("_"):
         return None  # (a write; an effect, as a grad-mode or autocast switch; torch's internals)
-    args, kwargs = argument_key(node.args, name), argument_key(dict(node.kwargs), name)
-    if args is None or kwargs is None:
-        return None
-    return (node.op, node.target if node.op == "call_method" else id(node.target), args, kwargs)
+    return chain_key(node, name)
 
 
 def _may_write(node: fx.Node) -> frozenset[int]:
@@ -166,6 +162,14 @@ def _refusal(kept: fx.Node, other: fx.Node, order: dict[fx.Node, int], writers: 
     return None
 
 
+def _namer(*taken: dict[fx.Node, fx.Node]) -> Callable[[fx.Node], Any]:
+    """Names nodes for keys: a node that takes another's value (shared, in a repeated chain, an
+    equal size or state read) by that one's name."""
+    def name(node: fx.Node) -> Any:
+        return ("node", next((t[node] for t in taken if node in t), node).name)
+    return name
+
+
 def _scan(nodes: list[fx.Node], mirrored: dict[fx.Node, fx.Node], equal: dict[fx.Node, fx.Node],
           order: dict[fx.Node, int], writers: dict[int, list[int]], grad_modes: dict[fx.Node, Any],
           ) -> tuple[dict[fx.Node, fx.Node], list[tuple[fx.Node, fx.Node, tuple[str, dict]]]]:
@@ -177,7 +181,7 @@ def _scan(nodes: list[fx.Node], mirrored: dict[fx.Node, fx.Node], equal: dict[fx
     for node in nodes:
         if node in mirrored:
             continue
-        key = _node_key(node, lambda n: ("node", (shared.get(n) or mirrored.get(n) or equal.get(n) or n).name))
+        key = _node_key(node, _namer(shared, mirrored, equal))
         if key is None:
             continue
         kept = first.setdefault(key, node)
@@ -208,9 +212,11 @@ def share_duplicates(gm: fx.GraphModule, pass_name: str) -> list[Certificate]:
     mirrored: dict[fx.Node, fx.Node] = {}  # a buffer's write chain -> the earlier chain it repeats
     while True:  # until no chain newly shown to repeat another lets more nodes share
         shared, refused = _scan(nodes, mirrored, equal, order, writers, grad_modes)
-        name = lambda n: ("node", (shared.get(n) or mirrored.get(n) or equal.get(n) or n).name)  # noqa: E731
+        name = _namer(shared, mirrored, equal)
         found: dict[fx.Node, fx.Node] = {}
-        for kept, other, _ in refused:
+        for kept, other, why in refused:
+            if why[0] != "duplicate-written":  # (only a buffer written in place may head a chain)
+                continue
             chain = mirrored_chain(kept, other, nodes, order, writes, writers, name, grad_modes) or {}
             if found.keys().isdisjoint({*chain, *chain.values()}):  # each node in one chain at most
                 found.update(chain)
