@@ -143,3 +143,27 @@ def test_a_device_tensor_made_from_host_data_is_a_host_copy():
     decided, row = verdict(made["tensor"], ("meta",))  # a capture rule, not a fact others read
     assert decided.code == "host-sync" and not decided.capturable and "constructor" in row.name
     assert not node_facts(made["tensor"]).host_read
+
+
+class SizeCheck(nn.Module):
+    def forward(self, x, kpts):
+        y = (x * 2).exp()
+        if kpts.shape[-1] == 3:                        # host arithmetic on an input's size
+            y = y * kpts[..., 2:].sigmoid()
+        return (y * y.shape[0]).sum()                  # a size of a computed tensor
+
+
+def test_host_arithmetic_on_input_sizes_stays_out_of_regions():
+    """``kpts.shape[-1] == 3`` and its ``bool`` are computed from an input's size alone: they run
+    before every region, so the guard on them fails before any region runs; a size read of a
+    computed tensor stays capturable (pulled out, it would split the region reading it)."""
+    x, kpts = torch.randn(4, 1), torch.randn(4, 3)
+    gm = trace(SizeCheck(), (x, kpts))
+    annotate(gm, [x, kpts])
+    rows = {n.name: verdict(n, ("cpu",))[1].name for n in gm.graph.nodes}
+    host = [n for n in gm.graph.nodes if rows[n.name].startswith("host arithmetic")]
+    assert {n.target for n in host} >= {"size", bool}, rows
+    assert all(a.op == "placeholder" or a in host for n in host for a in n.all_input_nodes)
+    (computed_size,) = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "size"
+                        and n.args[0].op != "placeholder" and n.users]
+    assert rows[computed_size.name] == "capturable"

@@ -13,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 from fxpasses import optimize
 from fxpasses.cli import import_file
+from fxpasses.ir.trace_ops import GuardOp
 from fxpasses.passes import CaptureLoss
 from fxpasses.runtime.emulated import EmulatedRecorder
 from fxpasses.runtime.select import StartCounts
@@ -109,16 +110,22 @@ def test_values_and_gradients_equal_native_over_count_vectors(batches):
     assert fast.stats.optimized + sum(fast.stats.native.values()) == len(batches)
 
 
-def test_a_batch_without_targets_abandons_where_the_moved_count_would_raise():
-    """The boxes' largest count (``unique``, ``counts.max()``) moves before the first read, past
-    the loss's own ``if len(batch_idx) == 0`` (hoisted, then placed after the region its size
-    check joined): on a batch without targets it abandons (``largest-count-empty``) and the call
-    runs natively, which returns early; three such batches in a row do not disable the
-    specialization (each raised before, and three raises in a row do)."""
+def test_a_batch_without_targets_fails_its_guard_before_any_region():
+    """The loss's own ``if len(batch_idx) == 0`` is host arithmetic on an input's size: it runs
+    before every captured region (it joined the first region once, and its guard ran after it,
+    after the boxes' largest count had moved before the first read and raised on no targets).
+    On a batch without targets the guard fails first, nothing of the graph having run; the call
+    runs natively and a specialization of its own serves the later empty batches; the first
+    specialization serves the batches with targets again."""
     native, fast = TwoPackings(guard_empty=True), optimize(TwoPackings(guard_empty=True), passes=[_capture()])
     for seed, counts in enumerate([[2, 1, 3], [1, 4, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0], [3, 0, 2], [1, 1, 2]]):
         _assert_equal(native, fast, _inputs(counts, seed))
     assert _certificate(fast).applied  # still one transfer
     assert not fast.stats.native.get("optimized-path-raised"), fast.stats.render()
-    assert any(k.startswith("largest-count-empty") for k in fast.stats.abandoned), fast.stats.render()
-    assert fast.stats.optimized == 4, fast.stats.render()  # the spec serves again after the empty ones
+    (abandoned,) = fast.stats.abandoned
+    assert abandoned.startswith("guard-failed at ") and abandoned.endswith("two_packings.py:33"), fast.stats.render()
+    assert fast.stats.optimized == 6 and len(fast.specializations) == 2, fast.stats.render()
+    first = list(fast.specializations[0].graph_module.graph.nodes)
+    guard = next(i for i, n in enumerate(first) if isinstance(n.target, GuardOp)
+                 and n.target.location.endswith("two_packings.py:33"))
+    assert guard < min(i for i, n in enumerate(first) if n.name.startswith("capture_region"))
