@@ -53,6 +53,7 @@ from ..runtime.grad_mode import GradOff, GradRestore
 from ..runtime.ownership import OwnedOutputs
 from ..runtime.paired_capture import PADDED_GUARDS, CapturedPairedCall
 from ..locations import node_location
+from ..tracing.guard_order import hoist_guards
 from .copy_writes import plan_with_copies
 from .bounded_counts import bounded_counts
 from .unique_counts import unique_count_max
@@ -244,6 +245,9 @@ class CaptureLoss:
                                "check points once fused")
         if regions:
             self._own_outputs(gm, regions)
+            # the trace put each size guard just after what it needs; moves since (reads prefetched,
+            # regions fused where their last node was) can leave it behind a region: again
+            hoist_guards(gm.graph)
         modified = regions or any(c.applied for c in shared + folded + padded + switches + prefetched)
         return PassResult(gm, bool(modified),
                           region_certs + paired + certificates + read_certs)

@@ -9,6 +9,10 @@ the inputs' sizes alone moves to the front of the graph. A guard that reads tens
 (``mask.any()``, ``t.item()``) stays where it is: its value is read where the loss read it, past
 every in-place write before it.
 
+CaptureLoss applies it again once its reads are prefetched and its regions fused (each fused
+where its last node was), which can leave a guard behind a region it does not need. A guard
+moves only where every argument is such a decision (``ExpectEqualSizes`` compares two).
+
 Moving a decision earlier changes no value: sizes and Python numbers are pure, and a failed guard
 abandons the call either way (the native loss runs); only less work is wasted first.
 """
@@ -79,8 +83,8 @@ def hoist_guards(graph: fx.Graph) -> dict[fx.Node, str]:
     placed: dict[fx.Node, str] = {}
     for guard in [n for n in graph.nodes if n.op == "call_function" and isinstance(n.target, GuardOp)]:
         cone: dict[fx.Node, None] = {}
-        needs = _needs(cone) if guard.args and isinstance(guard.args[0], fx.Node) \
-            and _decision(guard.args[0], cone) else []
+        needs = _needs(cone) if guard.args and isinstance(guard.args[0], fx.Node) and not guard.kwargs \
+            and all(_decision(a, cone) for a in guard.args) else []
         if not needs:
             placed[guard] = "where read"
             continue

@@ -16,6 +16,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from fxpasses import optimize
+from fxpasses.ir.trace_ops import GuardOp
 from fxpasses.passes import CaptureLoss, PairRLE, SelectRows
 from fxpasses.runtime.emulated import EmulatedRecorder
 from fxpasses.workloads.ultralytics_pose import pose_batch, pose_preds
@@ -172,3 +173,30 @@ def test_under_autocast_the_selections_gathered_and_captured_equal_native(pose_m
     assert fast.stats.optimized == 3 and not fast.stats.native
     selected = [c for c in fast.certificates if c.pass_name == "SelectRows"]
     assert sum(c.applied for c in selected) == 8
+
+
+def test_the_targets_size_guards_run_before_every_region(pose_model):
+    """``nl, ne = targets.shape; if nl == 0`` (loss.py:395-396) reads a size of the concatenated
+    targets: the trace puts its guard just after the concatenation, and CaptureLoss puts it
+    there again once the reads are prefetched and the regions fused (they stayed behind the
+    first region, and a batch without persons abandoned at the boxes' largest count instead,
+    moved before them). A batch without persons now fails that guard before any region runs and
+    its call runs natively. (Where the first batch's counts are pinned at ``[1, 3]`` the size is
+    read inside the first region and the guard still follows it: found, not fixed; such a batch
+    abandons at the largest count, moved before every region, as before.)"""
+    crit = pose_model.init_criterion()
+    flow = pose_model.model[-1].flow_model
+    fast = optimize(crit, passes=[PairRLE(), SelectRows(), CaptureLoss(
+        devices=("cpu",), recorder=EmulatedRecorder(), record_after=1)])
+    for seed, counts in enumerate([None, None, torch.tensor([0, 0])]):  # realistic, then no persons
+        got, want = _call(fast, flow, seed, counts), _call(crit, flow, seed, counts)
+        for g, w in zip([got[0], *got[1].values(), *got[2], *got[3]], [want[0], *want[1].values(), *want[2], *want[3]]):
+            torch.testing.assert_close(g, w)
+    nodes = list(fast.specializations[0].graph_module.graph.nodes)
+    first_region = min(i for i, n in enumerate(nodes) if n.name.startswith("capture_region"))
+    empty = [i for i, n in enumerate(nodes) if isinstance(n.target, GuardOp)
+             and n.target.location.endswith("utils/loss.py:396")]
+    assert empty and max(empty) < first_region, (empty, first_region)
+    (abandoned,) = fast.stats.abandoned
+    assert abandoned.startswith("guard-failed at ") and abandoned.endswith("utils/loss.py:396"), fast.stats.render()
+    assert fast.stats.optimized == 2 and fast.stats.native == {"guard-failed": 1}, fast.stats.render()
