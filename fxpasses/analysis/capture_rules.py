@@ -131,8 +131,7 @@ def host_arithmetic_on_input_sizes(node: fx.Node) -> bool:
     (``keypoints.shape[2] == 2``, ``bool(n == 0)``): no kernel and no capturable node before it, so
     it runs before every region and a guard on it fails before any region runs."""
     if node.op not in ("call_function", "call_method") or isinstance(node.target, RuntimeOp) \
-            or not isinstance(node.meta.get("val"), (bool, int, float)) \
-            or isinstance(node.meta.get("val"), torch.SymInt):
+            or not isinstance(node.meta.get("val"), (bool, int, float)):
         return False
     return all(a.op == "placeholder" or host_arithmetic_on_input_sizes(a) for a in node.all_input_nodes)
 
