@@ -19,6 +19,7 @@ import functools
 import linecache
 import os
 import re
+import site
 import sys
 import sysconfig
 import traceback
@@ -33,7 +34,10 @@ _WORKLOADS_DIR = os.path.join(_OWN_DIR, "workloads")
 # the random losses of fxpasses.testing are bundled losses too (their settings are the loss's)
 _BUNDLED_LOSSES = (_WORKLOADS_DIR, os.path.join(_OWN_DIR, "testing", "loss_programs.py"))
 _STDLIB = sysconfig.get_paths()["stdlib"]
-_INSTALLED = tuple({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+# every site-packages directory, not only this environment's: a virtual environment made with
+# --system-site-packages sees the base installation's, which lies inside the base's stdlib folder
+_INSTALLED = tuple({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+                    *getattr(site, "getsitepackages", list)(), site.getusersitepackages()})
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)')
 
 

@@ -1,5 +1,13 @@
 """fxpasses.locations: the user's line of a node, of an exception, and the node that raised."""
 
+import json
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
 import torch
 import torch.fx as fx
 
@@ -45,3 +53,20 @@ def test_failing_node_names_the_node_whose_line_raised():
         assert exception_location(exc).function == "test_failing_node_names_the_node_whose_line_raised"
     else:
         raise AssertionError("the traced loss should raise")
+
+
+@pytest.mark.skipif(sys.prefix != sys.base_prefix, reason="needs an interpreter outside a virtual environment")
+def test_packages_of_the_base_installation_are_user_code_in_a_system_site_packages_venv(tmp_path):
+    """In a virtual environment made with --system-site-packages, the base installation's
+    site-packages (where its third-party packages, Ultralytics among them, live) lies inside the
+    base's standard-library folder: those files are user code, not the standard library (the
+    real criterion was otherwise traced as library code: guards at the caller's line, a trace per
+    batch)."""
+    venv.create(tmp_path / "venv", system_site_packages=True, with_pip=False)
+    python = tmp_path / "venv" / "bin" / "python"
+    code = ("import json, pytest, functools, fxpasses.locations as l; "
+            "print(json.dumps([l.is_user_file(pytest.__file__), l.is_user_file(functools.__file__)]))")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [True, False]
