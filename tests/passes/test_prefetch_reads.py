@@ -19,8 +19,8 @@ from fxpasses.runtime.emulated import EmulatedRecorder
 from fxpasses.runtime.select import StartCounts
 from fxpasses.testing.host_syncs import HostSyncs
 
-HELPERS = Path(__file__).parents[1] / "helpers" / "two_packings.py"
-TwoPackings = import_file(HELPERS).TwoPackings
+TWO_PACKINGS_FILE = Path(__file__).parents[1] / "helpers" / "two_packings.py"
+TwoPackings = import_file(TWO_PACKINGS_FILE).TwoPackings
 
 
 def _capture() -> CaptureLoss:
@@ -123,7 +123,7 @@ def test_a_batch_without_targets_fails_its_guard_before_any_region():
         _assert_equal(native, fast, _inputs(counts, seed))
     assert _certificate(fast).applied  # still one transfer
     assert not fast.stats.native.get("optimized-path-raised"), fast.stats.render()
-    assert dict(fast.stats.abandoned) == {f"guard-failed at {HELPERS}:33": 3}, fast.stats.render()
+    assert dict(fast.stats.abandoned) == {f"guard-failed at {TWO_PACKINGS_FILE}:33": 3}, fast.stats.render()
     assert fast.stats.optimized == 6 and len(fast.specializations) == 2, fast.stats.render()
     first = list(fast.specializations[0].graph_module.graph.nodes)
     guard = next(i for i, n in enumerate(first) if isinstance(n.target, GuardOp)
