@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from ..certificates.codes import note
 from ..ir.runtime_op import RuntimeOp
+from .size_decisions import on_input_sizes
 from .meta import node_is_dynamic, tensor_from_host_data, tensors_in, value
 from .ops import NodeFacts, node_facts
 
@@ -126,16 +127,6 @@ def _varying_rows(p: Probe) -> bool:
     return p.node in p.varying
 
 
-def host_arithmetic_on_input_sizes(node: fx.Node) -> bool:
-    """A Python number (or bool) computed on the host from the loss's inputs' sizes alone
-    (``keypoints.shape[2] == 2``, ``bool(n == 0)``): no kernel and no capturable node before it, so
-    it runs before every region and a guard on it fails before any region runs."""
-    if node.op not in ("call_function", "call_method") or isinstance(node.target, RuntimeOp) \
-            or not isinstance(node.meta.get("val"), (bool, int, float)):
-        return False
-    return all(a.op == "placeholder" or host_arithmetic_on_input_sizes(a) for a in node.all_input_nodes)
-
-
 ROWS: tuple[Row, ...] = (
     Row("graph structure", _structural, False, None),
     Row("grad-mode switch bounding a no_grad block of capturable nodes", _absorbed_switch, True, None),
@@ -157,8 +148,8 @@ ROWS: tuple[Row, ...] = (
         "view-of-written-memory"),
     Row("follows the per-call row count of an input table, or reads what does", _varying_rows, False,
         "rows-vary-per-call"),
-    Row("host arithmetic on the loss's input sizes (runs before every region)",
-        lambda p: host_arithmetic_on_input_sizes(p.node), False, None),
+    Row("host arithmetic on the loss's input sizes (runs before every region, as its guards)",
+        lambda p: on_input_sizes(p.node), False, None),
     Row("capturable", lambda p: True, True, None),
 )
 

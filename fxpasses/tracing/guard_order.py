@@ -19,59 +19,26 @@ abandons the call either way (the native loss runs); only less work is wasted fi
 
 from __future__ import annotations
 
-import operator
-from typing import Any
-
-import torch
 import torch.fx as fx
 
+from ..analysis.size_decisions import decision, is_size_read, needs
 from ..ir.trace_ops import GuardOp
 
-_METADATA = frozenset(("size", "dim", "numel"))
 # methods whose result has their input's shape (their sizes are their input's)
 _SAME_SHAPE = frozenset("to float double half bfloat16 long int short bool contiguous clone detach "
                         "type_as".split())
-_SCALAR_FUNCTIONS = frozenset((bool, int, float, abs, torch.sym_int, *(getattr(operator, name) for name in
-                              "add sub mul truediv floordiv mod pow neg pos eq ne lt le gt ge not_ "
-                              "and_ or_ xor".split())))
-
-
-def _is_size_read(node: fx.Node) -> bool:
-    return node.op == "call_method" and node.target in _METADATA and isinstance(node.args[0], fx.Node)
 
 
 def _forward_sizes(graph: fx.Graph) -> None:
     """``x.float().size(0)`` reads ``x.size(0)``: the size of a same-shape op's input."""
     for node in graph.nodes:
-        if not _is_size_read(node):
+        if not is_size_read(node):
             continue
         source = node.args[0]
         while source.op == "call_method" and source.target in _SAME_SHAPE and isinstance(source.args[0], fx.Node):
             source = source.args[0]
         if source is not node.args[0]:
             node.args = (source, *node.args[1:])
-
-
-def _decision(node: Any, cone: dict[fx.Node, None]) -> bool:
-    """Whether ``node`` is a size read or Python arithmetic on sizes and constants (its nodes
-    gathered into ``cone``)."""
-    if not isinstance(node, fx.Node):
-        return True
-    if node in cone:
-        return True
-    if _is_size_read(node):
-        cone[node] = None
-        return True
-    if node.op == "call_function" and node.target in _SCALAR_FUNCTIONS and not node.kwargs \
-            and all(_decision(a, cone) for a in node.args):
-        cone[node] = None
-        return True
-    return False
-
-
-def _needs(cone: dict[fx.Node, None]) -> list[fx.Node]:
-    """The nodes outside ``cone`` its nodes read (the tensors whose sizes are taken)."""
-    return [a for n in cone for a in n.all_input_nodes if a not in cone]
 
 
 def hoist_guards(graph: fx.Graph) -> dict[fx.Node, str]:
@@ -83,13 +50,13 @@ def hoist_guards(graph: fx.Graph) -> dict[fx.Node, str]:
     placed: dict[fx.Node, str] = {}
     for guard in [n for n in graph.nodes if n.op == "call_function" and isinstance(n.target, GuardOp)]:
         cone: dict[fx.Node, None] = {}
-        needs = _needs(cone) if guard.args and isinstance(guard.args[0], fx.Node) and not guard.kwargs \
-            and all(_decision(a, cone) for a in guard.args) else []
-        if not needs:
+        needed = needs(cone) if guard.args and isinstance(guard.args[0], fx.Node) and not guard.kwargs \
+            and all(decision(a, cone) for a in guard.args) else []
+        if not needed:
             placed[guard] = "where read"
             continue
         order = {n: i for i, n in enumerate(graph.nodes)}
-        anchor = max(needs, key=order.__getitem__)
+        anchor = max(needed, key=order.__getitem__)
         before = order[guard]
         cursor = anchor
         for node in sorted([*cone, guard], key=order.__getitem__):
@@ -97,6 +64,6 @@ def hoist_guards(graph: fx.Graph) -> dict[fx.Node, str]:
                 cursor.append(node)
                 cursor = node
         moved = {n: i for i, n in enumerate(graph.nodes)}[guard] < before
-        front = all(n.op in ("placeholder", "get_attr") for n in needs)
+        front = all(n.op in ("placeholder", "get_attr") for n in needed)
         placed[guard] = "front" if front else f"after {anchor.name}" if moved else "where read"
     return placed
