@@ -65,7 +65,7 @@ from ..ir.proofs import BucketedSizes, proven
 from ..ir.runtime_op import RuntimeOp
 from ..ir.trace_ops import ReadSource, ReadState
 from .capture_rules import Verdict, launches_kernels, verdict
-from .fused_order import fused_order, late_reads
+from .fused_order import fused_order, late_reads, moved_writes
 from .meta import metadata_unchanged, storages_of, tensors_in, value
 from .varying_rows import NONE as NO_VARYING_ROWS, VaryingRows, varying_rows
 from .ops import node_facts
@@ -313,7 +313,8 @@ def _plan_regions(gm: fx.GraphModule, devices: Sequence[str], min_region_ops: in
                   partition: bool = True) -> CapturePlan:
     local = candidates = local_write_candidates(gm.graph)
     eager_views: set[fx.Node] = set()
-    late: set[fx.Node] = set()  # count reads that fusing would move past a check point: barriers
+    late: set[fx.Node] = set()  # count reads that fusing would move past a check point, attribute
+    # writes it would move past a read or write of their attribute: barriers
     while True:  # local writes whose regions do not hold what touches their memory: barriers;
         # outputs that would leave the memory a later write changes: eager; count reads that the
         # fused regions would move past their check points: barriers
@@ -322,19 +323,21 @@ def _plan_regions(gm: fx.GraphModule, devices: Sequence[str], min_region_ops: in
         region_of = {n: i for i, region in enumerate(plan.regions) for n in region}
         broken = _broken_local_writes(gm.graph, candidates, region_of)
         apart = _handed_apart(gm.graph, plan.regions + plan.too_small) - eager_views
-        late_now = late_reads(gm.graph, {n.name: i for n, i in fused_order(gm.graph, plan.regions).items()}) \
-            if not broken and not apart and plan.regions else set()
-        if not broken and not apart and not late_now:
+        place = {n.name: i for n, i in fused_order(gm.graph, plan.regions).items()} \
+            if not broken and not apart and plan.regions else {}
+        late_now = late_reads(gm.graph, place) if place else set()
+        moved = moved_writes(gm.graph, place) - late if place else set()
+        if not broken and not apart and not late_now and not moved:
             plan.barrier_writes = {w: s for w, s in local.items() if w not in candidates}
             plan.static = static
             plan.varying = varying
             return plan
-        if not broken and not apart and late_now <= late:  # barriers already: no plan helps
+        if not broken and not apart and not moved and late_now <= late:  # barriers already: no plan helps
             raise ValueError(f"count read(s) {sorted(n.name for n in late_now)} follow a check point "
                              "in the graph's own order: SelectRows places each read before its check points")
         candidates = {w: s for w, s in candidates.items() if w not in broken}
         eager_views |= apart
-        late |= late_now
+        late |= late_now | moved
 
 
 def _plan(gm: fx.GraphModule, devices: Sequence[str], min_region_ops: int, count_copies: bool,
@@ -346,7 +349,8 @@ def _plan(gm: fx.GraphModule, devices: Sequence[str], min_region_ops: int, count
     for node in late:  # a count read that regions around it would move past its check point
         verdicts[node] = dataclasses.replace(verdicts[node], barrier=True)
     found = [b for b in no_grad_blocks(gm.graph) if any(verdicts[n].capturable for n in b.inner)]
-    blocks = [b for b in found if all(verdicts[n].capturable or _outside_block_ok(n) for n in b.inner)]
+    blocks = [b for b in found if all((verdicts[n].capturable or _outside_block_ok(n)) and not verdicts[n].barrier
+                                      for n in b.inner)]  # (a barrier inside: its switches fall in two segments)
     free = {b: _grad_free_nodes(b) for b in found if partition and b not in blocks}
     parts = [b for b in free if all(verdicts[n].capturable or n in free[b] for n in b.inner)]
     plan_of = CapturePlan(verdicts)

@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from ..certificates.codes import note
 from ..ir.runtime_op import RuntimeOp
+from ..ir.trace_ops import WriteAttribute
 from .size_decisions import on_input_sizes
 from .meta import node_is_dynamic, tensor_from_host_data, tensors_in, value
 from .ops import NodeFacts, node_facts
@@ -81,6 +82,10 @@ def _has_effects(p: Probe) -> bool:
     return op is not None and not op.pure
 
 
+def _writes_attribute(p: Probe) -> bool:
+    return isinstance(p.runtime_op, WriteAttribute)
+
+
 def _runtime_uncapturable(p: Probe) -> bool:
     op = p.runtime_op
     return op is not None and not op.capturable
@@ -131,6 +136,8 @@ ROWS: tuple[Row, ...] = (
     Row("graph structure", _structural, False, None),
     Row("grad-mode switch bounding a no_grad block of capturable nodes", _absorbed_switch, True, None),
     Row("grad-mode switch", _grad_switch, False, "op-grad-mode", barrier=True),
+    Row("writes an attribute of the loss (no captured op reads one; the planner keeps it in order "
+        "among the reads and writes of that attribute)", _writes_attribute, False, "op-attribute-write"),
     Row("run-time op with effects", _has_effects, False, "op-unknown", barrier=True),
     Row("run-time op that records itself", _runtime_uncapturable, False, "op-unknown"),
     Row("reads device data on the host; propagation stopped there", _host_read_stopped_propagation,

@@ -19,7 +19,9 @@ from typing import Sequence
 
 import torch.fx as fx
 
+from ..ir.trace_ops import ReadSource, WriteAttribute
 from ..runtime.select import CheckCounts
+from .order import conflict
 
 
 def fused_order(graph: fx.Graph, regions: Sequence[list[fx.Node]]) -> dict[fx.Node, int]:
@@ -90,3 +92,18 @@ def fused_places(gm: fx.GraphModule) -> dict[str, int]:
                 place[member.name] = i
         place[node.name] = i
     return place
+
+
+def moved_writes(graph: fx.Graph, place: dict[str, int]) -> set[fx.Node]:
+    """The attribute writes of ``graph`` that ``place`` (as for :func:`late_reads`) puts on the
+    other side of a read or write of an attribute they may touch (:func:`~.order.conflict`): a
+    write that reads a region's value moves after the region's call, past such a node that
+    stayed where it was."""
+    touching = [n for n in graph.nodes if n.op == "call_function" and isinstance(n.target, (ReadSource, WriteAttribute))]
+    found = set()
+    for i, a in enumerate(touching):
+        for b in touching[i + 1:]:
+            if place[a.name] >= place[b.name] and (isinstance(a.target, WriteAttribute)
+                                                   or isinstance(b.target, WriteAttribute)) and conflict(a, b):
+                found |= {n for n in (a, b) if isinstance(n.target, WriteAttribute)}
+    return found

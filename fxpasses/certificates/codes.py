@@ -264,6 +264,13 @@ _CODES = (
          "node that does, is a check point of the read, or conflicts with a node it would pass): "
          "the host waits for the counts' copy with nothing to issue.",
          "Nothing to do; the stayed reasons in the certificate's evidence say what holds each back."),
+    Code("count-work-not-moved", "refusal",
+         "Two count reads of SelectRows stay two waits: what the later read's counts need is "
+         "computed after the earlier read, and it may not run before that read (it needs the "
+         "earlier read's results, is a check point of either read, writes memory, reads on the "
+         "host, draws random numbers, has unknown effects, or conflicts with a node it would pass).",
+         "Nothing to do; each read waits for the device on its own. The certificate's evidence "
+         "names the node that holds the work back."),
     Code("reads-not-joined", "refusal",
          "The loss reads several scalars on the host (sizes read from its targets), and none after "
          "the first could be read with it in one transfer: what a later read needs is computed after "
@@ -303,6 +310,11 @@ _CODES = (
          "The node runs user code (a leaf function, a user module, a method fxpasses does not "
          "know) whose effects are not visible as ops; it runs eagerly, and no region is moved "
          "across it.", "Inline the code into the loss or declare nothing a leaf that need not be."),
+    Code("op-attribute-write", "refusal",
+         "The node writes an attribute of the loss's state (``self.bs = ...``): Python, not a "
+         "kernel, so it runs eagerly. No captured op reads Python attributes, so regions may span "
+         "it, unless fusing a region would move it past a read or write of that attribute; then "
+         "no region is moved across it.", "Nothing to do."),
     Code("op-in-place", "refusal",
          "The node writes to one of its inputs or to module state (an in-place op, batch-norm "
          "statistics); it runs eagerly, and no region is moved across it.",

@@ -34,6 +34,7 @@ class RuntimeOp:
     (an ``Abandon`` with ``retry``): each of its selections' capacities grows at most once.
     ``only_grows``: the Python int it gives never decreases from call to call (a selection's
     capacity): a recording made for a smaller one will not be replayed again.
+    ``tensorless``: its value holds no tensor (a host object), so it aliases no memory.
     ``host_reads``: the positions of the arguments (0-dim tensors) it reads on the host; such an
     op also takes ``prefetched`` and ``at``, their values read earlier with other reads in one
     transfer (:mod:`fxpasses.passes.prefetch_reads`).
@@ -44,6 +45,7 @@ class RuntimeOp:
     grad_free = False
     only_grows = False
     adjustments = 0
+    tensorless = False
     host_reads: tuple[int, ...] = ()
 
     def __init__(self, op_id: str):

@@ -35,7 +35,8 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from ..analysis.capture import CapturePlan, NoGradBlock, Verdict, bucketed_symbols, is_state, plan_regions
+from ..analysis.capture import (CapturePlan, NoGradBlock, Verdict, bucketed_symbols, is_grad_switch, is_state,
+                                plan_regions)
 from ..analysis.fusion import fuse_region
 from ..analysis.fused_order import fused_places, late_reads
 from ..analysis.meta import carry_fused_metadata, is_dynamic, tensors_in, value
@@ -60,6 +61,7 @@ from .unique_counts import unique_count_max
 from .fold_constants import device_constants
 from .fold_state import device_indices, fold_constant_reads
 from .grad_switches import drop_redundant_switches
+from .early_counts import early_counts
 from .merge_reads import merge_reads
 from .overlap_reads import overlap_reads
 from .prefetch_reads import prefetch_reads
@@ -138,6 +140,9 @@ def _switching_off(gm: fx.GraphModule, nodes: list[fx.Node],
         off.meta, on.meta = dict(block.off.meta), dict(block.on.meta)
         ordered.insert(ordered.index(held[0]), off)
         ordered.insert(ordered.index(held[-1]) + 1, on)
+    stray = [n.name for n in ordered if is_grad_switch(n)]
+    if stray:  # a switch whose block this region does not switch: it would leave the mode changed
+        raise RuntimeError(f"CaptureLoss: grad-mode switch(es) {stray} in a region without their block")
     return ordered
 
 
@@ -215,8 +220,8 @@ class CaptureLoss:
             device_constants(gm, self.name, self.devices) + bounded_counts(gm, self.name) + \
             unique_count_max(gm, self.name)
         padded = pad_capacities(gm, self.name)
+        prefetched = prefetch_reads(gm, self.name) + early_counts(gm, self.name)
         switches = drop_redundant_switches(gm, self.name)
-        prefetched = prefetch_reads(gm, self.name)
         unfolded_copies = copy_graph_module(gm)
         plan, writes = plan_with_copies(gm, self.name, self.devices, self.min_region_ops, self.count_copies)
         if not plan.regions and any(c.applied for c in writes):  # copies that gain nothing: undone

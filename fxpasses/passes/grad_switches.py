@@ -1,4 +1,4 @@
-"""Grad-mode switches to the mode already in effect, dropped before CaptureLoss plans its regions.
+"""Grad-mode switches that change nothing, dropped before CaptureLoss plans its regions.
 
 A ``with torch.no_grad():`` inside a function that already runs without gradients (Ultralytics'
 CIoU, ``bbox_iou``, metrics.py:168, called by its assigner under ``@torch.no_grad()``, tal.py:416)
@@ -7,8 +7,10 @@ break the assigner's no_grad block in two pieces that are no block at all, so ea
 switches stays a barrier between captured regions. The mode each node runs in is the one the
 loss was traced in (``TraceInfo.grad_enabled``; the optimized path runs only in that mode) until
 the first switch, then the value each switch sets (:func:`traced_grad_modes`); a switch to the
-mode in effect is removed. Where a node between the switch that set the mode and the one dropped
-is user code (an opaque call, which may switch the mode and not say so), the switch stays.
+mode in effect is removed, and so is a switch whose next node is another switch (no node runs in
+the mode it sets: moves such as :mod:`.early_counts` can empty a block). Where a node between the
+switch that set the mode and the one dropped is user code (an opaque call, which may switch the
+mode and not say so), the switch stays.
 """
 
 from __future__ import annotations
@@ -64,19 +66,23 @@ def drop_redundant_switches(gm: fx.GraphModule, pass_name: str) -> list[Certific
             if _opaque(node):
                 opaque.append(node.name)
             continue
-        if _set_to(node) is None or _set_to(node) != mode:
+        overridden = _set_to(node) is not None and is_grad_switch(node.next) and \
+            _set_to(node.next) not in (None, _set_to(node))  # (to the same mode: the next is redundant)
+        if not overridden and (_set_to(node) is None or _set_to(node) != mode):
             mode, set_by, opaque = modes[node], node.name, []
             continue
         location = node_location(node)
         site = Site((node.name,), (location,) if location else (), f"grad-mode switch {node.name}")
-        checks = [Check("switch-to-mode-in-effect", True, {"mode": mode, "set_by": set_by}),
+        checks = [Check("switch-overridden-at-once", True, {"next": node.next.name}) if overridden else
+                  Check("switch-to-mode-in-effect", True, {"mode": mode, "set_by": set_by}),
                   Check("no-user-code-since", not opaque, {"user_code_between": tuple(opaque)},
                         None if not opaque else "op-unknown")]
         cert = Certificate.from_checks(pass_name, site, checks, effect={
-            "removed": "a switch to the grad mode already in effect changes nothing"} if not opaque else {})
+            "removed": "a switch overridden by the next node changes nothing" if overridden else
+                       "a switch to the grad mode already in effect changes nothing"} if not opaque else {})
         if cert.applied:
             gm.graph.erase_node(node)
         else:
-            set_by, opaque = node.name, []
+            mode, set_by, opaque = modes[node], node.name, []
         certificates.append(cert)
     return certificates

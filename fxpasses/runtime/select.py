@@ -108,6 +108,7 @@ class StartCounts(RuntimeOp):
 
     pure = True
     grad_free = True
+    tensorless = True
 
     def __call__(self, *counts: torch.Tensor) -> PendingCounts:
         return PendingCounts(counts)
