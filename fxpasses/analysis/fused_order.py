@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch.fx as fx
 
-from ..ir.trace_ops import ReadSource, WriteAttribute
+from ..ir.trace_ops import ReadSource, ReadState, WriteAttribute
 from ..runtime.select import CheckCounts
 from .order import conflict
 
@@ -99,7 +99,8 @@ def moved_writes(graph: fx.Graph, place: dict[str, int]) -> set[fx.Node]:
     other side of a read or write of an attribute they may touch (:func:`~.order.conflict`): a
     write that reads a region's value moves after the region's call, past such a node that
     stayed where it was."""
-    touching = [n for n in graph.nodes if n.op == "call_function" and isinstance(n.target, (ReadSource, WriteAttribute))]
+    touching = [n for n in graph.nodes if n.op == "call_function"
+                and isinstance(n.target, (ReadSource, ReadState, WriteAttribute))]
     found = set()
     for i, a in enumerate(touching):
         for b in touching[i + 1:]:

@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from ..ir.runtime_op import RuntimeOp
 from ..ir.sources import Attr
-from ..ir.trace_ops import ReadSource, WriteAttribute
+from ..ir.trace_ops import ReadSource, ReadState, WriteAttribute
 from .meta import storages_of
 from .ops import may_write_inputs, node_facts
 
@@ -50,6 +50,8 @@ def effects(node: fx.Node) -> Effects:
                        names=_names_written(node))
     if isinstance(node.target, ReadSource):
         return Effects(reads, frozenset(), attributes=True, names=_names_read(node.target, node.args))
+    if isinstance(node.target, ReadState):  # a module's parameter or buffer, by its name
+        return Effects(reads, frozenset(), attributes=True, names=frozenset((node.target.name,)))
     if isinstance(node.target, RuntimeOp):
         return Effects(reads, frozenset() if node.target.pure else None)
     facts = node_facts(node)
