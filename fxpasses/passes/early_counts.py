@@ -8,11 +8,15 @@ comes from the one-to-many read, so that work can run before it, and the two rea
 
 For each pair of consecutive reads the nodes the later read's counts and capacities need that
 the graph computes after the earlier read move before it, in their order, when each may run
-there (:func:`~fxpasses.passes.prefetch_reads.hoistable`: known effects, no memory write, no
-random draw, no host read, the same grad mode, no conflict with a node it passes) and none is a
-check point of either read or needs the earlier read's results. Moving work that computes
-counts earlier changes no value; the merged read checks every selection before anything that
-could show a count that does not fit, as each read did. A certificate per pair: merged, or why not.
+there (:func:`~fxpasses.passes.hoisting.hoistable`: known effects, no write but to memory the
+moved work made, no random draw, no host read, no conflict with a node it passes), none is a
+check point of either read and none needs the earlier read's results. The checks and attribute
+writes among that work move with it (an abandoned call undoes the writes, as at any place).
+Each node runs in the grad mode it ran in (the Ultralytics assigner runs under
+``@torch.no_grad()``): a ``_set_grad_enabled`` before each change of mode among the moved
+nodes, and one back after them. Moving work that computes counts earlier changes no value; the
+merged read checks every selection before anything that could show a count that does not fit,
+as each read did. A certificate per pair: moved and merged, or why not.
 """
 
 from __future__ import annotations
@@ -22,13 +26,12 @@ import torch.fx as fx
 
 from ..analysis.meta import ANNOTATED
 from ..analysis.ops import NODE_FACTS, NodeFacts
-
 from ..certificates import Certificate, Check, Site
 from ..locations import node_location
 from ..runtime.select import CheckCounts
-from .merge_reads import merge_reads
 from .grad_switches import traced_grad_modes
-from .prefetch_reads import hoistable
+from .hoisting import hoistable
+from .merge_reads import merge_reads
 
 
 def _reads(graph: fx.Graph) -> list[fx.Node]:
@@ -48,7 +51,7 @@ def early_counts(gm: fx.GraphModule, pass_name: str) -> list[Certificate]:
         tried.add(second)
         arguments = [a for a in second.args[:-1] if isinstance(a, fx.Node)] + list(second.args[-1].all_input_nodes)
         points = {*first.target.check_points, *second.target.check_points}
-        needed, why = hoistable(arguments, first, second, set(), across_modes=True, writes_made=True,
+        needed, why = hoistable(arguments, first, second, set(), across_modes=True, with_effects=True,
                                 refuse=lambda n: "is a check point" if n.name in points else None)
         site = Site((first.name, second.name), tuple(filter(None, [node_location(second)])),
                     f"count reads {first.name} and {second.name}")
@@ -56,11 +59,12 @@ def early_counts(gm: fx.GraphModule, pass_name: str) -> list[Certificate]:
             why = _move_keeping_modes(gm, first, needed)
         if why is None:
             merged = merge_reads(gm, pass_name)
-            why = None if merged else "the moved work did not make the reads one"
+            why = None if merged else "moved, yet the reads stayed two"
         else:
             merged = []
-        check = Check("count-work-moved", why is None, {"nodes_moved_before_the_first": len(needed) if why is None else 0,
-                                                        "why": why}, None if why is None else "count-work-not-moved")
+        check = Check("count-work-moved", why is None, {
+            "nodes_moved_before_the_first": len(needed) if why is None else 0, "why": why},
+            None if why is None else "count-work-not-moved")
         certificates.append(Certificate.from_checks(pass_name, site, [check]))
         certificates += merged
 

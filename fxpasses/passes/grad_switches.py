@@ -36,12 +36,13 @@ def traced_grad_modes(gm: fx.GraphModule, nodes: list[fx.Node]) -> dict[fx.Node,
     modes, mode = {}, getattr(info, "grad_enabled", "unknown")
     for node in nodes:
         if is_grad_switch(node):
-            mode = _set_to(node) if _set_to(node) is not None else node.name
+            mode = switch_mode(node) if switch_mode(node) is not None else node.name
         modes[node] = mode
     return modes
 
 
-def _set_to(switch: fx.Node) -> bool | None:
+def switch_mode(switch: fx.Node) -> bool | None:
+    """The mode ``switch`` sets, where the trace recorded it as a constant; else None."""
     return switch.args[0] if len(switch.args) == 1 and type(switch.args[0]) is bool else None
 
 
@@ -66,9 +67,9 @@ def drop_redundant_switches(gm: fx.GraphModule, pass_name: str) -> list[Certific
             if _opaque(node):
                 opaque.append(node.name)
             continue
-        overridden = _set_to(node) is not None and is_grad_switch(node.next) and \
-            _set_to(node.next) not in (None, _set_to(node))  # (to the same mode: the next is redundant)
-        if not overridden and (_set_to(node) is None or _set_to(node) != mode):
+        overridden = switch_mode(node) is not None and is_grad_switch(node.next) and \
+            switch_mode(node.next) not in (None, switch_mode(node))  # (to the same mode: the next is redundant)
+        if not overridden and (switch_mode(node) is None or switch_mode(node) != mode):
             mode, set_by, opaque = modes[node], node.name, []
             continue
         location = node_location(node)

@@ -27,21 +27,17 @@ join says why. Written by hand: torch.fx has no scheduler.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.fx as fx
 
-from ..analysis.capture import is_grad_switch
-from ..analysis.meta import ANNOTATED, input_names, storages_of, value
-from ..analysis.ops import NODE_FACTS, NodeFacts, node_facts
-from ..analysis.graph import upstream
-from ..analysis.order import Effects, conflict, effects
+from ..analysis.meta import ANNOTATED, input_names, value
+from ..analysis.ops import NODE_FACTS, NodeFacts
 from ..certificates import Certificate, Check, Site
 from ..ir.runtime_op import RuntimeOp
 from ..locations import node_location
 from ..runtime.select import StartCounts
-from .grad_switches import _set_to
+from .hoisting import graph_order, hoistable
 
 
 def prefetch_reads(gm: fx.GraphModule, pass_name: str) -> list[Certificate]:
@@ -59,7 +55,7 @@ def prefetch_reads(gm: fx.GraphModule, pass_name: str) -> list[Certificate]:
         joined.append(read)
         moved.extend(needed)
     if len(joined) > 1:
-        _rewrite(gm.graph, first, joined, sorted(moved, key=_order(gm.graph).__getitem__))
+        _rewrite(gm.graph, first, joined, sorted(moved, key=graph_order(gm.graph).__getitem__))
     location = node_location(first)
     site = Site(tuple(r.name for r in reads), (location,) if location else (),
                 f"{len(reads)} host reads of scalars")
@@ -86,87 +82,10 @@ def _scalar_integer(val: object) -> bool:
         and not val.is_complex()
 
 
-def _order(graph: fx.Graph) -> dict[fx.Node, int]:
-    return {n: i for i, n in enumerate(graph.nodes)}
-
-
 def _to_hoist(read: fx.Node, first: fx.Node, moving: set[fx.Node]) -> tuple[list[fx.Node], str | None]:
     """The nodes after ``first`` that ``read``'s read arguments need (``moving``: already
     moving with an earlier read), and why they cannot run before ``first`` (None: they can)."""
     return hoistable(_read_arguments(read), first, read, moving)
-
-
-def hoistable(arguments: Sequence[fx.Node], first: fx.Node, until: fx.Node, moving: set[fx.Node],
-              refuse: Callable[[fx.Node], str | None] = lambda node: None,
-              across_modes: bool = False, writes_made: bool = False) -> tuple[list[fx.Node], str | None]:
-    """The nodes after ``first`` that ``arguments`` need (less ``moving``), in graph order, and why
-    they cannot all run before ``first`` (None: they can; ``refuse`` may name a reason of its own)
-    with the values they have at ``until``, where they are read: see the module docstring.
-    ``across_modes``: the nodes may pass grad-mode switches (the caller moves them with their mode);
-    ``writes_made``: a node may write memory that a moving node made (no other node sees it before)."""
-    order = _order(first.graph)
-    ancestors = upstream(arguments) | set(arguments)
-    if first in ancestors:
-        return [], "needs the first read"
-    needed = sorted((n for n in ancestors if order[n] > order[first] and n not in moving), key=order.__getitem__)
-    if writes_made and needed:  # nodes without users among the moving ones (a guard, a length
-        # check, an attribute write) whose inputs are all computed by then move with them
-        inside = set(needed) | {n for n in first.graph.nodes if order[n] < order[first]}
-        followers = [n for n in _between(first.next, needed[-1]) if not n.users and n not in inside
-                     and not is_grad_switch(n) and all(a in inside or a.op == "get_attr" for a in n.all_input_nodes)]
-        constants = {a for n in followers for a in n.all_input_nodes if a not in inside}  # (get_attr)
-        needed = sorted({*needed, *followers, *constants}, key=order.__getitem__)
-    # the nodes that stay between the reads, each one's effects read once
-    chosen = set(needed)
-    made = set().union(*(storages_of(n) - set().union(*(storages_of(a) for a in n.all_input_nodes))
-                         for n in needed)) if writes_made else set()
-    staying = [(p, effects(p)) for p in _between(first, until) if p not in moving and p not in chosen]
-    for node in needed:
-        mine = effects(node)
-        why = refuse(node) or _why_it_stays(node, mine, frozenset(made))
-        if why is None:
-            why = next((f"{reason}: {p.name}" for p, theirs in staying if order[p] < order[node]
-                        if (reason := _passing(mine, p, theirs, across_modes)) is not None), None)
-        if why is not None:
-            return [], f"{node.name} {why}"
-    read_from = set().union(*(storages_of(a) for a in arguments))
-    for step, found in staying:  # what the prefetch reads must be what the read would
-        if found.unknown or found.writes & read_from:
-            return [], f"{step.name} may write what it reads, between the reads"
-    return needed, None
-
-
-def _between(first: fx.Node, node: fx.Node) -> Iterable[fx.Node]:
-    """``first`` and the nodes after it, up to ``node`` (excluded)."""
-    step = first
-    while step is not node:
-        yield step
-        step = step.next
-
-
-def _why_it_stays(node: fx.Node, found: Effects, made: frozenset[int] = frozenset()) -> str | None:
-    if node.op == "get_attr":  # (a constant of the graph module: read, never written)
-        return None
-    if not node.op.startswith("call"):
-        return "is not a call"
-    if getattr(node.target, "host_reads", ()):  # another read (moved, it would precede the prefetch)
-        return "reads on the host"
-    if found.unknown:
-        return "has unknown effects"
-    if found.writes and not found.writes <= made:
-        return "writes memory"
-    if found.random:
-        return "draws random numbers"
-    facts = node_facts(node)
-    if facts is None or facts.host_read:
-        return "reads on the host" if facts is not None else "has no metadata"
-    return None
-
-
-def _passing(mine: Effects, passed: fx.Node, theirs: Effects, across_modes: bool) -> str | None:
-    if is_grad_switch(passed):
-        return None if across_modes and _set_to(passed) is not None else "would pass a grad-mode switch"
-    return conflict(mine, theirs)
 
 
 def _rewrite(graph: fx.Graph, first: fx.Node, joined: list[fx.Node], moved: list[fx.Node]) -> None:
