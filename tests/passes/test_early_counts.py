@@ -111,6 +111,17 @@ def test_the_second_branch_counts_are_read_with_the_first():
     assert fast.stats.optimized >= 4 and syncs.total == 1, syncs.counts
 
 
+def test_a_count_over_its_capacity_runs_the_call_again():
+    """The merged read finds a count over its capacity (64 rows at first), after the attribute
+    writes moved before it: the call is abandoned and run again with grown capacities; values,
+    gradients and the attributes equal native's."""
+    native, fast = TwoBranches(), _optimized(TwoBranches())
+    for seed, (n, m) in enumerate([(9, 7), (10, 8), (300, 280), (12, 9), (3, 400)]):
+        _equal(native, fast, _inputs(n, m, seed))
+    grown = [k for k in fast.stats.abandoned if k.startswith("selection-capacity")]
+    assert grown and fast.stats.optimized == 5 and not fast.stats.native, fast.stats.render()
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.integers(0, 12), st.integers(0, 12), st.integers(0, 2**31 - 1))
 def test_values_and_gradients_equal_native_over_selections(n, m, seed):
