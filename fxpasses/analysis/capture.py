@@ -313,40 +313,40 @@ def _plan_regions(gm: fx.GraphModule, devices: Sequence[str], min_region_ops: in
                   partition: bool = True) -> CapturePlan:
     local = candidates = local_write_candidates(gm.graph)
     eager_views: set[fx.Node] = set()
-    late: set[fx.Node] = set()  # count reads that fusing would move past a check point, attribute
+    pinned: set[fx.Node] = set()  # count reads that fusing would move past a check point, attribute
     # writes it would move past a read or write of their attribute: barriers
     while True:  # local writes whose regions do not hold what touches their memory: barriers;
-        # outputs that would leave the memory a later write changes: eager; count reads that the
-        # fused regions would move past their check points: barriers
+        # outputs that would leave the memory a later write changes: eager; count reads and
+        # attribute writes that the fused regions would move too far: barriers
         plan = _plan(gm, devices, min_region_ops, count_copies, static, frozenset(candidates),
-                     frozenset(eager_views), varying, partition, frozenset(late))
+                     frozenset(eager_views), varying, partition, frozenset(pinned))
         region_of = {n: i for i, region in enumerate(plan.regions) for n in region}
         broken = _broken_local_writes(gm.graph, candidates, region_of)
         apart = _handed_apart(gm.graph, plan.regions + plan.too_small) - eager_views
         place = {n.name: i for n, i in fused_order(gm.graph, plan.regions).items()} \
             if not broken and not apart and plan.regions else {}
         late_now = late_reads(gm.graph, place) if place else set()
-        moved = moved_writes(gm.graph, place) - late if place else set()
+        moved = moved_writes(gm.graph, place) - pinned if place else set()
         if not broken and not apart and not late_now and not moved:
             plan.barrier_writes = {w: s for w, s in local.items() if w not in candidates}
             plan.static = static
             plan.varying = varying
             return plan
-        if not broken and not apart and not moved and late_now <= late:  # barriers already: no plan helps
+        if not broken and not apart and not moved and late_now <= pinned:  # barriers already: no plan helps
             raise ValueError(f"count read(s) {sorted(n.name for n in late_now)} follow a check point "
                              "in the graph's own order: SelectRows places each read before its check points")
         candidates = {w: s for w, s in candidates.items() if w not in broken}
         eager_views |= apart
-        late |= late_now | moved
+        pinned |= late_now | moved
 
 
 def _plan(gm: fx.GraphModule, devices: Sequence[str], min_region_ops: int, count_copies: bool,
           static: frozenset, local_writes: frozenset, eager_views: frozenset = frozenset(),
           varying: VaryingRows = NO_VARYING_ROWS, partition: bool = True,
-          late: frozenset = frozenset()) -> CapturePlan:
+          pinned: frozenset = frozenset()) -> CapturePlan:
     verdicts = {n: classify(n, devices, static, local_writes=local_writes, eager_views=eager_views,
                             varying=varying) for n in gm.graph.nodes}
-    for node in late:  # a count read that regions around it would move past its check point
+    for node in pinned:  # a count read or attribute write that regions around it would move too far
         verdicts[node] = dataclasses.replace(verdicts[node], barrier=True)
     found = [b for b in no_grad_blocks(gm.graph) if any(verdicts[n].capturable for n in b.inner)]
     blocks = [b for b in found if all((verdicts[n].capturable or _outside_block_ok(n)) and not verdicts[n].barrier

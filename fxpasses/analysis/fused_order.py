@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from ..ir.trace_ops import ReadSource, ReadState, WriteAttribute
 from ..runtime.select import CheckCounts
-from .order import conflict
+from .order import conflict, effects
 
 
 def fused_order(graph: fx.Graph, regions: Sequence[list[fx.Node]]) -> dict[fx.Node, int]:
@@ -99,12 +99,11 @@ def moved_writes(graph: fx.Graph, place: dict[str, int]) -> set[fx.Node]:
     other side of a read or write of an attribute they may touch (:func:`~.order.conflict`): a
     write that reads a region's value moves after the region's call, past such a node that
     stayed where it was."""
-    touching = [n for n in graph.nodes if n.op == "call_function"
-                and isinstance(n.target, (ReadSource, ReadState, WriteAttribute))]
+    touching = [(n, effects(n)) for n in graph.nodes if n.op == "call_function"
+                and isinstance(n.target, (ReadSource, ReadState, WriteAttribute))]  # effects read once
     found = set()
-    for i, a in enumerate(touching):
-        for b in touching[i + 1:]:
-            if place[a.name] >= place[b.name] and (isinstance(a.target, WriteAttribute)
-                                                   or isinstance(b.target, WriteAttribute)) and conflict(a, b):
+    for i, (a, of_a) in enumerate(touching):
+        for b, of_b in touching[i + 1:]:
+            if place[a.name] >= place[b.name] and conflict(of_a, of_b):  # (two reads never conflict)
                 found |= {n for n in (a, b) if isinstance(n.target, WriteAttribute)}
     return found

@@ -128,7 +128,7 @@ def _tensorless(node: fx.Node) -> bool:
 
 def _reads(node: fx.Node) -> frozenset[int] | None:
     """Storages of the node's tensor inputs; None when an input computed by the graph has no
-    metadata (what it aliases is unknown) and is known to hold no tensor."""
+    metadata (what it aliases is unknown), unless it is known to hold no tensor."""
     storages: set[int] = set()
     for arg in node.all_input_nodes:
         if "val" not in arg.meta and arg.op.startswith("call") and not _tensorless(arg):

@@ -36,7 +36,7 @@ def traced_grad_modes(gm: fx.GraphModule, nodes: list[fx.Node]) -> dict[fx.Node,
     modes, mode = {}, getattr(info, "grad_enabled", "unknown")
     for node in nodes:
         if is_grad_switch(node):
-            mode = switch_mode(node) if switch_mode(node) is not None else node.name
+            mode = node.name if switch_mode(node) is None else switch_mode(node)
         modes[node] = mode
     return modes
 
@@ -67,9 +67,10 @@ def drop_redundant_switches(gm: fx.GraphModule, pass_name: str) -> list[Certific
             if _opaque(node):
                 opaque.append(node.name)
             continue
-        overridden = switch_mode(node) is not None and is_grad_switch(node.next) and \
-            switch_mode(node.next) not in (None, switch_mode(node))  # (to the same mode: the next is redundant)
-        if not overridden and (switch_mode(node) is None or switch_mode(node) != mode):
+        sets = switch_mode(node)
+        overridden = sets is not None and is_grad_switch(node.next) and \
+            switch_mode(node.next) not in (None, sets)  # (to the same mode: the next is redundant)
+        if not overridden and (sets is None or sets != mode):
             mode, set_by, opaque = modes[node], node.name, []
             continue
         location = node_location(node)

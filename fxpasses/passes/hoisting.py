@@ -46,10 +46,14 @@ def hoistable(arguments: Sequence[fx.Node], first: fx.Node, until: fx.Node, movi
         return [], "needs the first read"
     needed = sorted((n for n in ancestors if order[n] > order[first] and n not in moving), key=order.__getitem__)
     if with_effects and needed:  # checks and attribute writes among the moving nodes
-        inside = set(needed) | {n for n in first.graph.nodes if order[n] < order[first]}
-        followers = [n for n in _between(first.next, needed[-1]) if not n.users and n not in inside
-                     and not is_grad_switch(n) and all(a in inside or a.op == "get_attr" for a in n.all_input_nodes)]
-        constants = {a for n in followers for a in n.all_input_nodes if a not in inside}  # (get_attr)
+        moving_now = set(needed)
+
+        def ready(arg: fx.Node) -> bool:  # computed before ``first``, or moving
+            return order[arg] < order[first] or arg in moving_now
+
+        followers = [n for n in _between(first.next, needed[-1]) if not n.users and n not in moving_now
+                     and not is_grad_switch(n) and all(ready(a) or a.op == "get_attr" for a in n.all_input_nodes)]
+        constants = {a for n in followers for a in n.all_input_nodes if not ready(a)}  # (get_attr)
         needed = sorted({*needed, *followers, *constants}, key=order.__getitem__)
     # the nodes that stay between the reads, each one's effects read once
     chosen = set(needed)

@@ -27,7 +27,6 @@ join says why. Written by hand: torch.fx has no scheduler.
 
 from __future__ import annotations
 
-
 import torch
 import torch.fx as fx
 
