@@ -225,8 +225,10 @@ def share_duplicates(gm: fx.GraphModule, pass_name: str) -> list[Certificate]:
         mirrored.update(found)
     refused = [_certificate(pass_name, kept, [other], why) for kept, other, why in refused]
     shared = {**shared, **mirrored}
-    equal = {other: kept for other, kept in equal.items()  # only where it let a duplicate share
-             if any(u in shared for u in other.users)}
+    # only where it let a duplicate share; not for a size shared itself with the one it equals
+    # (it computes that one's value from the same inputs: its guard would compare a node with itself)
+    equal = {other: kept for other, kept in equal.items()
+             if any(u in shared for u in other.users) and shared.get(other) is not kept}
     if not shared:
         return refused
     guards = {other: _guard(gm, kept, other) for other, kept in equal.items()}

@@ -62,6 +62,15 @@ class CountingTwoBranches(TwoBranches):
         return super().forward(many, one, batch_idx, values)
 
 
+class FlattenedTwoBranches(TwoBranches):
+    """:class:`TwoBranches` whose branches each flatten ``batch_idx`` first, as the real
+    criterion's do (``batch_idx.view(-1)``, then ``len()`` of it): the second branch's flatten and
+    its length are duplicates of the first's, and that length also equals the first's size."""
+
+    def pack(self, batch_idx, values, images, scale):
+        return super().pack(batch_idx.flatten(), values, images, scale)
+
+
 class TwoDraws(nn.Module):
     """The same random draw made twice: two draws, not one."""
 

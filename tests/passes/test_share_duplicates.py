@@ -141,6 +141,29 @@ def test_branches_whose_batch_sizes_differ_fail_the_equal_size_guard_and_run_nat
     assert sum(fast.stats.abandoned.values()) == 1
 
 
+def test_a_size_shared_with_the_one_it_equals_gets_no_guard_comparing_it_with_itself():
+    """Each branch's ``len(batch_idx.flatten())``: the second is a duplicate of the first (the
+    same op on the same input) and equal to it; sharing it is proof enough, and a guard
+    ``ExpectEqualSizes(n, n)`` (it was made, then rewired to one node) checked nothing on every
+    call. The guard on the predictions' batch sizes stays, and values and gradients are native's."""
+    from fxpasses.ir.trace_ops import ExpectEqualSizes
+    loss = helpers.FlattenedTwoBranches()
+    fast = optimize(loss, passes=[_capture()])
+    for seed, counts in enumerate([(2, 1, 3), (1, 4, 0)]):
+        inputs, reference = _inputs(counts, seed), _inputs(counts, seed)
+        got, want = fast(*inputs), loss(*reference)
+        got.backward()
+        want.backward()
+        assert abs(float(got.detach()) - float(want.detach())) <= 1e-10 * (1 + abs(float(want.detach())))
+        for a, b in zip(inputs[:2], reference[:2]):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)
+    guards = [n.args for n in fast.graph_module.graph.nodes if isinstance(n.target, ExpectEqualSizes)]
+    assert guards and all(a is not b for a, b in guards)
+    recorded = [g for c in _shared(fast) for g in c.guards]
+    assert len(recorded) == len(guards)
+    assert fast.stats.optimized == 2
+
+
 def test_no_equal_size_guard_after_a_write_of_the_loss_state():
     """A loss that writes its own buffer first: a guard added later could abandon a call whose
     write is already done, so the two branches keep their own batch sizes (and bincounts)."""
