@@ -271,6 +271,14 @@ _CODES = (
          "host, draws random numbers, has unknown effects, or conflicts with a node it would pass).",
          "Nothing to do; each read waits for the device on its own. The certificate's evidence "
          "names the node that holds the work back."),
+    Code("work-not-moved-into-region", "refusal",
+         "Two captured regions stay two: barriers (an in-place write whose shape varies per call, a "
+         "host read) stand between them, and the earlier region's work that only the later side "
+         "needs could not move after them (a node is used before the later region, writes memory, "
+         "reads on the host, draws random numbers, runs in another grad mode, or conflicts with a "
+         "node it would pass), or moving it left as many regions.",
+         "Nothing to do; each region replays on its own. The certificate's evidence names the "
+         "nodes held back and why."),
     Code("reads-not-joined", "refusal",
          "The loss reads several scalars on the host (sizes read from its targets), and none after "
          "the first could be read with it in one transfer: what a later read needs is computed after "

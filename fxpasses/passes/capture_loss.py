@@ -67,6 +67,7 @@ from .overlap_reads import overlap_reads
 from .prefetch_reads import prefetch_reads
 from .pad_capacity import pad_capacities
 from .share_duplicates import share_duplicates
+from .sink_to_regions import sink_to_regions
 
 _PREFIX = "capture_region_"
 def _histogram(nodes: Sequence[fx.Node], verdicts: dict[fx.Node, Verdict]) -> dict[str, int]:
@@ -224,6 +225,8 @@ class CaptureLoss:
         switches = drop_redundant_switches(gm, self.name)
         unfolded_copies = copy_graph_module(gm)
         plan, writes = plan_with_copies(gm, self.name, self.devices, self.min_region_ops, self.count_copies)
+        plan, sunk = sink_to_regions(gm, plan, self.name, lambda: plan_regions(
+            gm, self.devices, self.min_region_ops, self.count_copies))
         if not plan.regions and any(c.applied for c in writes):  # copies that gain nothing: undone
             gm = unfolded_copies
             plan = plan_regions(gm, self.devices, self.min_region_ops, self.count_copies)
@@ -233,7 +236,8 @@ class CaptureLoss:
             # a partitioned block's nodes would run eagerly without its switches: none is
             plan = plan_regions(gm, self.devices, self.min_region_ops, self.count_copies, partition=False)
             region_certs = [self._region_certificate(gm, i, nodes, plan) for i, nodes in enumerate(plan.regions)]
-        certificates = shared + folded + padded + switches + prefetched + writes + self._refusals(plan) + self._too_small(plan)
+        certificates = shared + folded + padded + switches + prefetched + writes + sunk + self._refusals(plan) + \
+            self._too_small(plan)
         names = [f"{_PREFIX}{i}" for i, cert in enumerate(region_certs) if cert.applied]
         plan.regions = [nodes for nodes, cert in zip(plan.regions, region_certs) if cert.applied]
         calls = [(node, fact) for node in gm.graph.nodes
