@@ -19,7 +19,10 @@ values (:mod:`.copy_writes`, a certificate per such write, copied or kept as a b
 are undone when no region is captured. Zero buffers sized from data become capacities where a
 witness allows (:mod:`.pad_capacity`), grad-mode switches to the mode in effect are dropped
 (:mod:`.grad_switches`), and the loss's later host reads of scalars join its first in one transfer
-(:mod:`.prefetch_reads`). After fusing, count reads that now follow each other with their counts
+(:mod:`.prefetch_reads`), as does the count work of a later count read, which merges it with an
+earlier one (:mod:`.early_counts`). Once planned, work a region does only for a later one beyond
+barriers moves into that one where the regions then hold fewer static buffers
+(:mod:`.sink_to_regions`). After fusing, count reads that now follow each other with their counts
 ready become one wait (:mod:`.merge_reads`), and the nodes after each read that need neither its
 counts nor anything computed from them are issued before it, while the counts travel
 (:mod:`.overlap_reads`).
