@@ -38,6 +38,8 @@ class RuntimeOp:
     ``host_reads``: the positions of the arguments (0-dim tensors) it reads on the host; such an
     op also takes ``prefetched`` and ``at``, their values read earlier with other reads in one
     transfer (:mod:`fxpasses.passes.prefetch_reads`).
+    ``made_once``: the host work its propagation shows (a copy from host memory) happens on its
+    first call with given inputs only; later calls hand back what it kept, waiting for nothing.
     """
 
     pure = False
@@ -47,6 +49,7 @@ class RuntimeOp:
     adjustments = 0
     tensorless = False
     host_reads: tuple[int, ...] = ()
+    made_once = False
 
     def __init__(self, op_id: str):
         self.op_id = op_id

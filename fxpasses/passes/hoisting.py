@@ -3,7 +3,9 @@ host read needs, moved before an earlier read so that the two wait once).
 
 :func:`hoistable`: the nodes after ``first`` that some ``arguments`` need, when each may run
 before ``first``: of known effects, writing no memory (or, where the caller moves the work's
-effects with it, only memory the moving nodes made), drawing no random number, reading nothing on the host, not passing a
+effects with it, only memory the moving nodes made), drawing no random number, reading nothing on
+the host (a constant copied from the host on its first call only, ``RuntimeOp.made_once``, waits
+for nothing after), not passing a
 grad-mode switch (or, where the caller moves each node with its mode, a constant one), and not
 conflicting (:func:`fxpasses.analysis.order.conflict`: memory, attributes) with a node it passes;
 and no node that stays between ``first`` and where the arguments are read may write what they
@@ -97,8 +99,10 @@ def _why_it_stays(node: fx.Node, found: Effects, made: frozenset[int] = frozense
     if found.random:
         return "draws random numbers"
     facts = node_facts(node)
-    if facts is None or facts.host_read:
-        return "reads on the host" if facts is not None else "has no metadata"
+    if facts is None:
+        return "has no metadata"
+    if facts.host_read and not getattr(node.target, "made_once", False):  # (a kept constant: no wait)
+        return "reads on the host"
     return None
 
 

@@ -139,8 +139,10 @@ def _why_it_stays(node: fx.Node, moving: set[fx.Node], dest: fx.Node, order: dic
     if found.random:
         return "draws random numbers"
     facts = node_facts(node)
-    if facts is None or facts.host_read or getattr(node.target, "host_reads", ()):
-        return "reads on the host" if facts is not None else "has no metadata"
+    if facts is None:
+        return "has no metadata"
+    if (facts.host_read and not getattr(node.target, "made_once", False)) or getattr(node.target, "host_reads", ()):
+        return "reads on the host"
     return None
 
 

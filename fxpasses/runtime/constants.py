@@ -37,6 +37,7 @@ class DeviceConstant(RuntimeOp):
     pure = True
     grad_free = True
     capturable = True  # made in the eager warm-up before a recording; read in place by replays
+    made_once = True  # its copy from the host: on the first call with these inputs only
 
     def __init__(self, op_id: str, compute: Callable[..., torch.Tensor]):
         super().__init__(op_id)
