@@ -209,3 +209,38 @@ def test_the_targets_size_guards_run_before_every_region(pose_model):
     (abandoned,) = fast.stats.abandoned
     assert abandoned.startswith("guard-failed at ") and abandoned.endswith("utils/loss.py:396"), fast.stats.render()
     assert fast.stats.optimized == 2 and fast.stats.native == {"guard-failed": 1}, fast.stats.render()
+
+
+def test_with_the_anchor_constants_copied_from_the_host_as_on_a_gpu_the_count_reads_are_one(
+        pose_model, monkeypatch):
+    """On a GPU each anchor grid (``torch.arange(w).type_as(feats)``, tal.py:561, a constant made
+    once) copies host memory to the device when its shapes are propagated, and propagation records
+    a host read (here its ops are taken as such copies); the one-to-one branch's grids stand between its count work and the earlier count
+    read (found in a trainer's fit under autocast: two waits a step). A constant made once waits
+    for nothing after its first call and may move: the four reads stay one."""
+    from fxpasses.analysis import meta
+    from fxpasses.analysis.ops import node_facts
+    from fxpasses.runtime.constants import DeviceConstant
+
+    inside: list[int] = []
+
+    def propagate(self, *inputs):  # its ops seen as copies from the host, as a GPU's are
+        inside.append(1)
+        try:
+            return self.compute(*inputs)
+        finally:
+            inside.pop()
+
+    seen_as_copy = meta._copies_from_the_host
+    monkeypatch.setattr(DeviceConstant, "propagate", propagate)
+    monkeypatch.setattr(meta, "_copies_from_the_host", lambda values: bool(inside) or seen_as_copy(values))
+    crit = pose_model.init_criterion()
+    fast = optimize(crit, passes=[PairRLE(), SelectRows(), CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder())])
+    for seed in range(2):
+        total, _ = fast(pose_preds(2, seed=seed, image_size=128), pose_batch(2, seed=seed, image_size=128))
+        total.sum().backward()
+    gm = fast.specializations[0].graph_module
+    constants = [n for m in gm.modules() if isinstance(m, torch.fx.GraphModule)  # (regions' too)
+                 for n in m.graph.nodes if isinstance(n.target, DeviceConstant)]
+    assert any(node_facts(n) is not None and node_facts(n).host_read for n in constants)
+    assert len([n for n in gm.graph.nodes if isinstance(n.target, CheckCounts)]) == 1
