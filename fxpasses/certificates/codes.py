@@ -276,7 +276,7 @@ _CODES = (
          "host read) stand between them, and the earlier region's work that only the later side "
          "needs could not move after them (a node is used before the later region, writes memory, "
          "reads on the host, draws random numbers, runs in another grad mode, or conflicts with a "
-         "node it would pass), or moving it left as many regions.",
+         "node it would pass), or the regions would then hold as many static buffers or more.",
          "Nothing to do; each region replays on its own. The certificate's evidence names the "
          "nodes held back and why."),
     Code("reads-not-joined", "refusal",

@@ -12,15 +12,17 @@ another, and the decoded keypoints (batch x anchors x 17 x 5 floats) cross from 
 other: the producer's static output, the consumer's static copy of it, a gradient buffer on each
 side, and a region's replay more on every call.
 
-For two regions with barriers between them, the nodes of the earlier one that only the later
-side needs (each user after the later region's first node, or itself moved) move to just before
-that node, in their order, where each may: a call of known effects that writes no memory, draws
-no random number and reads nothing on the host, whose grad mode is the one in effect there, and
-that conflicts (:func:`fxpasses.analysis.order.conflict`: memory, attributes) with no node it
+For two regions with barriers between them, the capturable nodes from the earlier region's
+first node on (its own, and those between the barriers) that only the later side needs (each user
+after the later region's first node, or itself moved) move to just before that node, in their
+order, where each may: a call of known effects that writes no memory, draws no random number and
+reads nothing on the host (a constant copied from the host on its first call only,
+``RuntimeOp.made_once``, waits for nothing after), whose grad mode is the one in effect there,
+and that conflicts (:func:`fxpasses.analysis.order.conflict`: memory, attributes) with no node it
 passes. Pure work moved later, still before its first user, computes the same values. The
-regions are planned again, and the move is kept only where the plan has fewer regions (else the
-nodes go back). A certificate per pair of regions: moved, or why not. Written by hand: torch.fx
-has no scheduler.
+regions are planned again, and the move is kept only where they then receive and hand on fewer
+tensors (static buffers; as many, in fewer regions), else the nodes go back. A certificate per
+pair of regions: moved, or why not. Written by hand: torch.fx has no scheduler.
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ from .hoisting import graph_order
 
 def sink_to_regions(gm: fx.GraphModule, plan: CapturePlan, pass_name: str,
                     replan: Callable[[], CapturePlan]) -> tuple[CapturePlan, list[Certificate]]:
-    """Move into each later region the work an earlier one does only for it (see the module
-    docstring), in place, while that leaves fewer regions; the final plan, and a certificate per
-    pair of regions with barriers between them."""
+    """Move into each later region the work done before it only for it (see the module
+    docstring), in place, where the regions then hold fewer static buffers; the final plan, and a
+    certificate per pair of regions with barriers between them."""
     certificates: list[Certificate] = []
     tried: set[tuple[str, ...]] = set()
     while True:
@@ -56,14 +58,14 @@ def sink_to_regions(gm: fx.GraphModule, plan: CapturePlan, pass_name: str,
         movable = {n for n in _between(earlier[0].prev, later[0]) if plan.verdicts[n].capturable}
         moving, held = _sinkable(gm, earlier[0], movable, later[0], order)
         site = Site(tuple(n.name for n in (earlier[0], later[0])),
-                    tuple(dict.fromkeys(filter(None, (node_location(n) for n in (*earlier, later[0]))))),
+                    tuple(dict.fromkeys(filter(None, map(node_location, (earlier[0], earlier[-1], later[0]))))),
                     f"regions from {earlier[0].name} and from {later[0].name}")
         evidence: dict[str, Any] = {"earlier_region_nodes": len(earlier), "sinkable": len(moving),
                                     "held_back": dict(list(held.items())[:8])}
         if not moving:
             certificates.append(_certificate(pass_name, site, False, evidence, "nothing moves"))
             continue
-        places = _move(moving, later[0], order)
+        places = _move(moving, later[0])
         moved_plan = replan()
         before, after = _cost(plan), _cost(moved_plan)
         evidence |= {"regions_before": before[1], "regions_after": after[1],
@@ -72,9 +74,9 @@ def sink_to_regions(gm: fx.GraphModule, plan: CapturePlan, pass_name: str,
             certificates.append(_certificate(pass_name, site, True, evidence))
             plan = moved_plan
             tried.clear()  # the regions are new: each pair may be tried again (each success
-            continue       # leaves a region fewer, so this ends)
+            continue       # lowers the cost, a pair of natural numbers: this ends)
         _restore(places)  # the graph is as it was: so is its plan
-        certificates.append(_certificate(pass_name, site, False, evidence, "no region fewer"))
+        certificates.append(_certificate(pass_name, site, False, evidence, "no fewer static buffers"))
 
 
 def _cost(plan: CapturePlan) -> tuple[int, int]:
@@ -93,12 +95,6 @@ def _between(first: fx.Node, last: fx.Node):
         step = step.next
 
 
-def _mode_before(node: fx.Node, modes: dict[fx.Node, Any], initial: Any) -> Any:
-    """The grad mode in effect just before ``node`` runs."""
-    previous = node.prev
-    return modes[previous] if previous.op != "root" else initial
-
-
 def _sinkable(gm: fx.GraphModule, start: fx.Node, movable: set[fx.Node], dest: fx.Node,
               order: dict[fx.Node, int]) -> tuple[list[fx.Node], dict[str, str]]:
     """The nodes of ``movable`` (from ``start`` on) that may move to just before ``dest``, and
@@ -106,7 +102,7 @@ def _sinkable(gm: fx.GraphModule, start: fx.Node, movable: set[fx.Node], dest: f
     nodes = list(gm.graph.nodes)
     modes = traced_grad_modes(gm, nodes)
     first = order[start]
-    wanted = _mode_before(dest, modes, modes[nodes[0]] if not is_grad_switch(nodes[0]) else None)
+    wanted = modes[dest.prev]  # the mode in effect just before dest (placeholders come first)
     moving: set[fx.Node] = set()
     staying = []  # (node, effects) of the nodes that stay between a candidate and dest
     held: dict[str, str] = {}
@@ -146,7 +142,7 @@ def _why_it_stays(node: fx.Node, moving: set[fx.Node], dest: fx.Node, order: dic
     return None
 
 
-def _move(moving: list[fx.Node], dest: fx.Node, order: dict[fx.Node, int]) -> list[tuple[fx.Node, fx.Node]]:
+def _move(moving: list[fx.Node], dest: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
     """Move ``moving`` (in graph order) to just before ``dest``; (node, the node it followed)."""
     places = [(node, node.prev) for node in moving]
     for node in moving:
@@ -163,6 +159,7 @@ def _restore(places: list[tuple[fx.Node, fx.Node]]) -> None:
 def _certificate(pass_name: str, site: Site, applied: bool, evidence: dict, why: str | None = None) -> Certificate:
     check = Check("work-moved-into-later-region", applied, evidence | ({"refused": why} if why else {}),
                   None if applied else "work-not-moved-into-region")
-    effect = {"moved": f"{evidence['sinkable']} node(s) of the earlier region, to just before the later one",
+    effect = {"moved": f"{evidence['sinkable']} node(s), to just before the later region",
+              "static_buffers": f"{evidence['buffers_before']} -> {evidence['buffers_after']} tensors",
               "regions": f"{evidence['regions_before']} -> {evidence['regions_after']}"} if applied else {}
     return Certificate.from_checks(pass_name, site, [check], effect=effect)
