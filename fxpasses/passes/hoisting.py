@@ -53,7 +53,7 @@ def hoistable(arguments: Sequence[fx.Node], first: fx.Node, until: fx.Node, movi
         def ready(arg: fx.Node) -> bool:  # computed before ``first``, or moving
             return order[arg] < order[first] or arg in moving_now
 
-        followers = [n for n in _between(first.next, needed[-1]) if not n.users and n not in moving_now
+        followers = [n for n in between(first.next, needed[-1]) if not n.users and n not in moving_now
                      and not is_grad_switch(n) and all(ready(a) or a.op == "get_attr" for a in n.all_input_nodes)]
         constants = {a for n in followers for a in n.all_input_nodes if not ready(a)}  # (get_attr)
         needed = sorted({*needed, *followers, *constants}, key=order.__getitem__)
@@ -61,10 +61,10 @@ def hoistable(arguments: Sequence[fx.Node], first: fx.Node, until: fx.Node, movi
     chosen = set(needed)
     made = set().union(*(storages_of(n) - set().union(*(storages_of(a) for a in n.all_input_nodes))
                          for n in needed)) if with_effects else set()
-    staying = [(p, effects(p)) for p in _between(first, until) if p not in moving and p not in chosen]
+    staying = [(p, effects(p)) for p in between(first, until) if p not in moving and p not in chosen]
     for node in needed:
         mine = effects(node)
-        why = refuse(node) or _why_it_stays(node, mine, frozenset(made))
+        why = refuse(node) or why_it_stays(node, mine, frozenset(made))
         if why is None:
             why = next((f"{reason}: {p.name}" for p, theirs in staying if order[p] < order[node]
                         if (reason := _passing(mine, p, theirs, across_modes)) is not None), None)
@@ -77,15 +77,20 @@ def hoistable(arguments: Sequence[fx.Node], first: fx.Node, until: fx.Node, movi
     return needed, None
 
 
-def _between(first: fx.Node, node: fx.Node) -> Iterable[fx.Node]:
-    """``first`` and the nodes after it, up to ``node`` (excluded)."""
+def between(first: fx.Node, node: fx.Node) -> Iterable[fx.Node]:
+    """``first`` and the nodes after it, up to ``node`` (excluded), or to the graph's end where
+    ``node`` does not follow ``first`` (two regions whose nodes interleave)."""
     step = first
-    while step is not node:
+    while step is not node and step.op != "root":
         yield step
         step = step.next
 
 
-def _why_it_stays(node: fx.Node, found: Effects, made: frozenset[int] = frozenset()) -> str | None:
+def why_it_stays(node: fx.Node, found: Effects, made: frozenset[int] = frozenset()) -> str | None:
+    """Why ``node`` (its effects ``found``) may not run elsewhere than where it is, whatever it
+    passes, or None: not a call, an unknown effect, a write (but to memory in ``made``), a random
+    draw, a read on the host (a constant copied from the host on its first call only, ``made_once``,
+    waits for nothing after), no metadata. Also the rule :mod:`.sink_to_regions` moves nodes by."""
     if node.op == "get_attr":  # (a constant of the graph module: read, never written)
         return None
     if not node.op.startswith("call"):

@@ -32,12 +32,11 @@ from typing import Any, Callable
 import torch.fx as fx
 
 from ..analysis.capture import CapturePlan, is_grad_switch
-from ..analysis.ops import node_facts
-from ..analysis.order import conflict, effects
+from ..analysis.order import Effects, conflict, effects
 from ..certificates import Certificate, Check, Site
 from ..locations import node_location
 from .grad_switches import traced_grad_modes
-from .hoisting import graph_order
+from .hoisting import between, graph_order, why_it_stays
 
 
 def sink_to_regions(gm: fx.GraphModule, plan: CapturePlan, pass_name: str,
@@ -50,12 +49,12 @@ def sink_to_regions(gm: fx.GraphModule, plan: CapturePlan, pass_name: str,
     while True:
         order = graph_order(gm.graph)
         pairs = [(a, b) for a, b in zip(plan.regions, plan.regions[1:])
-                 if _key(a, b) not in tried and any(plan.verdicts[n].barrier for n in _between(a[-1], b[0]))]
+                 if _key(a, b) not in tried and any(plan.verdicts[n].barrier for n in between(a[-1].next, b[0]))]
         if not pairs:
             return plan, certificates
         earlier, later = pairs[0]
         tried.add(_key(earlier, later))
-        movable = {n for n in _between(earlier[0].prev, later[0]) if plan.verdicts[n].capturable}
+        movable = {n for n in between(earlier[0], later[0]) if plan.verdicts[n].capturable}
         moving, held = _sinkable(gm, earlier[0], movable, later[0], order)
         site = Site(tuple(n.name for n in (earlier[0], later[0])),
                     tuple(dict.fromkeys(filter(None, map(node_location, (earlier[0], earlier[-1], later[0]))))),
@@ -88,13 +87,6 @@ def _key(earlier: list[fx.Node], later: list[fx.Node]) -> tuple[str, ...]:
     return (earlier[0].name, earlier[-1].name, later[0].name, later[-1].name)
 
 
-def _between(first: fx.Node, last: fx.Node):
-    step = first.next
-    while step is not last and step.op != "root":
-        yield step
-        step = step.next
-
-
 def _sinkable(gm: fx.GraphModule, start: fx.Node, movable: set[fx.Node], dest: fx.Node,
               order: dict[fx.Node, int]) -> tuple[list[fx.Node], dict[str, str]]:
     """The nodes of ``movable`` (from ``start`` on) that may move to just before ``dest``, and
@@ -107,9 +99,9 @@ def _sinkable(gm: fx.GraphModule, start: fx.Node, movable: set[fx.Node], dest: f
     staying = []  # (node, effects) of the nodes that stay between a candidate and dest
     held: dict[str, str] = {}
     for node in reversed(nodes[first:order[dest]]):
-        why = _why_it_stays(node, moving, dest, order, modes, wanted) if node in movable else "not capturable"
+        mine = effects(node)
+        why = _why_it_stays(node, mine, moving, dest, order, modes, wanted) if node in movable else "not capturable"
         if why is None:
-            mine = effects(node)
             why = next((f"{reason}: {p.name}" for p, theirs in staying
                         if not is_grad_switch(p) and (reason := conflict(mine, theirs)) is not None), None)
         if why is None:
@@ -117,29 +109,22 @@ def _sinkable(gm: fx.GraphModule, start: fx.Node, movable: set[fx.Node], dest: f
             continue
         if node in movable and len(held) < 64:
             held[node.name] = why
-        staying.append((node, effects(node)))
+        staying.append((node, mine))
     return sorted(moving, key=order.__getitem__), held
 
 
-def _why_it_stays(node: fx.Node, moving: set[fx.Node], dest: fx.Node, order: dict[fx.Node, int],
-                  modes: dict[fx.Node, Any], wanted: Any) -> str | None:
+def _why_it_stays(node: fx.Node, found: Effects, moving: set[fx.Node], dest: fx.Node,
+                  order: dict[fx.Node, int], modes: dict[fx.Node, Any], wanted: Any) -> str | None:
+    """Why ``node`` may not move to just before ``dest``: a user before it, not a call or a
+    grad-mode switch, another grad mode there, or hoisting's rule (:func:`~.hoisting.why_it_stays`,
+    writing no memory at all)."""
     if any(u not in moving and order[u] < order[dest] for u in node.users):
         return "used before the later region"
     if not node.op.startswith("call") or is_grad_switch(node):
         return "is not a plain call"
     if modes[node] != wanted or not isinstance(wanted, bool):
         return "another grad mode than the later region's"
-    found = effects(node)
-    if found.unknown or found.writes:
-        return "writes memory" if not found.unknown else "has unknown effects"
-    if found.random:
-        return "draws random numbers"
-    facts = node_facts(node)
-    if facts is None:
-        return "has no metadata"
-    if (facts.host_read and not getattr(node.target, "made_once", False)) or getattr(node.target, "host_reads", ()):
-        return "reads on the host"
-    return None
+    return why_it_stays(node, found)
 
 
 def _move(moving: list[fx.Node], dest: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
