@@ -7,7 +7,7 @@ loss.py:405 and :790) makes a zero buffer as long as the most objects in one ima
 from the data each call; everything over that buffer (the assigner's (images, objects, anchors)
 tensors) then has a shape of its own per batch, and CaptureLoss cannot record it. The images with
 fewer objects already keep zero slots that the loss treats as padding; so the size may be
-rounded up to a power-of-two capacity that only grows
+rounded up to a capacity (a multiple of 8) that only grows
 (:class:`~fxpasses.runtime.padded_size.PaddedSize`; zero stays zero) *if* the extra zero slots
 change nothing. That is not assumed: the loss itself runs on the call being traced twice, at the
 exact sizes and padded to at least twice the smallest capacity, values and the gradients of every
@@ -20,7 +20,7 @@ A site whose size is read from a padded buffer's shape (the assigner's ``torch.z
 gt_bboxes.shape[1], anchors))`` below the packed targets) is a capacity already: fake propagation
 gave it the very symbol the padded buffer was made with, and the capacity stands for that symbol
 (:class:`~fxpasses.runtime.padded_size.PaddedSize`'s ``traced``). It gets no capacity op of its own
-(one would round a power of two to itself, an eager node between captured regions); its
+(one would round a capacity to itself, an eager node between captured regions); its
 certificate names the buffer it follows (:func:`following`).
 """
 
@@ -47,10 +47,10 @@ from ..ir.trace_ops import undone_on_failure
 from ..locations import node_location
 from ..pipeline import copy_graph_module, example_inputs
 from ..runtime.capture import no_autocast_cache
-from ..runtime.padded_size import PaddedSize
+from ..runtime.padded_size import STEP, PaddedSize
 
-MIN_BUCKET = 16  # most images hold fewer objects: one recording serves nearly every batch
-WITNESS_SLOTS = 2 * MIN_BUCKET  # the witness pads to at least this: more slots than a call takes
+MIN_BUCKET = 8  # the smallest capacity: most images hold fewer objects
+WITNESS_SLOTS = 32  # the witness pads to at least this: more slots than a call takes
 _RETRIES = 8  # runs of the witness a capacity growth of SelectRows may ask for
 # relative differences that are rounding of the dtype the loss computed in (another reduction
 # length may take another kernel), far below what a slot leaking into the loss changes
@@ -256,7 +256,7 @@ def pad_capacities(gm: fx.GraphModule, pass_name: str) -> list[Certificate]:
     for factory, index in sites:
         location = node_location(factory)
         size = _sizes(factory)[1][index]
-        effect = {"capacity": f"the power-of-two bucket of {size.name}, at least {MIN_BUCKET} and at least "
+        effect = {"capacity": f"{size.name} rounded up to a multiple of {STEP}, at least {MIN_BUCKET} and at least "
                               f"the largest given before; 0 stays 0",
                   "licence": "the loss pads images with fewer objects with the same zero slots",
                   "records": "one recording for the largest bucket instead of one per count"} if applied else {}

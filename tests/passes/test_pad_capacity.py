@@ -1,4 +1,4 @@
-"""Zero buffers sized from data (the most objects in an image) become power-of-two capacities in
+"""Zero buffers sized from data (the most objects in an image) become capacities (multiples of 8) in
 CaptureLoss where the witness, the loss run on the traced call at both sizes, shows the extra zero
 slots change nothing; a loss that reads its padding (a mean over the slots) keeps exact sizes."""
 
@@ -59,7 +59,7 @@ def test_padded_buffers_match_native_in_float64(counts_seq):
     assert cert.applied and cert.witness.max_abs_value_diff <= 1e-10 and cert.witness.max_abs_grad_diff <= 1e-10
     gm = fast.specializations[0].graph_module
     ops = [n.target for n in gm.graph.nodes if isinstance(n.target, PaddedSize)]
-    assert len(ops) == 1 and ops[0].min_bucket == 16
+    assert len(ops) == 1 and ops[0].min_bucket == 8
     assert fast.stats.optimized == len(counts_seq) and not fast.stats.native
 
 
@@ -85,8 +85,8 @@ def test_a_buffer_sized_from_a_padded_one_gets_no_capacity_of_its_own(mean_over_
 
 @pytest.mark.parametrize("follow", [False, True])
 def test_a_smaller_count_after_a_larger_one_replays_the_larger_capacity(follow):
-    """The capacity only grows: after a batch of 19 objects in an image (32 slots), batches of
-    at most 16 (16 slots on their own) replay the 32-slot recordings, and the 16-slot ones are
+    """The capacity only grows: after a batch of 19 objects in an image (24 slots), batches of
+    at most 8 (8 slots on their own) replay the 24-slot recordings, and the 8-slot ones are
     dropped (their memory freed) in every region, the regions that take the padded buffer
     without its size included."""
     from fxpasses.runtime.capture import CapturedRegion
@@ -105,9 +105,9 @@ def test_a_smaller_count_after_a_larger_one_replays_the_larger_capacity(follow):
     # take no padded buffer: one recording each, nothing evicted)
     regions = [r for r in every if any(padded(rec) for rec in r.recordings.values())]
     slots = {t.shape[1] for r in regions for rec in r.recordings.values() for t in padded(rec)}
-    assert regions and slots == {32}, slots
+    assert regions and slots == {24}, slots
     assert all(r.counters["evicted"] >= 1 for r in regions), [dict(r.counters) for r in regions]
-    assert all(r.made == 2 for r in regions), [r.made for r in regions]  # 16 slots, then 32 only
+    assert all(r.made == 2 for r in regions), [r.made for r in regions]  # 8 slots, then 24 only
     assert fast.stats.optimized == len(seq) and not fast.stats.native
 
 
@@ -147,9 +147,10 @@ def test_a_witness_that_cannot_run_padded_keeps_exact_sizes():
 
 def test_capacity_buckets_only_grow_and_zero_stays_zero():
     op = PaddedSize("p", "here", 4)
-    assert [op(n)[0] for n in (0, 1, 3, 4, 5, 9, 16, 17)] == [0, 4, 4, 4, 8, 16, 16, 32]
-    assert [op(n)[0] for n in (5, 0, 40, 3)] == [32, 0, 64, 64]  # a smaller count: the largest bucket
+    assert [op(n)[0] for n in (0, 1, 3, 8, 9, 16, 17, 24)] == [0, 8, 8, 8, 16, 16, 24, 24]
+    assert [op(n)[0] for n in (5, 0, 33, 3)] == [24, 0, 40, 40]  # a smaller count: the largest bucket
     assert PaddedSize("q", "here", 4)(torch.tensor(5))[0] == 8
+    assert PaddedSize("r", "here", 16)(3)[0] == 16  # at least the minimum
     op.padded = False
     assert op(5) == (5,)
 
