@@ -386,6 +386,12 @@ _CODES = (
          "an image-size tensor) is written, or handed out by the output, downstream: one tensor "
          "made once cannot stand for a fresh one each call, so the copy (a wait) stays.",
          "Nothing to do; clone it before writing it in the loss to let it be made once."),
+    Code("scalar-stays-constant", "refusal",
+         "A float the loss reads each call multiplies a tensor that is not float32 or float64 "
+         "(float16, bfloat16: CUDA multiplies them by the float in float32 arithmetic, where a "
+         "0-dim tensor of their dtype would round the float first), or one on no capture device: "
+         "the float stays a constant of the region's recordings, and a new value records again.",
+         "Nothing to do; a value that changes rarely costs one recording per change."),
     Code("region-too-small", "refusal",
          "The capturable region launches too few kernels for a replay to pay off: fewer than "
          "min_region_ops, or fewer than the tensors a replay would copy in and out.",

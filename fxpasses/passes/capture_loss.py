@@ -68,6 +68,7 @@ from .early_counts import early_counts
 from .merge_reads import merge_reads
 from .overlap_reads import overlap_reads
 from .prefetch_reads import prefetch_reads
+from .scalar_inputs import scalar_inputs
 from .pad_capacity import pad_capacities
 from .share_duplicates import share_duplicates
 from .sink_to_regions import sink_to_regions
@@ -221,8 +222,8 @@ class CaptureLoss:
                                                                   checks)])
         shared = share_duplicates(gm, self.name)
         folded = fold_constant_reads(gm, self.name) + device_indices(gm, self.name, self.devices) + \
-            device_constants(gm, self.name, self.devices) + bounded_counts(gm, self.name) + \
-            unique_count_max(gm, self.name)
+            device_constants(gm, self.name, self.devices) + scalar_inputs(gm, self.name, self.devices) + \
+            bounded_counts(gm, self.name) + unique_count_max(gm, self.name)
         padded = pad_capacities(gm, self.name)
         prefetched = prefetch_reads(gm, self.name) + early_counts(gm, self.name)
         switches = drop_redundant_switches(gm, self.name)

@@ -251,3 +251,36 @@ def test_with_the_anchor_constants_copied_from_the_host_as_on_a_gpu_the_count_re
                  for n in m.graph.nodes if isinstance(n.target, DeviceConstant)]
     assert any(node_facts(n) is not None and node_facts(n).host_read for n in constants)
     assert len([n for n in gm.graph.nodes if isinstance(n.target, CheckCounts)]) == 1
+
+
+def test_a_new_end_to_end_weight_replays_the_same_recordings(pose_model):
+    """The trainer changes the end-to-end loss's ``o2m``/``o2o`` weights once an epoch
+    (``E2ELoss.update``). Read each call and multiplied into the branch totals, they reach the
+    last region as 0-dim tensors (``scalar_inputs``), not as constants of its recording: no region
+    records again for a new weight, and values and gradients equal native at every weight."""
+    from fxpasses.runtime.capture import CapturedRegion
+
+    crit = pose_model.init_criterion()
+    flow = pose_model.model[-1].flow_model
+    fast = optimize(crit, passes=[PairRLE(), SelectRows(), CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder())])
+    counts = torch.tensor([1, 3])
+    weights = []
+    for seed in range(8):
+        if seed in (3, 5):  # three calls to record and replay, then a new weight for 2, then 3
+            crit.update()
+        weights.append(crit.o2m)
+        got, want = _call(fast, flow, seed, counts), _call(crit, flow, seed, counts)
+        torch.testing.assert_close(got[0], want[0])
+        for g, w in zip(got[2], want[2]):
+            torch.testing.assert_close(g, w)
+        for g, w in zip(got[3], want[3]):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert len(set(weights)) == 3, weights
+    assert fast.stats.optimized == 8
+    gm = fast.specializations[0].graph_module
+    regions = [n.target for n in gm.graph.nodes if isinstance(n.target, CapturedRegion)]
+    assert regions and all(r.made == 1 for r in regions), [(r.op_id, r.made, dict(r.changes)) for r in regions]
+    assert all(r.counters["replayed"] == 7 for r in regions), [dict(r.counters) for r in regions]
+    scalars = [c for c in fast.certificates if c.site.description.startswith("float ")]
+    assert {c.site.description for c in scalars if c.applied} == {"float loss.o2m times a tensor",
+                                                                   "float loss.o2o times a tensor"}
