@@ -5,7 +5,6 @@ for any weight (signed zeros, infinities, NaN) and any rows (none among them).""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 from torch import nn

@@ -1,0 +1,63 @@
+"""On a CUDA device: a float multiplied into a tensor as a 0-dim tensor (``ScalarTensor``) gives
+CUDA's product of the Python float to the bit, forward and backward (float32 and float64; the
+kernels cast a Python float to the op's compute type, a 0-dim tensor is that cast already), and
+the real criterion's end-to-end weights change without a new recording."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fxpasses.runtime.scalar_tensor import ScalarTensor
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+VALUES = [0.8, 0.45000000000000007, 0.1, 1e-45, 3.4028234663852886e38, 3.5e38, -0.0, 0.0,
+          float("inf"), float("nan"), -7.25]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int64 if t.dtype == torch.float64 else torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("weight_first", [False, True])
+def test_the_product_is_the_python_floats_to_the_bit(dtype, weight_first):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4097, device="cuda", dtype=dtype, generator=g) * 1e3
+    x[:3] = torch.tensor([0.0, -0.0, float("inf")], dtype=dtype)
+    op = ScalarTensor("s", dtype, x.device)
+    for value in VALUES:
+        outs, grads = [], []
+        for factor in (value, op(value)):
+            leaf = x.clone().requires_grad_()
+            out = factor * leaf if weight_first else leaf * factor
+            (grad,) = torch.autograd.grad(out, leaf, torch.full_like(out, 1.5))
+            outs.append(out.detach())
+            grads.append(grad)
+        same = lambda a, b: bool(((_bits(a) == _bits(b)) | (a.isnan() & b.isnan())).all())  # noqa: E731
+        assert same(*outs) and same(*grads), value
+
+
+@pytest.mark.ultralytics
+def test_the_real_criterion_keeps_its_recordings_across_new_weights():
+    pytest.importorskip("ultralytics", minversion="8.4")
+    from fxpasses import optimize
+    from fxpasses.passes import CaptureLoss, PairRLE, SelectRows
+    from fxpasses.runtime.capture import CapturedRegion
+    from fxpasses.workloads.ultralytics_pose import pose_batch, pose_model, pose_preds
+
+    torch.manual_seed(0)
+    crit = pose_model(device="cuda").init_criterion()
+    fast = optimize(crit, passes=[PairRLE(), SelectRows(), CaptureLoss()])
+    for call in range(8):  # one batch (its shapes record once), a new weight on calls 3 and 5
+        if call in (3, 5):
+            crit.update()
+        batch = pose_batch(8, seed=0, image_size=320, device="cuda")
+        got = fast(pose_preds(8, seed=0, image_size=320, device="cuda"), batch)[0]
+        got.sum().backward()
+        want = crit(pose_preds(8, seed=0, image_size=320, device="cuda"), batch)[0]
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-4, atol=1e-6)
+    assert fast.stats.optimized == 8 and not fast.stats.native, fast.stats.render()
+    regions = [n.target for n in fast.graph_module.graph.nodes if isinstance(n.target, CapturedRegion)]
+    assert regions and all(r.made == 1 for r in regions), [(r.op_id, r.made, dict(r.changes)) for r in regions]
