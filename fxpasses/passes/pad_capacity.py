@@ -10,7 +10,7 @@ fewer objects already keep zero slots that the loss treats as padding; so the si
 rounded up to a capacity (a multiple of 8) that only grows
 (:class:`~fxpasses.runtime.padded_size.PaddedSize`; zero stays zero) *if* the extra zero slots
 change nothing. That is not assumed: the loss itself runs on the call being traced twice, at the
-exact sizes and padded to at least twice the smallest capacity, values and the gradients of every
+exact sizes and padded to at least :data:`WITNESS_SLOTS` slots, values and the gradients of every
 input and parameter compared (:func:`padding_inert`). Where they differ, or the witness cannot
 run, the sizes stay exact (a certificate says why). A site is a zero factory
 (``torch.zeros``, ``Tensor.new_zeros``) with one size that is a data-dependent integer (a

@@ -6,13 +6,12 @@ The loss packs its targets per image into a zero buffer as long as the most obje
 (``n``, read from the data each call); images with fewer objects keep zero slots, which the loss
 treats as padding. :class:`PaddedSize` gives that size as the largest bucket of ``n`` (``n``
 rounded up to a multiple of :data:`STEP`, at least ``min_bucket``) it has given so far, so the
-nodes over the buffer have a shape
-that is static for a recording (:class:`~fxpasses.ir.proofs.BucketedSizes`) instead of one per
-value of ``n``, and a batch whose ``n`` falls in a smaller bucket than an earlier one's replays
-the same recording (two buckets taking turns held two recordings, each with its static buffers,
-and the GPU's memory of both); zero stays zero, so a branch on the buffer being empty goes the
-same way. CaptureLoss pads only where a witness ran the loss at both sizes
-(:mod:`fxpasses.passes.pad_capacity`).
+nodes over the buffer have a shape that is static for a recording
+(:class:`~fxpasses.ir.proofs.BucketedSizes`) instead of one per value of ``n``, and a batch whose
+``n`` falls in a smaller bucket than an earlier one's replays the same recording (two buckets
+taking turns held two recordings, each with its static buffers, and the GPU's memory of both);
+zero stays zero, so a branch on the buffer being empty goes the same way. CaptureLoss pads only
+where a witness ran the loss at both sizes (:mod:`fxpasses.passes.pad_capacity`).
 
 Multiples of 8, not powers of two: every slot costs the assigner a row of each (images, slots,
 anchors) tensor, and batches of 16 realistic images hold at most 6-13 persons in one image (20 in

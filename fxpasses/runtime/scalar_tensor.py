@@ -1,4 +1,4 @@
-"""A Python float the loss reads from its state each call, as a 0-dim tensor on the device.
+"""A Python float the graph computes each call, as a 0-dim tensor on the device.
 
     loss_o2m * self.o2m  ->  loss_o2m * scalar(self.o2m)   # scalar(): float32 0-dim, on cuda
 
@@ -6,13 +6,12 @@ A captured region takes a Python number as a constant of its recording: a new va
 signature, so a weight that changes between epochs (the end-to-end loss's ``o2m``, 0.8 -> 0.1
 over a fit) records the region again at each change, and the old recordings hold their memory
 until evicted. As a tensor the value is an input the region loads on every call like any other:
-one recording serves every value. :class:`ScalarTensor` makes that tensor with ``torch.full``
-in float64, then cast to its dtype (kernels, no copy from the host; the cast rounds as the kernels
-round a Python float, past the dtype's range to infinity, where ``torch.full`` in float32 would
-refuse) when the value differs from the last one (by bits: ``-0.0`` is not ``0.0``), else hands
-back the same tensor; a value that is not a
-Python float (an override with a tensor, an int) passes through as it came, so the graph runs
-the loss's own arithmetic on it.
+one recording serves every value. :class:`ScalarTensor` makes that tensor when the value differs
+from the last one (by bits: ``-0.0`` is not ``0.0``), else hands back the same tensor; it makes
+it with ``torch.full`` in float64, then a cast to its dtype (kernels, no copy from the host; the
+cast rounds as the kernels round a Python float, past the dtype's range to infinity, where
+``torch.full`` in float32 would refuse). A value that is not a Python float (an override with a
+tensor, an int) passes through as it came, so the graph runs the loss's own arithmetic on it.
 """
 
 from __future__ import annotations
