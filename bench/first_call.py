@@ -56,7 +56,8 @@ def profile_pipeline(path: str) -> None:
 
 
 # the pieces --phases times: module, attribute path (a function, or Class.method)
-PHASES = [("fxpasses.trace", "trace"), ("fxpasses.analysis.meta", "annotate"),
+PHASES = [("fxpasses.trace", "trace"), ("fxpasses.analysis.meta", "fake_mode"),  # (its first: torch's lazy imports)
+          ("fxpasses.analysis.meta", "annotate"),
           ("fxpasses.analysis.meta", "annotate_new"), ("fxpasses.passes.pair_calls", "PairCalls.run"),
           ("fxpasses.passes.select_rows", "SelectRows.run"),
           ("fxpasses.passes.select_witness", "selection_witness"),
