@@ -46,8 +46,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal to the bit (signed zeros apart, NaN payloads alike)."""
-    return a.shape == b.shape and bool((_bits(a) == _bits(b)).all() | (a.isnan() & b.isnan()).all())
+    """Equal to the bit (signed zeros told apart), a NaN where the other has a NaN."""
+    return a.shape == b.shape and bool(((_bits(a) == _bits(b)) | (a.isnan() & b.isnan())).all())
 
 
 def _run(loss, fn, rows, dtype, seed):
