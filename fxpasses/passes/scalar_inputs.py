@@ -42,13 +42,14 @@ def scalar_inputs(gm: fx.GraphModule, pass_name: str, devices: Sequence[str]) ->
     :class:`ScalarTensor` input of that product (see the module docstring); a certificate per
     product, applied or refused."""
     certificates = []
+    made: dict[tuple, fx.Node] = {}  # (float, dtype, device) -> its tensor: one per float and kind
     for read in list(gm.graph.nodes):
         if read.op not in ("call_function", "call_method") or type(read.meta.get("val")) is not float:
             continue
         for use in list(read.users):
             factor = _other_factor(use, read)
             if factor is not None:
-                certificates.append(_site(gm, read, use, factor, pass_name, devices))
+                certificates.append(_site(gm, read, use, factor, pass_name, devices, made))
     if any(c.applied for c in certificates):
         annotate_new(gm)
     return certificates
@@ -68,7 +69,7 @@ def _other_factor(use: fx.Node, read: fx.Node) -> fx.Node | None:
 
 
 def _site(gm: fx.GraphModule, read: fx.Node, use: fx.Node, factor: fx.Node, pass_name: str,
-          devices: Sequence[str]) -> Certificate:
+          devices: Sequence[str], made: dict[tuple, fx.Node]) -> Certificate:
     tensor = value(factor)
     exact = tensor.dtype in EXACT_DTYPES
     on_device = tensor.device.type in devices
@@ -82,10 +83,12 @@ def _site(gm: fx.GraphModule, read: fx.Node, use: fx.Node, factor: fx.Node, pass
               Check("on-capture-device", on_device, {"device": str(tensor.device), "capture_devices": tuple(devices)},
                     None if on_device else "scalar-stays-constant")]
     if exact and on_device:
-        with gm.graph.inserting_after(read):
-            scalar = gm.graph.call_function(
-                ScalarTensor(f"scalar_{read.name}_{use.name}", tensor.dtype, tensor.device), (read,))
-        use.replace_input_with(read, scalar)
+        kind = (read, tensor.dtype, tensor.device)
+        if kind not in made:
+            with gm.graph.inserting_after(read):
+                made[kind] = gm.graph.call_function(
+                    ScalarTensor(f"scalar_{read.name}_{use.name}", tensor.dtype, tensor.device), (read,))
+        use.replace_input_with(read, made[kind])
     return Certificate.from_checks(pass_name, site, checks, effect={
         "input": f"a 0-dim {tensor.dtype} tensor on {tensor.device}, made when the value changes: "
                  "a region's recording serves every value",

@@ -32,7 +32,7 @@ from ..ir.runtime_op import RuntimeOp
 STEP = 8  # capacities are multiples of this
 
 
-def bucket(count: int, minimum: int) -> int:
+def capacity_for(count: int, minimum: int) -> int:
     """``count`` rounded up to a multiple of :data:`STEP`, at least ``minimum``."""
     return max(minimum, -(-count // STEP) * STEP)
 
@@ -64,7 +64,7 @@ class PaddedSize(RuntimeOp):
         count = prefetched.values()[at] if prefetched is not None else int(size)
         if not self.padded or count == 0:
             return (count,)
-        self.largest = max(self.largest, bucket(count, self.min_bucket))
+        self.largest = max(self.largest, capacity_for(count, self.min_bucket))
         return (self.largest,)
 
     def propagate(self, size: Any, prefetched: Any = None, at: int = 0) -> tuple[torch.SymInt]:

@@ -37,9 +37,6 @@ class ScalarTensor(RuntimeOp):
         self._bits: str | None = None  # float.hex of the value kept
         self._kept: torch.Tensor | None = None
 
-    def held_tensors(self) -> tuple[torch.Tensor, ...]:
-        return () if self._kept is None else (self._kept,)
-
     def __call__(self, value: Any) -> Any:
         if type(value) is not float:
             return value

@@ -121,3 +121,25 @@ def test_the_scalar_is_made_again_only_when_its_bits_change():
     nan = op(float("nan"))
     assert op(float("nan")) is nan
     assert op(3) == 3 and op(True) is True  # not a float: as it came
+
+
+class TwiceWeighted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = 0.25
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        w = self.weight  # read once, used twice
+        return (x.sin() * w).sum(-1) + (w * y.cos()).sum(-1)
+
+
+def test_one_float_multiplying_two_tensors_of_one_kind_is_one_tensor():
+    loss = TwiceWeighted()
+    fast = optimize(loss, passes=[_capture()])
+    for call, weight in enumerate([0.25, 0.25, -3.5]):
+        loss.weight = weight
+        got, want = _run(loss, fast, 3, torch.float64, call), _run(loss, loss, 3, torch.float64, call)
+        assert all(_same_bits(g, w) for g, w in zip(got, want))
+    gm = fast.specializations[0].graph_module
+    assert len([n for n in gm.graph.nodes if isinstance(n.target, ScalarTensor)]) == 1
+    assert len([c for c in fast.certificates if c.site.description.startswith("float ") and c.applied]) == 2
