@@ -23,6 +23,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_leaves
 
 from fxpasses import optimize
 from fxpasses.passes import CaptureLoss, PairRLE, SelectRows
@@ -47,19 +48,30 @@ def origin(arg: object) -> str:
     return {"placeholder": "loss input", "get_attr": "state"}.get(node.op, "eager")
 
 
+def input_origins(node: fx.Node) -> list[str]:
+    """The origin of each of the region's flat inputs, in the runtime's order (``flatten_arguments``:
+    a container among the arguments, or an argument whose value is a tuple, gives one input per
+    leaf)."""
+    origins = []
+    for leaf in tree_leaves(node.args):
+        value = leaf.meta.get("val") if isinstance(leaf, fx.Node) else leaf
+        origins += [origin(leaf)] * (len(tree_leaves(value)) if isinstance(value, (tuple, list)) else 1)
+    return origins
+
+
 def region_memory(node: fx.Node) -> dict | None:
     """MiB of the static buffers of ``node``'s region's latest recording, by origin."""
     region = node.target
     if not region.recordings:
         return None
     recording = max(region.recordings.values(), key=lambda r: r.used)
-    args = [a for arg in node.args for a in (arg if isinstance(arg, (tuple, list)) else [arg])]
+    origins = input_origins(node)
     inputs, gradients = collections.Counter(), collections.Counter()
     gradient_of = dict(zip(recording.grad_input_index, recording.grad_inputs))  # input place -> its static gradient
     for i, static in enumerate(recording.inputs):
         if not isinstance(static, torch.Tensor) or i in recording.identity:
             continue  # a parameter read in place has no buffer
-        where = origin(args[i]) if i < len(args) else "state"
+        where = origins[i] if i < len(origins) else "state"
         inputs[where] += mib(static)
         gradient = gradient_of.get(i)
         if gradient is not None:
