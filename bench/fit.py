@@ -31,8 +31,8 @@ ConnectionError and keeps AMP on; the children run with ``YOLO_OFFLINE=1`` so th
 tries once, without retries), ``bf16`` (no check) or ``false``.
 
 Recorded per run: the GradScaler's final scale (with AMP: the optimizer steps it skipped), the complete-fit time (``model.train()``: setup, the AMP check, the
-criterion's recordings, training, EMA, validation, checkpoints) with the moments its setup ended
-and each epoch was validated, the whole-process time, peak
+criterion's recordings, training, EMA, validation, checkpoints) with the moments its setup ended,
+each training batch's step was issued (host time) and each epoch was validated, the whole-process time, peak
 reserved CUDA memory, the AMP check's answer and duration, the final training losses and
 validation metrics, and for the fxpasses arm the criterion's counters (its ``explain()`` is
 copied beside ``--out``). Per arm and batch: median and range of both times and of memory, and
@@ -151,7 +151,8 @@ def child(args: argparse.Namespace) -> None:
     elif args.child == "native-rounded":
         yolo.add_callback("on_pretrain_routine_end", _round_criterion)
     start = time.perf_counter()
-    moments = {"setup_s": None, "epochs_s": []}  # since start: setup done, each epoch validated
+    moments = {"setup_s": None, "epochs_s": [], "batch_ends_s": []}  # since start: setup done,
+    # each epoch validated, each training batch's step issued (host time: the GPU may lag)
 
     def setup_done(trainer):
         moments["setup_s"] = time.perf_counter() - start
@@ -164,7 +165,11 @@ def child(args: argparse.Namespace) -> None:
                 else "final validation")
         say(f"  {args.name}: {done} at {at:.1f} s", progress)
 
+    def batch_done(trainer):
+        moments["batch_ends_s"].append(round(time.perf_counter() - start, 4))
+
     yolo.add_callback("on_pretrain_routine_end", setup_done)
+    yolo.add_callback("on_train_batch_end", batch_done)
     yolo.add_callback("on_fit_epoch_end", epoch_done)
     yolo.train(data=args.data, epochs=args.epochs, imgsz=args.imgsz, batch=args.batch,
                workers=args.workers, device=args.device, amp=AMP[args.amp], plots=False, seed=args.seed,
