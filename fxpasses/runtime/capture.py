@@ -231,14 +231,10 @@ class Recording:
         """What every replay needs of the buffers, found once: the static inputs a load copies
         into, grouped by dtype and device (the call's tensors have the recorded ones: they are
         in the signature), by their place among the tensor arguments; the static outputs."""
-        groups: dict[tuple, tuple[list[torch.Tensor], list[int]]] = {}
         tensor_inputs = [(i, s) for i, s in enumerate(self.inputs) if isinstance(s, torch.Tensor)]
-        for k, (i, static) in enumerate(tensor_inputs):
-            if i not in self.identity:
-                statics, places = groups.setdefault((static.dtype, static.device), ([], []))
-                statics.append(static)
-                places.append(k)
-        self._loads = list(groups.values())
+        self._load_places = [k for k, (i, _) in enumerate(tensor_inputs) if i not in self.identity]
+        self._load_statics = [tensor_inputs[k][1] for k in self._load_places]
+        self._loads: list[tuple[list[torch.Tensor], list[int]]] | None = None  # at the first load
         self._tensor_inputs = [i for i, _ in tensor_inputs]
         self._tensor_outputs = [i for i, o in enumerate(self.outputs) if isinstance(o, torch.Tensor)]
         self._static_outputs = [self.outputs[i] for i in self._tensor_outputs]
@@ -279,8 +275,13 @@ class Recording:
 
     def load(self, tensors: Sequence[torch.Tensor]) -> None:
         """Copy the call's tensors into the static input buffers (identity inputs are in place),
-        one ``_foreach_copy_`` per dtype and device: a few launches for all of them instead of
-        one copy each."""
+        one ``_foreach_copy_`` per batch of :func:`copy_batches`: a few launches for all of them
+        instead of one copy each. The batches are found at the first load: the signature fixes
+        every tensor's strides, so they hold for every later one."""
+        if self._loads is None:
+            sources = [tensors[k] for k in self._load_places]
+            self._loads = [([self._load_statics[j] for j in batch], [self._load_places[j] for j in batch])
+                           for batch in copy_batches(self._load_statics, sources)]
         with torch.no_grad():
             for statics, places in self._loads:
                 torch._foreach_copy_(statics, [tensors[k] for k in places])
@@ -373,18 +374,25 @@ def _clone_all(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 _FOREACH_CLONE = getattr(torch, "_foreach_clone", None)  # not in every torch this package supports
 
 
+def copy_batches(targets: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> list[list[int]]:
+    """The pairs ``targets[i].copy_(values[i])`` in batches for one ``torch._foreach_copy_``
+    each: by target dtype and device and value dtype, and apart, the pairs whose strides
+    differ. CUDA's one-kernel route takes a batch only if every pair in it has equal sizes and
+    strides and dense memory; one pair that has not (an expanded or sliced value) sends the whole
+    batch down the route of one copy per pair. The targets here are static buffers
+    (``empty_like``: dense), so a value with the target's strides is on the one-kernel route."""
+    batches: dict[tuple, list[int]] = {}
+    for i, (target, value) in enumerate(zip(targets, values)):
+        same_layout = value.stride() == target.stride()
+        batches.setdefault((target.dtype, target.device, value.dtype, same_layout), []).append(i)
+    return list(batches.values())
+
+
 def _copy_all(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-    """``t.copy_(v)`` for each pair, batched: one ``torch._foreach_copy_`` per dtype and device
-    (its one-kernel route takes a list of one floating dtype; integer and bool tensors, and
-    layouts that differ, are copied one by one, as ``copy_`` would)."""
-    groups: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    for target, value in zip(targets, values):
-        group = groups.setdefault((target.dtype, target.device, value.dtype), ([], []))
-        group[0].append(target)
-        group[1].append(value)
+    """``t.copy_(v)`` for each pair, in the batches of :func:`copy_batches`."""
     with torch.no_grad():
-        for group_targets, group_values in groups.values():
-            torch._foreach_copy_(group_targets, group_values)
+        for batch in copy_batches(targets, values):
+            torch._foreach_copy_([targets[i] for i in batch], [values[i] for i in batch])
 
 
 class _Replay(torch.autograd.Function):

@@ -1,5 +1,7 @@
 """The replays' batched host work does exactly what the one-by-one code would: copies
-(``_copy_all``), clones of the input gradients (``_clone_all``), outputs rebuilt (``_rebuilder``)."""
+(``_copy_all``), clones of the input gradients (``_clone_all``), outputs rebuilt (``_rebuilder``);
+and the copies' batches keep a pair that CUDA's one-kernel route cannot take (an expanded or
+sliced value) apart from those it can (``copy_batches``)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from hypothesis import strategies as st
 from torch.utils import _pytree as pytree
 
 from fxpasses.runtime import capture
-from fxpasses.runtime.capture import _clone_all, _copy_all, _rebuilder
+from fxpasses.runtime.capture import _clone_all, _copy_all, _rebuilder, copy_batches
 
 _DTYPES = [torch.float32, torch.float64, torch.int64, torch.bool, torch.float16]
 
@@ -32,6 +34,24 @@ def test_batched_copies_equal_one_copy_per_pair(pairs):
     _copy_all(targets, values)
     for got, want in zip(targets, expected):
         assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.sampled_from(_DTYPES), st.sampled_from(_DTYPES),
+                          st.sampled_from(["dense", "transposed", "expanded", "sliced"])), max_size=8))
+def test_a_pair_off_the_one_kernel_route_never_shares_a_batch_with_pairs_on_it(pairs):
+    """The static buffers are ``empty_like`` the recorded value (dense, its strides where it is
+    dense itself): a dense value, transposed or not, copies on CUDA's one-kernel route; an
+    expanded or sliced one does not, and must not take its batch's other pairs off it."""
+    values = [_source(kind, src, seed) for seed, (_, src, kind) in enumerate(pairs)]
+    targets = [torch.empty_like(v, dtype=dst) for v, (dst, _, _) in zip(values, pairs)]
+    batches = copy_batches(targets, values)
+    assert sorted(i for batch in batches for i in batch) == list(range(len(pairs)))
+    for batch in batches:
+        kinds = {(targets[i].dtype, values[i].dtype, pairs[i][2] in ("dense", "transposed")) for i in batch}
+        assert len(kinds) == 1, [pairs[i] for i in batch]
+        on_route = next(iter(kinds))[2]
+        assert all((values[i].stride() == targets[i].stride()) == on_route for i in batch)
 
 
 @pytest.mark.parametrize("foreach", [True, False], ids=["foreach-clone", "by-hand"])
