@@ -154,6 +154,7 @@ def profile_step(work: Workload, fn: Callable, batch: Any, device: str) -> dict[
     sync = device_sync(device)
     stats = getattr(fn, "stats", None)
     before = (stats.optimized, sum(stats.abandoned.values())) if stats is not None else None
+    recorded = fxpasses_counts(fn).get("recordings")
     sync()
     with profile(activities=activities) as prof:
         work.step(fn, batch)
@@ -166,8 +167,10 @@ def profile_step(work: Workload, fn: Callable, batch: Any, device: str) -> dict[
     if stats is not None:
         stats = fn.stats  # a snapshot: read again
         optimized, abandoned = stats.optimized - before[0], sum(stats.abandoned.values()) - before[1]
+        made = fxpasses_counts(fn)["recordings"] - recorded  # a recording synchronises (capture)
         row["profiled_step"] = ("optimized" if optimized else "native") + \
-            (f" after {abandoned} abandoned" if abandoned else "")
+            (f" after {abandoned} abandoned" if abandoned else "") + \
+            (f", {made} recording(s) made in it" if made else "")
     return row
 
 

@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ("bench.py", "interleaved.py", "flow_pairing.py", "ddp.py", "host_profile.py", "guard_cost.py", "peak_memory.py",
            "fit.py", "trajectory.py", "kernels.py", "pool_hazard.py", "host_timers.py", "region_handoffs.py",
-           "capacity_headroom.py", "annotate_cost.py")
+           "capacity_headroom.py", "annotate_cost.py", "sync_events.py")
 
 
 def run(script: str, *args: str) -> subprocess.CompletedProcess:
@@ -99,6 +99,9 @@ def test_a_tiny_cpu_fit_pair_writes_both_arms(tmp_path):
                for r in runs)  # on a CPU the trainer's check answers False at once
     assert all(0 < r["setup_s"] < r["epochs_s"][0] < r["fit_s"] and len(r["epochs_s"]) == 1
                for r in runs)
+    # each of the epoch's 2 batches (8 images of batch 4): when its step was issued, in order
+    assert all(len(r["batch_ends_s"]) == 2 and r["setup_s"] < r["batch_ends_s"][0] < r["batch_ends_s"][1]
+               < r["epochs_s"][0] for r in runs)
     assert all(r["seed"] == 0 and r["grad_scale_final"] is None for r in runs)  # no AMP on a CPU
     for r in runs:  # the trainer's results.csv, one row per epoch, validation losses included
         (epoch,) = r["per_epoch"]
@@ -141,3 +144,6 @@ def test_tiny_cpu_region_handoffs_name_each_regions_inputs(tmp_path):
     assert report["regions"] and all(r["held"] >= 1 for r in report["regions"].values())
     origins = {w for r in report["regions"].values() for w in r["inputs_mib"]}
     assert any(w.startswith("region ") for w in origins), origins  # a region's input is another's output
+    # the predictions (loss inputs) are copied into the assigner's region; an argument whose value
+    # is a tuple gives one input per leaf, and origins after it keep their place (none is "state")
+    assert "loss input" in origins and "state" not in origins, origins
