@@ -229,8 +229,8 @@ class Recording:
 
     def __post_init__(self) -> None:
         """What every replay needs of the buffers, found once: the static inputs a load copies
-        into, grouped by dtype and device (the call's tensors have the recorded ones: they are
-        in the signature), by their place among the tensor arguments; the static outputs."""
+        into, by their place among the tensor arguments (batched at the first load); the static
+        outputs."""
         tensor_inputs = [(i, s) for i, s in enumerate(self.inputs) if isinstance(s, torch.Tensor)]
         self._load_places = [k for k, (i, _) in enumerate(tensor_inputs) if i not in self.identity]
         self._load_statics = [tensor_inputs[k][1] for k in self._load_places]
