@@ -476,12 +476,13 @@ class OptimizedLoss(nn.Module):
         and the graph diff.
 
         Args:
-            verbose (bool): every certificate in full and the diff; False: the summary.
+            verbose (bool): every certificate in full and the diff; False: the summary (no
+                check evidence, no diff, long lists of nodes and guards folded).
 
         Returns:
             str: the report's rendering (as ``fxpasses explain`` prints a saved one).
         """
-        return render_report(build_report(self), verbose=verbose)
+        return render_report(build_report(self), verbose=verbose, diff=verbose)
 
     def save_certificates(self, path: str | os.PathLike) -> Path:
         """Write the report (pipeline, certificates, snapshots, counters) as JSON.

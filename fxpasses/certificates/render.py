@@ -10,6 +10,7 @@ from .model import Certificate
 
 _LOCATIONS_SHOWN = 3  # a site's source lines listed before "and N more"
 _GUARDS_SHOWN = 6  # without verbose, a certificate's guards listed before the rest are folded
+_NODES_SHOWN = 8  # without verbose, a site's nodes named before the rest are folded (a region has hundreds)
 
 
 def _value(value: Any, limit: int = 120) -> str:
@@ -30,12 +31,17 @@ def _evidence(evidence: dict) -> str:
 
 def render_certificate(cert: Certificate, verbose: bool = True) -> str:
     """Several lines: header, checks (✓/✗ with evidence), effect, guards, witness; without
-    ``verbose`` the checks are left out and a long list of guards is folded."""
+    ``verbose`` the checks are left out and long lists of the site's nodes and of guards are
+    folded."""
     locations = list(dict.fromkeys(shown(loc) for loc in cert.site.locations if loc))
     where = ", ".join(locations[:_LOCATIONS_SHOWN]) or "no source location"
     if len(locations) > _LOCATIONS_SHOWN:
         where += f" and {len(locations) - _LOCATIONS_SHOWN} more"
-    head = f"[{cert.decision}] {cert.pass_name} @ {', '.join(cert.site.nodes) or '-'}  ({where})"
+    nodes = cert.site.nodes if verbose else cert.site.nodes[:_NODES_SHOWN]
+    named = ", ".join(nodes) or "-"
+    if len(nodes) < len(cert.site.nodes):
+        named += f" and {len(cert.site.nodes) - len(nodes)} more nodes"
+    head = f"[{cert.decision}] {cert.pass_name} @ {named}  ({where})"
     lines = [head]
     if cert.site.description:
         lines.append(f"    {cert.site.description}")

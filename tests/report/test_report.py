@@ -144,3 +144,20 @@ def test_brief_render_folds_long_guard_lists_and_installed_paths():
     assert "(pkg/loss.py:10, pkg/loss.py:11, pkg/loss.py:12 and 2 more)" in brief
     assert "... and 14 more guards" in brief and "global g19 is 19" not in brief
     assert "global g19 is 19" in full and "more guards" not in full
+
+
+def test_brief_render_folds_a_long_list_of_a_sites_nodes():
+    """A captured region's certificate names its hundreds of nodes: the summary names the first."""
+    from fxpasses.certificates import Certificate, Check, Site
+    from fxpasses.certificates.render import render_certificate
+
+    nodes = tuple(f"mul_{i}" for i in range(300))
+    cert = Certificate.from_checks("CaptureLoss", Site(nodes, (), "a region"), [Check("capturable", True, {})])
+    brief, full = render_certificate(cert, verbose=False), render_certificate(cert, verbose=True)
+    assert brief.splitlines()[0].startswith("[applied] CaptureLoss @ mul_0, mul_1, mul_2, mul_3, mul_4, "
+                                            "mul_5, mul_6, mul_7 and 292 more nodes  (")
+    assert ", ".join(nodes) in full and "more nodes" not in full
+
+
+def test_explain_without_verbose_is_the_summary_without_the_diff(fast):
+    assert "graph diff:" in fast.explain() and "graph diff:" not in fast.explain(verbose=False)
