@@ -4,7 +4,7 @@ The functions named in ``PIECES`` are wrapped with a ``perf_counter`` timer (abo
 microsecond each; no profiler, no CUPTI) for ``--steps`` steady-state steps on fresh batches
 (after the first call and ``--warmup`` steps; a step that records a CUDA graph is left out).
 Printed per piece: calls and microseconds per step (inclusive: a piece called inside another is
-counted in both). ``step`` is the whole step (forward, backward, the closing synchronisation), ``final wait``
+counted in both; the indented pieces are region admission's parts). ``step`` is the whole step (forward, backward, the closing synchronisation), ``final wait``
 that synchronisation (the GPU finishing what the host issued), ``wait`` other
 ``torch.cuda.synchronize`` calls inside the step.
 
@@ -42,6 +42,10 @@ PIECES: list[tuple[str, Any, str]] = [
     ("loss forward", OptimizedLoss, "forward"),
     ("region call", capture.CapturedRegion, "__call__"),
     ("region admit", capture.CapturedRegion, "_admit"),
+    ("  flatten", capture, "flatten_arguments"),  # admission's parts (module functions it calls)
+    ("  state", capture.CapturedRegion, "_state"),
+    ("  signature", capture, "signature"),
+    ("  referenced", capture.Recording, "referenced"),
     ("region load", capture.Recording, "load"),
     ("region backward", capture.Recording, "gradients"),
     ("count read", select.CheckCounts, "__call__"),
