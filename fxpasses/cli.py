@@ -165,7 +165,8 @@ def add_explain(subparsers: Any) -> None:
                    help="calls to run, at least 1 (default 2)")
     p.add_argument("--seed", type=int, default=0, help="torch.manual_seed before loading (0)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--brief", action="store_true", help="leave out each check's evidence")
+    p.add_argument("--brief", action="store_true",
+                   help="leave out each check's evidence; fold long lists of nodes and guards")
     p.add_argument("--no-diff", action="store_true", help="leave out the graph diff")
     p.add_argument("--device", default="cpu",
                    help="move the loss and its input tensors to this device (default cpu)")
