@@ -62,9 +62,9 @@ def _other_factor(use: fx.Node, read: fx.Node) -> fx.Node | None:
         (use.op == "call_method" and use.target == "mul")
     if not is_mul or use.kwargs or len(use.args) != 2 or use.args.count(read) != 1:
         return None
-    other = use.args[1] if use.args[0] is read else use.args[0]
     if use.op == "call_method" and use.args[0] is read:  # read.mul(t): a float has no such method
         return None
+    other = use.args[1] if use.args[0] is read else use.args[0]
     return other if isinstance(other, fx.Node) and isinstance(value(other), torch.Tensor) else None
 
 

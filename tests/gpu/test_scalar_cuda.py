@@ -5,19 +5,20 @@ the real criterion's end-to-end weights change without a new recording."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from fxpasses.cli import import_file
 from fxpasses.runtime.scalar_tensor import ScalarTensor
+
+same_bits = import_file(Path(__file__).parents[1] / "helpers" / "bits.py").same_bits
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 VALUES = [0.8, 0.45000000000000007, 0.1, 1e-45, 3.4028234663852886e38, 3.5e38, -0.0, 0.0,
           float("inf"), float("nan"), -7.25]
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int64 if t.dtype == torch.float64 else torch.int32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -35,8 +36,7 @@ def test_the_product_is_the_python_floats_to_the_bit(dtype, weight_first):
             (grad,) = torch.autograd.grad(out, leaf, torch.full_like(out, 1.5))
             outs.append(out.detach())
             grads.append(grad)
-        same = lambda a, b: bool(((_bits(a) == _bits(b)) | (a.isnan() & b.isnan())).all())  # noqa: E731
-        assert same(*outs) and same(*grads), value
+        assert same_bits(*outs) and same_bits(*grads), value
 
 
 @pytest.mark.ultralytics

@@ -5,6 +5,8 @@ for any weight (signed zeros, infinities, NaN) and any rows (none among them).""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from hypothesis import given, settings, strategies as st
 from torch import nn
@@ -13,7 +15,10 @@ from fxpasses import optimize
 from fxpasses.passes import CaptureLoss
 from fxpasses.runtime.capture import CapturedRegion
 from fxpasses.runtime.emulated import EmulatedRecorder
+from fxpasses.cli import import_file
 from fxpasses.runtime.scalar_tensor import ScalarTensor
+
+same_bits = import_file(Path(__file__).parents[1] / "helpers" / "bits.py").same_bits
 
 
 class Weighted(nn.Module):
@@ -41,15 +46,6 @@ def _inputs(rows, dtype, seed):
     return x, y
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().view(torch.int64 if t.dtype == torch.float64 else torch.int32)
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal to the bit (signed zeros told apart), a NaN where the other has a NaN."""
-    return a.shape == b.shape and bool(((_bits(a) == _bits(b)) | (a.isnan() & b.isnan())).all())
-
-
 def _run(loss, fn, rows, dtype, seed):
     x, y = _inputs(rows, dtype, seed)
     out = fn(x, y)
@@ -71,7 +67,7 @@ def test_a_changing_weight_replays_one_recording_and_matches_native_to_the_bit(d
         loss.weight = weight
         got, want = _run(loss, fast, rows, dtype, call), _run(loss, loss, rows, dtype, call)
         for g, w in zip(got, want):
-            assert _same_bits(g, w), (weight, g, w)
+            assert same_bits(g, w), (weight, g, w)
     gm = fast.specializations[0].graph_module
     scalars = [n for n in gm.graph.nodes if isinstance(n.target, ScalarTensor)]
     regions = [n.target for n in gm.graph.nodes if isinstance(n.target, CapturedRegion)]
@@ -139,7 +135,7 @@ def test_one_float_multiplying_two_tensors_of_one_kind_is_one_tensor():
     for call, weight in enumerate([0.25, 0.25, -3.5]):
         loss.weight = weight
         got, want = _run(loss, fast, 3, torch.float64, call), _run(loss, loss, 3, torch.float64, call)
-        assert all(_same_bits(g, w) for g, w in zip(got, want))
+        assert all(same_bits(g, w) for g, w in zip(got, want))
     gm = fast.specializations[0].graph_module
     assert len([n for n in gm.graph.nodes if isinstance(n.target, ScalarTensor)]) == 1
     assert len([c for c in fast.certificates if c.site.description.startswith("float ") and c.applied]) == 2

@@ -44,6 +44,7 @@ def _assert_native(got, want):
     for g, w in zip(got[3], want[3]):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
+
 def test_the_real_criterion_captured_with_folds_and_copies_equals_native(pose_model):
     crit = pose_model.init_criterion()
     flow = pose_model.model[-1].flow_model
