@@ -3,8 +3,9 @@
     # t * loss.o2m  ==  t * scalar(loss.o2m)     t: float32 or float64, on a capture device
 
 A float the graph computes on every call (read by a :class:`~fxpasses.ir.trace_ops.ReadSource`:
-an attribute of the loss, a global, an argument's field; or Python arithmetic on such reads,
-``1.0 - self.w``) is a constant of each recording of the region that uses it: the end-to-end
+an attribute of the loss, a global, an argument's field; Python arithmetic on such reads,
+``1.0 - self.w``; or a float argument of the loss itself) is a constant of each recording of
+the region that uses it: the end-to-end
 loss's ``o2m`` and ``o2o`` weights, which the trainer changes once an epoch, recorded the region
 holding the final sum again at every epoch. Made a 0-dim tensor of the factor's dtype on its
 device (:class:`~fxpasses.runtime.scalar_tensor.ScalarTensor`), the value is an input the region
@@ -44,7 +45,8 @@ def scalar_inputs(gm: fx.GraphModule, pass_name: str, devices: Sequence[str]) ->
     certificates = []
     made: dict[tuple, fx.Node] = {}  # (float, dtype, device) -> its tensor: one per float and kind
     for read in list(gm.graph.nodes):
-        if read.op not in ("call_function", "call_method") or type(read.meta.get("val")) is not float:
+        if read.op not in ("call_function", "call_method", "placeholder") or \
+                type(read.meta.get("val")) is not float:
             continue
         for use in list(read.users):
             factor = _other_factor(use, read)
@@ -76,7 +78,8 @@ def _site(gm: fx.GraphModule, read: fx.Node, use: fx.Node, factor: fx.Node, pass
     location = node_location(use)
     shown = read.target.shown if isinstance(read.target, ReadSource) else read.name
     site = Site((read.name, use.name), (location,) if location else (), f"float {shown} times a tensor")
-    checks = [Check("computed-each-call", True, {"float": shown, "value_at_trace": read.meta["val"]}),
+    checks = [Check("computed-each-call", True, {"float": shown, "value_at_trace": read.meta["val"],
+                                                 "from": "argument" if read.op == "placeholder" else "computed"}),
               Check("factor-dtype-exact", exact, {"factor": factor.name, "dtype": str(tensor.dtype),
                                                   "exact_dtypes": tuple(map(str, EXACT_DTYPES))},
                     None if exact else "scalar-stays-constant"),
@@ -84,8 +87,9 @@ def _site(gm: fx.GraphModule, read: fx.Node, use: fx.Node, factor: fx.Node, pass
                     None if on_device else "scalar-stays-constant")]
     if exact and on_device:
         kind = (read, tensor.dtype, tensor.device)
-        if kind not in made:
-            with gm.graph.inserting_after(read):
+        if kind not in made:  # (an argument's after the last argument: placeholders come first)
+            with gm.graph.inserting_after(read if read.op != "placeholder" else
+                                          list(gm.graph.find_nodes(op="placeholder"))[-1]):
                 made[kind] = gm.graph.call_function(
                     ScalarTensor(f"scalar_{read.name}_{use.name}", tensor.dtype, tensor.device), (read,))
         use.replace_input_with(read, made[kind])

@@ -76,6 +76,32 @@ def test_a_changing_weight_replays_one_recording_and_matches_native_to_the_bit(d
     assert fast.stats.optimized == len(values) + 2
 
 
+class ArgumentWeighted(nn.Module):
+    """``Weighted`` with the weight an argument of each call, after the tensors."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, weight: float) -> torch.Tensor:
+        return (x.sin() * y).sum(-1) * weight + (1.0 - weight) * (x.cos() + y).pow(2).sum(-1)
+
+
+@settings(max_examples=15, deadline=None)
+@given(dtype=st.sampled_from([torch.float64, torch.float32]), rows=st.sampled_from([0, 3]),
+       values=st.lists(weights, min_size=1, max_size=4))
+def test_a_float_argument_replays_one_recording_and_matches_native_to_the_bit(dtype, rows, values):
+    loss = ArgumentWeighted()
+    fast = optimize(loss, passes=[_capture()])
+    for call, weight in enumerate([0.8, 0.8, *values, 1]):  # (last: an int, where a float was traced)
+        got = _run(loss, lambda a, b: fast(a, b, weight), rows, dtype, call)
+        want = _run(loss, lambda a, b: loss(a, b, weight), rows, dtype, call)
+        for g, w in zip(got, want):
+            assert same_bits(g, w), (weight, g, w)
+    gm = fast.specializations[0].graph_module
+    scalars = [n for n in gm.graph.nodes if isinstance(n.target, ScalarTensor)]
+    regions = [n.target for n in gm.graph.nodes if isinstance(n.target, CapturedRegion)]
+    assert len(scalars) == 2 and regions  # the argument's, and 1.0 - weight's
+    assert all(r.made == 1 for r in regions), [dict(r.changes) for r in regions]
+    assert fast.stats.optimized >= len(values) + 2
+
+
 def test_a_half_precision_factor_keeps_the_float_a_constant():
     """CUDA multiplies a float16 tensor by a float in float32 arithmetic; a float16 0-dim tensor
     would round the float first: the float stays a constant of the recording."""
