@@ -23,7 +23,7 @@ from .certificates import Certificate, Check, Guard, Site
 from .guard_code import READ_FAILED, compile_check
 from .ir.proofs import relied_on
 from .ir.runtime_op import runtime_ops
-from .isolation import module_state_kept
+from .isolation import module_state_kept, one_intra_op_thread
 from .guards import CHECKED_PER_TRACE, Assumption, LossRoots, first_failure, whole_loss_assumptions
 from .tracing.recorder import put_back
 from .log import logger
@@ -138,7 +138,7 @@ def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pas
     start = time.perf_counter()
     try:  # the passes' analyses run the graph's modules: each is left as the trace left it
         own = [loss] if isinstance(loss, nn.Module) else []
-        with module_state_kept([*own, *gm.children(), *info.modules]):
+        with module_state_kept([*own, *gm.children(), *info.modules]), one_intra_op_thread():
             special.run = run_pipeline(gm, passes, info.signature.inputs(leaves))
     finally:
         put_back(info.written_state)  # the first call makes the loss's writes, once

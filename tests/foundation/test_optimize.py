@@ -265,6 +265,35 @@ def test_exception_in_optimized_path_returns_native_result(two_branch_loss):
     assert len(fast.stats.exceptions) == 3
 
 
+class CountThreads:
+    """Test pass: notes torch's CPU thread count while the passes run; changes nothing."""
+
+    name = "count-threads"
+
+    def __init__(self):
+        self.seen = []
+
+    def run(self, gm: fx.GraphModule) -> PassResult:
+        self.seen.append(torch.get_num_threads())
+        return PassResult(gm, False, [])
+
+
+def test_the_passes_run_on_one_cpu_thread_and_the_count_is_put_back(two_branch_loss):
+    """Witnesses' tiny float64 ops split over threads that data-loader workers hold spin (the
+    padding witness 25 times slower on two busy cores): the pipeline runs on one thread; the
+    call's own computation keeps the caller's count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        counter = CountThreads()
+        fast = optimize(two_branch_loss, passes=[counter])
+        a, b = _inputs(4, 3)
+        torch.testing.assert_close(fast(a, b), two_branch_loss(a, b))
+        assert counter.seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_trace_failure_runs_natively_with_a_refusal():
     class Numpyish(nn.Module):
         def forward(self, a, b):
