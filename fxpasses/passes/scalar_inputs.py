@@ -2,14 +2,13 @@
 
     # t * loss.o2m  ==  t * scalar(loss.o2m)     t: float32 or float64, on a capture device
 
-A float the graph computes on every call (read by a :class:`~fxpasses.ir.trace_ops.ReadSource`:
-an attribute of the loss, a global, an argument's field; Python arithmetic on such reads,
-``1.0 - self.w``; or a float argument of the loss itself) is a constant of each recording of
-the region that uses it: the end-to-end
-loss's ``o2m`` and ``o2o`` weights, which the trainer changes once an epoch, recorded the region
-holding the final sum again at every epoch. Made a 0-dim tensor of the factor's dtype on its
-device (:class:`~fxpasses.runtime.scalar_tensor.ScalarTensor`), the value is an input the region
-loads each call, and one recording serves every value.
+A float the graph computes on every call (read by a :class:`~fxpasses.ir.trace_ops.ReadSource`: an
+attribute of the loss, a global, an argument's field; Python arithmetic on such reads,
+``1.0 - self.w``; or a float argument of the loss itself) is a constant of each recording of the
+region that uses it: the end-to-end loss's ``o2m`` and ``o2o`` weights, which the trainer changes
+once an epoch, recorded the region holding the final sum again at every epoch. Made a 0-dim tensor
+of the factor's dtype on its device (:class:`~fxpasses.runtime.scalar_tensor.ScalarTensor`), the
+value is an input the region loads each call, and one recording serves every value.
 
 The product is the same: a Python float multiplies a float32 (float64) tensor as that dtype's
 rounding of the float, on the CPU and in CUDA's kernels alike (the scalar is cast to the op's

@@ -280,8 +280,8 @@ class CountThreads:
 
 def test_the_passes_run_on_one_cpu_thread_and_the_count_is_put_back(two_branch_loss):
     """Witnesses' tiny float64 ops split over threads that data-loader workers hold spin (the
-    padding witness 25 times slower on two busy cores): the pipeline runs on one thread; the
-    call's own computation keeps the caller's count."""
+    padding witness 25 times slower on two busy cores): the pipeline runs on one thread, and
+    the caller's count is back once the call returns."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
