@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import random
 import sys
+import threading
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -67,18 +68,32 @@ def autocast_cache_off() -> contextlib.ExitStack:
     return stack
 
 
+class _OneThread:
+    """The pipelines running now, and the thread count the first of them found."""
+    lock = threading.Lock()
+    running = 0
+    found = 1
+
+
 @contextlib.contextmanager
 def one_intra_op_thread() -> Iterator[None]:
     """torch's CPU ops on one thread, then the thread count as it was. The passes' witnesses run
     thousands of tiny float64 ops; each op split over threads that the data loader's workers also
     want spins on the threads it waits for: measured on two busy cores of two, the padding
-    witness 0.50 s on one thread, 12.5 s on two."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    witness 0.50 s on one thread, 12.5 s on two. Pipelines running at once in several threads
+    put back the count the first of them found, when the last one ends."""
+    with _OneThread.lock:
+        if not _OneThread.running:
+            _OneThread.found = torch.get_num_threads()
+            torch.set_num_threads(1)
+        _OneThread.running += 1
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
+        with _OneThread.lock:
+            _OneThread.running -= 1
+            if not _OneThread.running:
+                torch.set_num_threads(_OneThread.found)
 
 
 @contextlib.contextmanager

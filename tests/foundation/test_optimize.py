@@ -294,6 +294,44 @@ def test_the_passes_run_on_one_cpu_thread_and_the_count_is_put_back(two_branch_l
         torch.set_num_threads(before)
 
 
+def test_pipelines_in_two_threads_put_back_the_count_the_first_found():
+    """Thread A enters, B enters, A leaves, B leaves: one thread throughout, the caller's count
+    after (restoring per pipeline would leave A's restore undone by B's, or keep one thread)."""
+    import threading
+
+    from fxpasses.isolation import one_intra_op_thread
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = []
+
+    def a():
+        with one_intra_op_thread():
+            a_in.set()
+            b_in.wait()
+        seen.append(("a left", torch.get_num_threads()))
+        a_out.set()
+
+    def b():
+        a_in.wait()
+        with one_intra_op_thread():
+            b_in.set()
+            a_out.wait()
+            seen.append(("b inside", torch.get_num_threads()))
+        seen.append(("b left", torch.get_num_threads()))
+
+    try:
+        threads = [threading.Thread(target=a), threading.Thread(target=b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert seen == [("a left", 1), ("b inside", 1), ("b left", 2)]
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_trace_failure_runs_natively_with_a_refusal():
     class Numpyish(nn.Module):
         def forward(self, a, b):
