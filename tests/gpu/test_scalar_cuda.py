@@ -61,3 +61,33 @@ def test_the_real_criterion_keeps_its_recordings_across_new_weights():
     assert fast.stats.optimized == 8 and not fast.stats.native, fast.stats.render()
     regions = [n.target for n in fast.graph_module.graph.nodes if isinstance(n.target, CapturedRegion)]
     assert regions and all(r.made == 1 for r in regions), [(r.op_id, r.made, dict(r.changes)) for r in regions]
+
+
+def test_a_float_argument_replays_one_recording_to_the_bit():
+    """A float passed to the loss and multiplied into a tensor (a weight the caller computes)."""
+    from torch import nn
+
+    from fxpasses import optimize
+    from fxpasses.passes import CaptureLoss
+    from fxpasses.runtime.capture import CapturedRegion
+
+    class ArgumentWeighted(nn.Module):
+        def forward(self, x, y, weight):
+            return (x.sin() * y).sum(-1) * weight + (1.0 - weight) * (x.cos() + y).pow(2).sum(-1)
+
+    loss = ArgumentWeighted()
+    fast = optimize(loss, passes=[CaptureLoss(min_region_ops=1, count_copies=False)])
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for weight in [0.8, 0.8, *VALUES]:
+        x = torch.randn(64, 5, device="cuda", generator=g).requires_grad_()
+        y = torch.randn(64, 5, device="cuda", generator=g)
+        results = []
+        for fn in (fast, loss):
+            leaf = x.detach().clone().requires_grad_()
+            out = fn(leaf, y, weight)
+            (grad,) = torch.autograd.grad(out.sum(), leaf)
+            results.append((out.detach(), grad))
+        assert same_bits(results[0][0], results[1][0]) and same_bits(results[0][1], results[1][1]), weight
+    regions = [n.target for n in fast.specializations[0].graph_module.graph.nodes
+               if isinstance(n.target, CapturedRegion)]
+    assert regions and all(r.made == 1 for r in regions), [dict(r.changes) for r in regions]
