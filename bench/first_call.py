@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 bench/first_call.py --batch 16 --image-size 320 --arms select,all --threads 1
     PYTHONPATH=. python3 bench/first_call.py --arms all --profile out/first_call.prof
+    PYTHONPATH=. python3 bench/first_call.py --batch 4 --arms all --busy 2   # beside two busy processes
 
 The first call traces the loss, runs the passes' analyses, proofs and witnesses and (CaptureLoss)
 its region analyses; on a CPU CaptureLoss runs with the emulated recorder (``devices=("cpu",)``)
@@ -20,6 +21,7 @@ import cProfile
 import importlib
 import logging
 import statistics
+import subprocess
 import sys
 import time
 
@@ -112,6 +114,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads (1 keeps a shared CPU's timings stable)")
     parser.add_argument("--log", action="store_true", help="print fxpasses' INFO log")
+    parser.add_argument("--busy", type=int, default=0,
+                        help="this many busy processes (a Python loop each) beside the first calls, "
+                             "as a trainer's data-loader workers can be")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -128,23 +133,33 @@ def main() -> None:
     print(f"native step: median {statistics.median(native):.3f} s ({args.native_steps} steps, "
           f"batch {args.batch}, {args.image_size} px, {args.device})")
     arms = args.arms.split(",")
-    for arm in arms:
-        fast = optimize(criterion, passes=passes(arm, args.device))
-        if args.profile and arm == arms[-1]:
-            profile_pipeline(args.profile)
-        spent = time_phases() if args.phases and arm == arms[-1] else None
-        cpu = time.process_time()
-        first = step(fast, *data(100))
-        cpu = time.process_time() - cpu
-        phases = {k: (spent.seconds[k], spent.calls[k]) for k in spent.calls} if spent is not None else None
-        second = step(fast, *data(101))
-        seconds = {k: round(v, 2) for s in fast.specializations for k, v in s.seconds.items()}
-        print(f"{arm}: first call {first:.2f} s ({first / statistics.median(native):.0f}x native; "
-              f"{cpu:.2f} s CPU), "
-              f"second call {second:.3f} s; {seconds}; {len(fast.specializations)} specialization(s)")
-        if phases is not None:
-            print("first call's phases (inclusive s, calls):",
-                  ", ".join(f"{k} {v[0]:.2f} ({v[1]})" for k, v in phases.items()))
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    try:
+        for arm in arms:
+            first_call(arm, arm == arms[-1], args, criterion, data, native)
+    finally:
+        for process in busy:
+            process.kill()
+
+
+def first_call(arm: str, last: bool, args: argparse.Namespace, criterion, data, native: list[float]) -> None:
+    """Time ``arm``'s first and second call; ``last``: the arm ``--profile`` and ``--phases`` look at."""
+    fast = optimize(criterion, passes=passes(arm, args.device))
+    if args.profile and last:
+        profile_pipeline(args.profile)
+    spent = time_phases() if args.phases and last else None
+    cpu = time.process_time()
+    first = step(fast, *data(100))
+    cpu = time.process_time() - cpu
+    phases = {k: (spent.seconds[k], spent.calls[k]) for k in spent.calls} if spent is not None else None
+    second = step(fast, *data(101))
+    seconds = {k: round(v, 2) for s in fast.specializations for k, v in s.seconds.items()}
+    print(f"{arm}: first call {first:.2f} s ({first / statistics.median(native):.0f}x native; "
+          f"{cpu:.2f} s CPU), "
+          f"second call {second:.3f} s; {seconds}; {len(fast.specializations)} specialization(s)")
+    if phases is not None:
+        print("first call's phases (inclusive s, calls):",
+              ", ".join(f"{k} {v[0]:.2f} ({v[1]})" for k, v in phases.items()))
 
 
 if __name__ == "__main__":
