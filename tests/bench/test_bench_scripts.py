@@ -13,7 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ("bench.py", "interleaved.py", "flow_pairing.py", "ddp.py", "host_profile.py", "guard_cost.py", "peak_memory.py",
            "fit.py", "trajectory.py", "kernels.py", "pool_hazard.py", "host_timers.py", "region_handoffs.py",
-           "capacity_headroom.py", "annotate_cost.py", "sync_events.py", "background_thread.py")
+           "capacity_headroom.py", "annotate_cost.py", "sync_events.py", "background_thread.py",
+           "first_call.py")
 
 
 def run(script: str, *args: str) -> subprocess.CompletedProcess:
