@@ -65,17 +65,11 @@ def test_the_real_criterion_keeps_its_recordings_across_new_weights():
 
 def test_a_float_argument_replays_one_recording_to_the_bit():
     """A float passed to the loss and multiplied into a tensor (a weight the caller computes)."""
-    from torch import nn
-
     from fxpasses import optimize
     from fxpasses.passes import CaptureLoss
     from fxpasses.runtime.capture import CapturedRegion
 
-    class ArgumentWeighted(nn.Module):
-        def forward(self, x, y, weight):
-            return (x.sin() * y).sum(-1) * weight + (1.0 - weight) * (x.cos() + y).pow(2).sum(-1)
-
-    loss = ArgumentWeighted()
+    loss = import_file(Path(__file__).parents[1] / "helpers" / "weighted.py").ArgumentWeighted()
     fast = optimize(loss, passes=[CaptureLoss(min_region_ops=1, count_copies=False)])
     g = torch.Generator(device="cuda").manual_seed(0)
     for weight in [0.8, 0.8, *VALUES]:

@@ -19,6 +19,7 @@ from fxpasses.cli import import_file
 from fxpasses.runtime.scalar_tensor import ScalarTensor
 
 same_bits = import_file(Path(__file__).parents[1] / "helpers" / "bits.py").same_bits
+ArgumentWeighted = import_file(Path(__file__).parents[1] / "helpers" / "weighted.py").ArgumentWeighted
 
 
 class Weighted(nn.Module):
@@ -74,13 +75,6 @@ def test_a_changing_weight_replays_one_recording_and_matches_native_to_the_bit(d
     assert len(scalars) == 2 and regions
     assert all(r.made == 1 for r in regions), [dict(r.changes) for r in regions]
     assert fast.stats.optimized == len(values) + 2
-
-
-class ArgumentWeighted(nn.Module):
-    """``Weighted`` with the weight an argument of each call, after the tensors."""
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor, weight: float) -> torch.Tensor:
-        return (x.sin() * y).sum(-1) * weight + (1.0 - weight) * (x.cos() + y).pow(2).sum(-1)
 
 
 @settings(max_examples=15, deadline=None)
