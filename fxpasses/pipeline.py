@@ -25,6 +25,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module  # recompile when run
 
 from .analysis.meta import annotate, annotate_new
 from .certificates import Certificate, Check, Site, pass_counters
@@ -104,7 +105,7 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     out = graph.graph_copy(gm.graph, {})
     old_output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     graph.output(out, type_expr=old_output.type)
-    new = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    new = _make_graph_module(gm, graph, class_name=type(gm).__name__)
     new.meta = dict(gm.meta)
     return new
 
@@ -180,7 +181,8 @@ def run_pipeline(gm: fx.GraphModule, passes: Sequence[Pass],
             certificates.append(_metadata_failure(failures, snapshots[0].fingerprint))
         gm.meta[EXAMPLE_INPUTS] = tuple(example_tensors)
     try:
-        current = _run_passes(gm, passes, example_tensors, snapshots, certificates)
+        with _use_lazy_graph_module(True):
+            current = _run_passes(gm, passes, example_tensors, snapshots, certificates)
     finally:  # the call's tensors are not kept with the graph
         for module in (gm, current):
             module.meta.pop(EXAMPLE_INPUTS, None)
