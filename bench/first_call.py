@@ -25,13 +25,16 @@ import subprocess
 import sys
 import time
 
-import torch
+from bytecode import describe  # bench/bytecode.py; asked before the imports below may write it
+BYTECODE = describe()
 
-from fxpasses import optimize, specialize
-from fxpasses.passes import CaptureLoss, PairRLE, SelectRows
-from fxpasses.runtime.emulated import EmulatedRecorder
-from fxpasses.workloads.ultralytics_pose import pose_batch, pose_model, pose_preds
-from host_timers import Timers  # bench/host_timers.py, beside this script
+import torch  # noqa: E402
+
+from fxpasses import optimize, specialize  # noqa: E402
+from fxpasses.passes import CaptureLoss, PairRLE, SelectRows  # noqa: E402
+from fxpasses.runtime.emulated import EmulatedRecorder  # noqa: E402
+from fxpasses.workloads.ultralytics_pose import pose_batch, pose_model, pose_preds  # noqa: E402
+from host_timers import Timers  # noqa: E402  (bench/host_timers.py, beside this script)
 
 
 def passes(arm: str, device: str) -> list:
@@ -130,6 +133,7 @@ def main() -> None:
                          pose_batch(args.batch, seed=seed, image_size=args.image_size,
                                     device=args.device))
     native = [step(criterion, *data(s)) for s in range(args.native_steps)]
+    print(BYTECODE)
     print(f"native step: median {statistics.median(native):.3f} s ({args.native_steps} steps, "
           f"batch {args.batch}, {args.image_size} px, {args.device})")
     arms = args.arms.split(",")

@@ -126,6 +126,8 @@ def _check_criterion(trainer) -> None:
 def child(args: argparse.Namespace) -> None:
     """One fit in this process; its record as JSON to ``args.record``."""
     sys.path.insert(0, str(ROOT))
+    from bytecode import bytecode_cache  # bench/bytecode.py; before the imports that may write it
+    bytecode = bytecode_cache()
     import torch
 
     from fxpasses.testing.torchvision_stand_in import ensure_torchvision
@@ -177,7 +179,7 @@ def child(args: argparse.Namespace) -> None:
     fit_s = time.perf_counter() - start
     trainer = yolo.trainer
     cuda = torch.cuda.is_available() and trainer.device.type == "cuda"
-    record = {"arm": args.child, "batch": args.batch, "fit_s": fit_s, **moments,
+    record = {"arm": args.child, "batch": args.batch, "fit_s": fit_s, **moments, "bytecode": bytecode,
               "peak_reserved_mib": torch.cuda.max_memory_reserved() / 2**20 if cuda else None,
               "gpu": torch.cuda.get_device_name(trainer.device) if cuda else None,
               "seed": args.seed, "amp_setting": args.amp, "grad_scale_final": _loss_scale(trainer), "amp": bool(trainer.amp), "amp_check": amp_check,

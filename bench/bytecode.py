@@ -1,0 +1,40 @@
+"""Whether this interpreter finds compiled bytecode for the modules a first call imports lazily.
+
+A first call of an optimized loss imports what a native one never does (torch's fake tensors,
+symbolic shapes, sympy): without their ``.pyc`` files (``PYTHONPYCACHEPREFIX`` pointed at an
+empty folder, ``PYTHONDONTWRITEBYTECODE`` set, a ``--no-compile`` install) every process compiles
+them from source, seconds a process that a pip-installed environment, which compiles them at
+install, does not spend. Benchmarks print this, so that a figure says which it measured.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+# modules the first call imports and a native call does not (their own files, not packages' all)
+LAZY = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes",
+        "torch._dynamo.eval_frame", "torch._refs", "sympy.core.expr")
+
+
+def bytecode_cache() -> dict:
+    """``cached``: how many of :data:`LAZY` have a ``.pyc`` where this interpreter looks
+    (``sys.pycache_prefix`` honoured); ``writes``: whether a process writes those it lacks."""
+    found = 0
+    for name in LAZY:
+        spec = importlib.util.find_spec(name)
+        origin = getattr(spec, "origin", None)
+        found += bool(origin and origin.endswith(".py")
+                      and os.path.exists(importlib.util.cache_from_source(origin)))
+    return {"cached": found, "of": len(LAZY), "writes": not sys.dont_write_bytecode,
+            "prefix": sys.pycache_prefix}
+
+
+def describe() -> str:
+    """One line for a benchmark's output."""
+    c = bytecode_cache()
+    state = "compiled" if c["cached"] == c["of"] else "from source" if not c["cached"] else "partly compiled"
+    return (f"bytecode of the first call's lazy imports: {state} ({c['cached']}/{c['of']} cached"
+            f"{', prefix ' + c['prefix'] if c['prefix'] else ''}; "
+            f"{'writes' if c['writes'] else 'does not write'} what it lacks)")
