@@ -13,20 +13,23 @@ import importlib.util
 import os
 import sys
 
-# modules the first call imports and a native call does not (their own files, not packages' all)
-LAZY = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes",
-        "torch._dynamo.eval_frame", "torch._refs", "sympy.core.expr")
+# files the first call imports and a native call does not, under their top-level packages
+LAZY = (("torch", "_subclasses/fake_tensor.py"), ("torch", "fx/experimental/symbolic_shapes.py"),
+        ("torch", "_dynamo/eval_frame.py"), ("torch", "_refs/__init__.py"), ("sympy", "core/expr.py"))
 
 
 def bytecode_cache() -> dict:
     """``cached``: how many of :data:`LAZY` have a ``.pyc`` where this interpreter looks
-    (``sys.pycache_prefix`` honoured); ``writes``: whether a process writes those it lacks."""
+    (``sys.pycache_prefix`` honoured); ``writes``: whether a process writes those it lacks.
+    Imports nothing: finding a submodule's spec would import its packages, moving their import
+    time out of what a benchmark times next."""
     found = 0
-    for name in LAZY:
-        spec = importlib.util.find_spec(name)
-        origin = getattr(spec, "origin", None)
-        found += bool(origin and origin.endswith(".py")
-                      and os.path.exists(importlib.util.cache_from_source(origin)))
+    for package, file in LAZY:
+        spec = importlib.util.find_spec(package)  # a top-level spec: found, not imported
+        locations = list(getattr(spec, "submodule_search_locations", None) or ())
+        if locations:
+            source = os.path.join(locations[0], file)
+            found += os.path.exists(source) and os.path.exists(importlib.util.cache_from_source(source))
     return {"cached": found, "of": len(LAZY), "writes": not sys.dont_write_bytecode,
             "prefix": sys.pycache_prefix}
 
