@@ -8,6 +8,9 @@
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+# the device's torch has no .pyc and the host sets PYTHONDONTWRITEBYTECODE: without a written
+# cache every process compiles what it imports (seconds; bench/bytecode.py, RESULTS fortieth session)
+unset PYTHONDONTWRITEBYTECODE
 export PYTHONPATH=/tmp/site:. YOLO_OFFLINE=1 PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pyc}
 python -c "import torch, ultralytics; print('torch', torch.__version__, 'ultralytics', ultralytics.__version__, torch.cuda.get_device_name())"
 case "${1:?census, bench, memory, kernels, diagnose, host-ab, fit, fit-seeds, fit-check, amp-bisect, first-call or headroom}" in
