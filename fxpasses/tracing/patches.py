@@ -19,7 +19,8 @@ when the loss has run (:func:`patched`) or, for the modules met, when the sessio
 * a call of the loss's code whose value changes per call (``random.random()``, ``time.time()``:
   :mod:`.impure_calls`) is refused;
 * a profile hook records the globals of every user function the trace executes (garbage
-  collection is off meanwhile, so that no collection callback's globals are taken for the loss's;
+  collection is off meanwhile, and a collection the loss's code asks for runs ``gc.callbacks``
+  with recording paused, so that no collection callback's globals are taken for the loss's;
   a profiler already installed with ``sys.setprofile`` is off during the trace).
 """
 
@@ -201,6 +202,32 @@ def _warm_torch_tables() -> None:
         constructors()
 
 
+def _callbacks_outside(rec: Recorder, thread: int, journal: Any) -> None:
+    """Each of ``gc.callbacks`` runs, on the tracing thread, with recording paused: code the loss
+    calls may collect explicitly (Dynamo's compile runs ``gc.collect(1)``), and a callback run
+    as the loss's code had the trace stand in for the globals it read (a float global it
+    updated kept a traced number for good). Undone by putting each original back in place;
+    callbacks added meanwhile stay."""
+    def outside(callback: Callable) -> Callable:
+        def run(phase: str, info: dict) -> Any:
+            if threading.get_ident() != thread:
+                return callback(phase, info)
+            paused, kept_whole = rec.paused, rec.kept_whole
+            rec.paused, rec.kept_whole = True, None
+            try:
+                return callback(phase, info)
+            finally:
+                rec.paused, rec.kept_whole = paused, kept_whole
+        return run
+
+    pairs = []  # (stand-in, original)
+    for i, callback in enumerate(gc.callbacks):
+        gc.callbacks[i] = stand_in = outside(callback)
+        pairs.append((stand_in, callback))
+    journal.on_undo(lambda: gc.callbacks.__setitem__(slice(None), [
+        next((original for stand_in, original in pairs if stand_in is c), c) for c in gc.callbacks]))
+
+
 @contextlib.contextmanager
 def patched(session: Any, leaf_functions: tuple[Callable, ...],
             reads: InputReads | None = None) -> Iterator[None]:
@@ -246,6 +273,7 @@ def patched(session: Any, leaf_functions: tuple[Callable, ...],
                     if value is fn:
                         journal.set(module, key, _opaque_function(rec, fn))
         gc.disable()  # a collection's callbacks (a test framework's, a profiler's) are not the loss
+        _callbacks_outside(rec, thread, journal)  # nor when the loss's code collects explicitly
         seed, left = torch.initial_seed(), _left_state(rec.root)
         sys.setprofile(profile)
         try:

@@ -1,0 +1,55 @@
+"""A collection's callbacks are not the loss. The trace runs with collection off, but code the
+loss calls may collect explicitly (Dynamo compiling a submodule runs ``gc.collect(1)``); the
+callbacks then ran on the tracing thread as if the loss had called them: the trace stood in for
+the globals they read, and a float global a callback updated kept a traced number for good
+(found: hypothesis's ``junkdrawer._gc_cumulative_time``, a ``TracedScalar`` at exit)."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from fxpasses import optimize
+
+_gc_seconds = 0.0  # a float global a callback updates, as hypothesis's gc timer does
+_gc_scale = 1.5
+
+
+def _timer(phase, info):
+    global _gc_seconds
+    if phase == "stop":
+        _gc_seconds += _gc_scale
+
+
+def _collects(x):
+    gc.collect(1)  # as torch._dynamo's compile does, inside the loss's call
+    return (x * 2).sum()
+
+
+def test_a_callback_of_a_collection_inside_the_trace_runs_outside_it():
+    gc.callbacks.append(_timer)
+    try:
+        before = _gc_seconds
+        out = optimize(_collects)(torch.ones(3))
+        assert out.item() == 6.0
+        assert type(_gc_seconds) is float and _gc_seconds > before  # it ran, on plain numbers
+        assert type(_gc_scale) is float
+        assert _timer in gc.callbacks  # the callback list as it was
+    finally:
+        gc.callbacks.remove(_timer)
+
+
+def test_a_callback_added_during_the_trace_stays():
+    added = []
+
+    def adds(x):
+        gc.callbacks.append(added.append)
+        return (x * 3).sum()
+
+    try:
+        optimize(adds)(torch.ones(2))
+        assert added.append in gc.callbacks
+    finally:
+        if added.append in gc.callbacks:
+            gc.callbacks.remove(added.append)
