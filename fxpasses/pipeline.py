@@ -100,7 +100,8 @@ EXAMPLE_INPUTS = "fxpasses.example_inputs"  # gm.meta key, while the pipeline ru
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A new GraphModule over a copy of the graph; submodules and parameters are shared."""
+    """A new GraphModule over a copy of the graph; submodules and parameters are shared. Inside
+    :func:`run_pipeline` it is torch.fx's lazy kind: its code is generated when it runs."""
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     old_output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")

@@ -3,9 +3,9 @@ without importing them (their import time stays in what a benchmark times next).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
