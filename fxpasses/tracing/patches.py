@@ -19,8 +19,8 @@ when the loss has run (:func:`patched`) or, for the modules met, when the sessio
 * a call of the loss's code whose value changes per call (``random.random()``, ``time.time()``:
   :mod:`.impure_calls`) is refused;
 * a profile hook records the globals of every user function the trace executes (garbage
-  collection is off meanwhile, and a collection the loss's code asks for runs ``gc.callbacks``
-  with recording paused, so that no collection callback's globals are taken for the loss's;
+  collection is off meanwhile, and a collection the loss's code asks for runs with recording
+  paused, so that no collection callback's or finalizer's globals are taken for the loss's;
   a profiler already installed with ``sys.setprofile`` is off during the trace).
 """
 
@@ -202,30 +202,32 @@ def _warm_torch_tables() -> None:
         constructors()
 
 
-def _callbacks_outside(rec: Recorder, thread: int, journal: Any) -> None:
-    """Each of ``gc.callbacks`` runs, on the tracing thread, with recording paused: code the loss
-    calls may collect explicitly (Dynamo's compile runs ``gc.collect(1)``), and a callback run
-    as the loss's code had the trace stand in for the globals it read (a float global it
-    updated kept a traced number for good). Undone by putting each original back in place;
-    callbacks added meanwhile stay."""
-    def outside(callback: Callable) -> Callable:
-        def run(phase: str, info: dict) -> Any:
-            if threading.get_ident() != thread:
-                return callback(phase, info)
-            paused, kept_whole = rec.paused, rec.kept_whole
-            rec.paused, rec.kept_whole = True, None
-            try:
-                return callback(phase, info)
-            finally:
-                rec.paused, rec.kept_whole = paused, kept_whole
-        return run
+def _collections_outside(rec: Recorder, thread: int, journal: Any) -> None:
+    """A collection on the tracing thread runs with recording paused, from its first callback's
+    start to its last one's stop: code the loss calls may collect explicitly (Dynamo's compile
+    runs ``gc.collect(1)``), and the callbacks in ``gc.callbacks`` and the finalizers of what it
+    frees ran as the loss's code: the trace stood in for the globals they read (a float global
+    one updated kept a traced number for good). Not covered: a callback added during the trace
+    (after the last one) runs its stop phase unpaused."""
+    paused_by_us: list[tuple[bool, Any]] = []
 
-    pairs = []  # (stand-in, original)
-    for i, callback in enumerate(gc.callbacks):
-        gc.callbacks[i] = stand_in = outside(callback)
-        pairs.append((stand_in, callback))
-    journal.on_undo(lambda: gc.callbacks.__setitem__(slice(None), [
-        next((original for stand_in, original in pairs if stand_in is c), c) for c in gc.callbacks]))
+    def first(phase: str, info: dict) -> None:
+        if phase == "start" and threading.get_ident() == thread:
+            paused_by_us.append((rec.paused, rec.kept_whole))
+            rec.paused, rec.kept_whole = True, None
+
+    def last(phase: str, info: dict) -> None:
+        if phase == "stop" and threading.get_ident() == thread and paused_by_us:
+            rec.paused, rec.kept_whole = paused_by_us.pop()
+
+    def remove() -> None:
+        for callback in (first, last):
+            if callback in gc.callbacks:
+                gc.callbacks.remove(callback)
+
+    gc.callbacks.insert(0, first)
+    gc.callbacks.append(last)
+    journal.on_undo(remove)
 
 
 @contextlib.contextmanager
@@ -273,7 +275,7 @@ def patched(session: Any, leaf_functions: tuple[Callable, ...],
                     if value is fn:
                         journal.set(module, key, _opaque_function(rec, fn))
         gc.disable()  # a collection's callbacks (a test framework's, a profiler's) are not the loss
-        _callbacks_outside(rec, thread, journal)  # nor when the loss's code collects explicitly
+        _collections_outside(rec, thread, journal)  # nor when the loss's code collects explicitly
         seed, left = torch.initial_seed(), _left_state(rec.root)
         sys.setprofile(profile)
         try:

@@ -1,8 +1,9 @@
-"""A collection's callbacks are not the loss. The trace runs with collection off, but code the
-loss calls may collect explicitly (Dynamo compiling a submodule runs ``gc.collect(1)``); the
-callbacks then ran on the tracing thread as if the loss had called them: the trace stood in for
-the globals they read, and a float global a callback updated kept a traced number for good
-(found: hypothesis's ``junkdrawer._gc_cumulative_time``, a ``TracedScalar`` at exit)."""
+"""A collection's callbacks and finalizers are not the loss. The trace runs with collection off,
+but code the loss calls may collect explicitly (Dynamo compiling a submodule runs
+``gc.collect(1)``); the callbacks and the finalizers of what it freed then ran on the tracing
+thread as if the loss had called them: the trace stood in for the globals they read, and a float
+global one updated kept a traced number for good (found: hypothesis's
+``junkdrawer._gc_cumulative_time``, a ``TracedScalar`` at exit)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,30 @@ def test_a_callback_added_during_the_trace_stays():
     finally:
         if added.append in gc.callbacks:
             gc.callbacks.remove(added.append)
+
+
+_finalized = 0.0  # a float global a finalizer updates
+
+
+class _Cycle:
+    """Garbage only a collection frees: its finalizer runs inside the collection."""
+
+    def __init__(self):
+        self.me = self
+
+    def __del__(self):
+        global _finalized
+        _finalized += _gc_scale
+
+
+def test_a_finalizer_run_by_a_collection_inside_the_trace_runs_outside_it():
+    gc.collect()
+    gc.disable()  # no collection before the loss's own
+    try:
+        _Cycle()  # unreachable from here on: the loss's collection finalizes it
+        before = _finalized
+        out = optimize(_collects)(torch.ones(3))
+    finally:
+        gc.enable()
+    assert out.item() == 6.0
+    assert type(_finalized) is float and _finalized > before
