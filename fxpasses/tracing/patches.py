@@ -203,12 +203,13 @@ def _warm_torch_tables() -> None:
 
 
 def _collections_outside(rec: Recorder, thread: int, journal: Any) -> None:
-    """A collection on the tracing thread runs with recording paused, from its first callback's
-    start to its last one's stop: code the loss calls may collect explicitly (Dynamo's compile
-    runs ``gc.collect(1)``), and the callbacks in ``gc.callbacks`` and the finalizers of what it
-    frees ran as the loss's code: the trace stood in for the globals they read (a float global
-    one updated kept a traced number for good). Not covered: a callback added during the trace
-    (after the last one) runs its stop phase unpaused."""
+    """Collections are not the loss: automatic ones are off while the trace runs, and one the
+    loss's code asks for on the tracing thread (Dynamo's compile runs ``gc.collect(1)``) runs with
+    recording paused, from its first callback's start to its last one's stop. Its callbacks in
+    ``gc.callbacks`` and the finalizers of what it frees ran as the loss's code before: the trace
+    stood in for the globals they read (a float global one updated kept a traced number for
+    good). Not covered: a callback added during the trace (after the last one) runs its stop
+    phase unpaused."""
     paused_by_us: list[tuple[bool, Any]] = []
 
     def first(phase: str, info: dict) -> None:
@@ -220,14 +221,19 @@ def _collections_outside(rec: Recorder, thread: int, journal: Any) -> None:
         if phase == "stop" and threading.get_ident() == thread and paused_by_us:
             rec.paused, rec.kept_whole = paused_by_us.pop()
 
-    def remove() -> None:
+    collecting = gc.isenabled()
+
+    def undo() -> None:
         for callback in (first, last):
             if callback in gc.callbacks:
                 gc.callbacks.remove(callback)
+        if collecting:
+            gc.enable()
 
+    gc.disable()
     gc.callbacks.insert(0, first)
     gc.callbacks.append(last)
-    journal.on_undo(remove)
+    journal.on_undo(undo)
 
 
 @contextlib.contextmanager
@@ -251,7 +257,6 @@ def patched(session: Any, leaf_functions: tuple[Callable, ...],
         elif event == "c_call" and reads is not None:
             reads.c_called(arg, frame)
 
-    collecting = gc.isenabled()
     with journal.scope():
         _warm_torch_tables()
         for name in (*FACTORIES, *SIZE_ARGUMENTS):
@@ -274,8 +279,7 @@ def patched(session: Any, leaf_functions: tuple[Callable, ...],
                 for key, value in list((namespace or {}).items()):
                     if value is fn:
                         journal.set(module, key, _opaque_function(rec, fn))
-        gc.disable()  # a collection's callbacks (a test framework's, a profiler's) are not the loss
-        _collections_outside(rec, thread, journal)  # nor when the loss's code collects explicitly
+        _collections_outside(rec, thread, journal)  # (a test framework's callbacks, finalizers)
         seed, left = torch.initial_seed(), _left_state(rec.root)
         sys.setprofile(profile)
         try:
@@ -288,5 +292,3 @@ def patched(session: Any, leaf_functions: tuple[Callable, ...],
                                   "(self.teacher.eval() in forward): a graph does not replay it")
         finally:
             sys.setprofile(previous_profile)
-            if collecting:
-                gc.enable()
