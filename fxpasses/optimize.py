@@ -84,6 +84,7 @@ from .signature import flatten_call
 from .specialization_cache import DISABLE_AFTER, SpecializationCache
 from .specialize import Specialization, build
 from .stats import RecordedException, RunStats
+from .store import ResultStore
 from .trace import LeafPolicy
 
 _RETRACE_AFTER = 2  # the 2nd call since the last trace that every trace abandons is traced
@@ -111,7 +112,7 @@ class OptimizedLoss(nn.Module):
     """
 
     def __init__(self, loss_fn: Any, passes: Sequence[Pass], policy: LeafPolicy,
-                 max_specializations: int):
+                 max_specializations: int, store: ResultStore | None = None):
         super().__init__()
         object.__setattr__(self, "_loss", loss_fn)
         if isinstance(loss_fn, nn.Module):
@@ -126,6 +127,7 @@ class OptimizedLoss(nn.Module):
         self._passes = tuple(passes)
         self._policy = policy
         self._max_specializations = max_specializations
+        self._store = store
         self._guard_whole_loss([])
         self._cache = SpecializationCache(max_specializations)
         self._stats = RunStats()
@@ -151,11 +153,11 @@ class OptimizedLoss(nn.Module):
     # -- pickling: the loss and the options travel; optimization happens again after loading ---
     def __getstate__(self) -> dict[str, Any]:
         return {"loss": self._loss, "passes": self._passes, "policy": self._policy,
-                "max_specializations": self._max_specializations}
+                "max_specializations": self._max_specializations, "store": self._store}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         OptimizedLoss.__init__(self, state["loss"], state["passes"], state["policy"],
-                               state["max_specializations"])
+                               state["max_specializations"], state.get("store"))
 
     # -- the call ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -264,7 +266,7 @@ class OptimizedLoss(nn.Module):
                 return Refused("concurrent-call")
             with isolated():
                 special = build(self._loss, args, kwargs, len(self._cache), self._passes,
-                                self._policy)
+                                self._policy, self._store)
             if special.info is not None:
                 self._guard_whole_loss([*self._guarded_modules, *special.info.modules])
             self._abandoned_since_trace = 0
@@ -523,7 +525,7 @@ def _validate(loss_fn: Any, passes: Sequence[Any]) -> tuple[Pass, ...]:
 def optimize(loss_fn: Callable, passes: Sequence[Pass] = (), *,
              leaf_functions: Sequence[Callable] = (), leaf_modules: Sequence[Any] = (),
              density_methods: Sequence[str] = ("log_prob",), max_specializations: int = 8,
-             ) -> OptimizedLoss:
+             store: str | os.PathLike | None = None) -> OptimizedLoss:
     """Optimize ``loss_fn`` with ``passes``; tracing happens at the first call.
 
     Nothing is traced here: each call traces the loss on its own inputs when no specialization
@@ -540,6 +542,10 @@ def optimize(loss_fn: Callable, passes: Sequence[Pass] = (), *,
         density_methods (Sequence[str]): method names of modules kept as one node each, for
             passes to pair (``log_prob``).
         max_specializations (int): traces kept at most (at least 1).
+        store (str | os.PathLike, optional): a directory where the passes' results are kept
+            across processes (:mod:`fxpasses.store`): a later process whose trace has the same
+            key reads the result back instead of running the passes. None (the default): the
+            passes run in every process.
 
     Returns:
         OptimizedLoss: a module with ``loss_fn``'s call signature, parameters and buffers.
@@ -558,4 +564,8 @@ def optimize(loss_fn: Callable, passes: Sequence[Pass] = (), *,
             isinstance(m, type) and issubclass(m, nn.Module)), "nn.Module classes or instances"),
         options.items("leaf_functions", leaf_functions,
                       lambda f: callable(f) and not isinstance(f, type), "functions"))
-    return OptimizedLoss(loss_fn, passes, policy, max_specializations)
+    if store is not None and not isinstance(store, (str, os.PathLike)):
+        raise TypeError(f"store must be a directory path (str or os.PathLike), got "
+                        f"{type(store).__name__}: {store!r}")
+    return OptimizedLoss(loss_fn, passes, policy, max_specializations,
+                         ResultStore(store) if store is not None else None)

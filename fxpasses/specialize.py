@@ -30,7 +30,8 @@ from .log import logger
 from .certificates.digest import fingerprint
 from .pipeline import Pass, PipelineRun, run_pipeline
 from .signature import CallSignature
-from .trace import LeafPolicy, TraceFailure, TraceInfo, positional_names, trace
+from .store import ResultStore
+from .trace import META_KEY, LeafPolicy, TraceFailure, TraceInfo, positional_names, trace
 
 
 @dataclass
@@ -105,10 +106,11 @@ def _same_assumption(x: Assumption, y: Assumption) -> bool:
 
 
 def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pass],
-          policy: LeafPolicy) -> Specialization:
+          policy: LeafPolicy, store: ResultStore | None = None) -> Specialization:
     """Trace, certify and optimize (see the module docstring); failures are recorded on it.
     The hooks, methods, submodules and modes of the modules the trace depends on
-    (``info.modules``) are the caller's whole-loss guards."""
+    (``info.modules``) are the caller's whole-loss guards. With a ``store``, the pipeline's
+    result is read from it where one was stored for this trace's key, else stored there."""
     special = Specialization(index, CallSignature.of_call(args, kwargs, positional_names(loss)))
     logger.info("specialization %d of %s: tracing and running %d pass(es) (a new call structure: "
                 "this call takes longer)", index, type(loss).__name__, len(passes))
@@ -136,10 +138,17 @@ def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pas
         special.refusal = certificate.codes[0]
         return special
     start = time.perf_counter()
+    inputs = info.signature.inputs(leaves)
     try:  # the passes' analyses run the graph's modules: each is left as the trace left it
-        own = [loss] if isinstance(loss, nn.Module) else []
-        with module_state_kept([*own, *gm.children(), *info.modules]), one_intra_op_thread():
-            special.run = run_pipeline(gm, passes, info.signature.inputs(leaves))
+        lookup = store.lookup(loss, gm, special.assumptions, passes, inputs) if store else None
+        special.run = lookup.run if lookup is not None else None
+        if special.run is None:
+            own = [loss] if isinstance(loss, nn.Module) else []
+            with module_state_kept([*own, *gm.children(), *info.modules]), one_intra_op_thread():
+                special.run = run_pipeline(gm, passes, inputs)
+            if lookup is not None:
+                lookup.keep(special.run, time.perf_counter() - start)
+        special.run.graph_module.meta[META_KEY] = info
     finally:
         put_back(info.written_state)  # the first call makes the loss's writes, once
     special.seconds["pipeline"] = time.perf_counter() - start
@@ -150,6 +159,8 @@ def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pas
         special.assumptions += tuple(relied)
         special.check = compile_check(special.assumptions)
     special.certificates.extend(special.run.certificates)
+    if lookup is not None:
+        special.certificates.append(lookup.certificate)
     logger.info("specialization %d of %s: %d certificate(s), %s", index, type(loss).__name__,
                 len(special.certificates), ", ".join(f"{k} {v:.2f} s" for k, v in special.seconds.items()))
     return special

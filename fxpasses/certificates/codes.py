@@ -55,6 +55,26 @@ _CODES = (
     Code("lint-failed", "failure",
          "The graph failed graph.lint() after a pass; the graph from before the pass was kept.",
          "Report it with the certificate JSON; the loss keeps its previous graph."),
+    Code("stored-result-absent", "refusal",
+         "No stored pipeline result has this trace's key (the first process to trace it, or the "
+         "graph, the loss's structure or sources, the passes, the device, fxpasses or torch "
+         "changed since: the certificate names the parts in which the newest entry differs); "
+         "the passes ran and their result was stored.",
+         "Expected once per key; later processes read it back."),
+    Code("stored-result-unusable", "refusal",
+         "A stored pipeline result has this trace's key but could not be used (an unreadable or "
+         "torn entry, an object it refers to that the loss does not hold, a tensor a rewrite "
+         "folded that holds other values, code that does not match the code stored); the "
+         "passes ran again and their result replaced it.", "None needed; the message says why."),
+    Code("result-unkeyable", "refusal",
+         "What the passes read cannot all be written into a portable key (an object of a user "
+         "class that the loss does not hold, a function without an importable name, a fake "
+         "tensor): nothing was looked up or stored; the passes ran.",
+         "Hold the object on the loss, or name the function at module level."),
+    Code("result-not-storable", "refusal",
+         "The passes' result refers to something that cannot be written and read back in "
+         "another process (an object the loss does not hold, a lock, a symbolic size): it "
+         "serves this process only.", "Report it with the certificate's evidence."),
     Code("metadata-failed", "failure",
          "Propagating shapes through the graph with fake tensors failed at a node: in the traced "
          "graph (passes then treat that node and what follows conservatively), or after a pass "

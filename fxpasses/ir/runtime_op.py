@@ -57,6 +57,20 @@ class RuntimeOp:
         self.__qualname__ = self.__name__
         self.counters: Counter[str] = Counter()
 
+    def fresh_state(self) -> dict[str, Any]:
+        """The attributes that hold what calls made (recordings, kept tensors, locks), not what
+        the op computes, as a new op starts them: left out when the op is stored and started
+        so when it is read back (:mod:`fxpasses.store`), and what a stored result's key omits."""
+        return {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        fresh = self.fresh_state()
+        return {k: v for k, v in vars(self).items() if k not in fresh}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        vars(self).update(state)
+        vars(self).update(self.fresh_state())
+
     def held_tensors(self) -> tuple[torch.Tensor, ...]:
         """Tensors this op keeps across calls and hands out again (its outputs in every call
         that reads them): not memory a recording owns."""

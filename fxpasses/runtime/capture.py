@@ -638,7 +638,6 @@ class CapturedRegion(RuntimeOp):
         # argument that are; a recording made for a smaller one than a call's is never replayed again
         self.growing = dict(growing or {})
         self.input_names = tuple(input_names)  # the graph's names of its arguments (for reports)
-        self.changes: Counter[str] = Counter()  # what a new recording changed from the nearest held
         self.fn = fn
         self.identity = frozenset(identity)
         if counters is not None:  # report into the counters of the op that owns this region
@@ -646,16 +645,22 @@ class CapturedRegion(RuntimeOp):
         self.max_recordings = max_recordings
         self.record_after = record_after
         self.recorder = recorder or CudaGraphRecorder()
-        self.recordings: dict[tuple, Recording] = {}
-        self.sightings: dict[tuple, int] = {}  # signatures not recorded yet -> calls seen, oldest first
-        self.failure: str | None = None
-        self.lock = threading.RLock()
-        self.generation = 0
-        self._pending: int | None = None  # generation whose backward has not run yet
-        self._pool: Any = None
-        self._slots: StateSlots | None = None
-        self.made = 0  # recordings made in all (evicted ones included)
-        self._clock = itertools.count()  # a recording's ``used``: when it was last replayed
+        vars(self).update(self.fresh_state())
+
+    def fresh_state(self) -> dict[str, Any]:
+        return {
+            "changes": Counter(),  # what a new recording changed from the nearest held
+            "recordings": {},  # signature -> Recording
+            "sightings": {},  # signatures not recorded yet -> calls seen, oldest first
+            "failure": None,
+            "lock": threading.RLock(),
+            "generation": 0,
+            "_pending": None,  # generation whose backward has not run yet
+            "_pool": None,
+            "_slots": None,  # StateSlots of the modules whose state is read in place
+            "made": 0,  # recordings made in all (evicted ones included)
+            "_clock": itertools.count(),  # a recording's ``used``: when it was last replayed
+        }
 
     # -- the call ---------------------------------------------------------------------------
     @property

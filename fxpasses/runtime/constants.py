@@ -42,7 +42,10 @@ class DeviceConstant(RuntimeOp):
     def __init__(self, op_id: str, compute: Callable[..., torch.Tensor]):
         super().__init__(op_id)
         self.compute = compute
-        self.kept: dict[Any, torch.Tensor] = {}  # never evicted: a recording may read one
+        vars(self).update(self.fresh_state())
+
+    def fresh_state(self) -> dict[str, Any]:
+        return {"kept": {}}  # never evicted: a recording may read one
 
     def held_tensors(self) -> tuple[torch.Tensor, ...]:
         return tuple(self.kept.values())

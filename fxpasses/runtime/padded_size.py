@@ -57,6 +57,9 @@ class PaddedSize(RuntimeOp):
         # it then stands for the capacity, and the metadata below the buffer stays as it was
         self.traced = traced
 
+    def fresh_state(self) -> dict[str, Any]:
+        return {"traced": None}  # propagation's, in a shape environment of the pipeline
+
     def __call__(self, size: Any, prefetched: Any = None, at: int = 0) -> tuple[int]:
         """``prefetched``: a :class:`~fxpasses.runtime.select.PendingCounts` whose value ``at``
         is ``size``, read earlier with other reads in one transfer."""

@@ -34,8 +34,11 @@ class ScalarTensor(RuntimeOp):
         super().__init__(op_id)
         self.dtype = dtype
         self.device = device
-        self._bits: str | None = None  # float.hex of the value kept
-        self._kept: torch.Tensor | None = None
+        vars(self).update(self.fresh_state())
+
+    def fresh_state(self) -> dict[str, Any]:
+        return {"_bits": None,  # float.hex of the value kept
+                "_kept": None}
 
     def __call__(self, value: Any) -> Any:
         if type(value) is not float:

@@ -1,0 +1,185 @@
+"""Stored pipeline results: read back for another loss of the same key, rebound to its objects,
+equal to native; every miss, unusable entry and refusal certified with its reason."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+from torch import nn
+
+from fxpasses import optimize
+from fxpasses.certificates.digest import fingerprint
+from fxpasses.passes import CaptureLoss, PairRLE, SelectRows
+from fxpasses.runtime.emulated import EmulatedRecorder
+from fxpasses.workloads.pose import DualBranchPoseLoss, PoseLossInputs, make_batch
+
+
+def _loss(seed: int) -> DualBranchPoseLoss:
+    torch.manual_seed(seed)
+    return DualBranchPoseLoss().to(torch.float64)
+
+
+def _passes(**capture):
+    return [PairRLE(), SelectRows(), CaptureLoss(devices=("cpu",), recorder=EmulatedRecorder(), **capture)]
+
+
+def _batch(seed: int, **options) -> PoseLossInputs:
+    return make_batch(2, seed=seed, dtype=torch.float64, image_size=64, max_objects=3, **options)
+
+
+def _run(loss, inputs: PoseLossInputs, parameters):
+    """The total and its gradients w.r.t. every prediction and ``parameters``."""
+    out = loss(inputs)
+    wrt = [getattr(getattr(inputs, b), f.name) for b in ("o2m", "o2o")
+           for f in dataclasses.fields(getattr(inputs, b))] + list(parameters)
+    return out.total.detach(), torch.autograd.grad(out.total, wrt, allow_unused=True)
+
+
+def _assert_native(fast, native, inputs):
+    got_total, got = _run(fast, inputs, native.parameters())
+    want_total, want = _run(native, inputs, native.parameters())
+    torch.testing.assert_close(got_total, want_total, rtol=1e-10, atol=1e-10)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if w is not None:
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10, equal_nan=True)
+
+
+def _store_certificate(fast):
+    (cert,) = [c for c in fast.specializations[0].certificates if c.pass_name == "store"]
+    return cert, {check.id: check for check in cert.checks}
+
+
+def test_a_second_loss_reads_the_stored_result_and_computes_with_its_own_modules(tmp_path):
+    first = _loss(seed=0)
+    fast = optimize(first, passes=_passes(), store=tmp_path)
+    _assert_native(fast, first, _batch(0))
+    cert, checks = _store_certificate(fast)
+    assert cert.codes == ("stored-result-absent",) and checks["result-stored"].ok, cert
+    assert len(list(tmp_path.glob("*.fxresult"))) == 1
+
+    second = _loss(seed=1)  # the same structure, other parameter values
+    reader = optimize(second, passes=_passes(), store=tmp_path)
+    for seed in range(4):
+        _assert_native(reader, second, _batch(seed))  # its own parameters, not the first loss's
+    cert, checks = _store_certificate(reader)
+    assert cert.applied and checks["stored-result"].evidence["made"]["pipeline_s"] > 0, cert
+    special = reader.specializations[0]
+    assert fingerprint(special.graph_module) == fingerprint(fast.specializations[0].graph_module)
+    first_modules = {id(m) for m in first.modules()}
+    held = {id(m) for m in special.graph_module.modules()}
+    assert not held & first_modules, "the result read back holds the first loss's modules"
+    counted = reader.stats
+    assert counted.optimized == 4, counted.render()  # a selection's capacity may grow, as natively
+    assert {c.pass_name for c in special.certificates} >= {p.name for p in _passes()}  # stored
+
+
+def test_a_changed_pass_option_misses_and_names_the_part_that_differs(tmp_path):
+    optimize(_loss(0), passes=_passes(), store=tmp_path)(_batch(0))
+    loss = _loss(0)
+    fast = optimize(loss, passes=_passes(max_recordings=2), store=tmp_path)
+    _assert_native(fast, loss, _batch(0))
+    cert, checks = _store_certificate(fast)
+    assert cert.codes == ("stored-result-absent",), cert
+    assert checks["stored-result"].evidence["nearest_entry_differs_in"] == ("passes",)
+    assert len(list(tmp_path.glob("*.fxresult"))) == 2
+
+
+@pytest.mark.parametrize("damage", ["torn", "other-code"])
+def test_an_entry_that_cannot_be_used_is_refused_and_replaced(tmp_path, damage):
+    optimize(_loss(0), passes=_passes(), store=tmp_path)(_batch(0))
+    (entry,) = tmp_path.glob("*.fxresult")
+    data = entry.read_bytes()
+    if damage == "torn":
+        entry.write_bytes(data[: len(data) // 2])
+    else:  # a header whose code is not what the stored graph generates
+        first, rest = data.split(b"\n", 1)
+        header = json.loads(first)
+        header["made"]["code"] = "0" * 16
+        entry.write_bytes(json.dumps(header).encode() + b"\n" + rest)
+    loss = _loss(0)
+    fast = optimize(loss, passes=_passes(), store=tmp_path)
+    _assert_native(fast, loss, _batch(1))
+    cert, checks = _store_certificate(fast)
+    assert cert.codes == ("stored-result-unusable",), cert
+    assert checks["result-stored"].ok
+    again = optimize(_loss(0), passes=_passes(), store=tmp_path)
+    again(_batch(0))
+    assert _store_certificate(again)[0].applied
+
+
+class _AreaLoss(nn.Module):
+    """A box regressor whose area function is given (a leaf when optimized)."""
+
+    def __init__(self, area):
+        super().__init__()
+        self.area = area
+        self.head = nn.Linear(4, 4).double()
+
+    def forward(self, boxes):
+        return self.area(self.head(boxes)).square().mean()
+
+
+def test_a_function_without_an_importable_name_makes_the_key_fail_and_the_passes_run(tmp_path):
+    def area(boxes):  # local to this test: no importable name
+        return (boxes[..., 2] - boxes[..., 0]) * (boxes[..., 3] - boxes[..., 1])
+
+    loss = _AreaLoss(area)
+    fast = optimize(loss, passes=[PairRLE()], store=tmp_path, leaf_functions=[area])
+    boxes = torch.randn(5, 4, dtype=torch.float64)
+    torch.testing.assert_close(fast(boxes), loss(boxes), rtol=0, atol=0)
+    cert, checks = _store_certificate(fast)
+    assert cert.codes == ("result-unkeyable",), cert
+    assert "importable name" in checks["stored-result"].evidence["why"]
+    assert not list(tmp_path.glob("*.fxresult"))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), counts=st.lists(st.integers(0, 3), min_size=2, max_size=2))
+def test_a_result_read_back_equals_native_on_any_batch(stored_reader, seed, counts):
+    reader, native = stored_reader
+    _assert_native(reader, native, _batch(seed, counts=counts))
+
+
+@pytest.fixture(scope="module")
+def stored_reader(tmp_path_factory):
+    """An optimized loss whose pipeline result was read from a store another loss filled."""
+    store = tmp_path_factory.mktemp("store")
+    optimize(_loss(0), passes=_passes(), store=store)(_batch(0))
+    native = _loss(2)
+    reader = optimize(native, passes=_passes(), store=store)
+    reader(_batch(0))
+    assert _store_certificate(reader)[0].applied
+    return reader, native
+
+
+def test_another_process_reads_the_result_a_first_one_stored(tmp_path):
+    script = textwrap.dedent(f"""
+        import json, torch
+        from fxpasses import optimize
+        from fxpasses.passes import CaptureLoss, PairRLE, SelectRows
+        from fxpasses.runtime.emulated import EmulatedRecorder
+        from fxpasses.workloads.pose import DualBranchPoseLoss, make_batch
+        torch.manual_seed(0)
+        loss = DualBranchPoseLoss().to(torch.float64)
+        fast = optimize(loss, passes=[PairRLE(), SelectRows(), CaptureLoss(devices=("cpu",),
+                        recorder=EmulatedRecorder())], store={str(tmp_path)!r})
+        batch = make_batch(2, seed=0, dtype=torch.float64, image_size=64, max_objects=3)
+        got, want = fast(batch).total, loss(batch).total
+        (cert,) = [c for c in fast.specializations[0].certificates if c.pass_name == "store"]
+        print(json.dumps([cert.decision, list(cert.codes), float((got - want).abs())]))
+    """)
+    runs = [json.loads(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                                      check=True, timeout=300).stdout.strip().splitlines()[-1])
+            for _ in range(2)]
+    assert runs[0][:2] == ["refused", ["stored-result-absent"]]
+    assert runs[1][:2] == ["applied", []]
+    assert runs[0][2] < 1e-10 and runs[1][2] < 1e-10, runs
