@@ -3,6 +3,7 @@
     PYTHONPATH=. python3 bench/first_call.py --batch 16 --image-size 320 --arms select,all --threads 1
     PYTHONPATH=. python3 bench/first_call.py --arms all --profile out/first_call.prof
     PYTHONPATH=. python3 bench/first_call.py --batch 4 --arms all --busy 2   # beside two busy processes
+    PYTHONPATH=. python3 bench/first_call.py --batch 4 --arms all --store /tmp/fxstore  # twice: cold, warm
 
 The first call traces the loss, runs the passes' analyses, proofs and witnesses and (CaptureLoss)
 its region analyses; on a CPU CaptureLoss runs with the emulated recorder (``devices=("cpu",)``)
@@ -117,6 +118,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads (1 keeps a shared CPU's timings stable)")
     parser.add_argument("--log", action="store_true", help="print fxpasses' INFO log")
+    parser.add_argument("--store", default=None, metavar="DIR",
+                        help="keep the passes' results in DIR/<arm> (fxpasses.store): a second "
+                             "run reads what the first stored")
     parser.add_argument("--busy", type=int, default=0,
                         help="this many busy processes (a Python loop each) beside the first calls, "
                              "as a trainer's data-loader workers can be")
@@ -148,7 +152,8 @@ def main() -> None:
 
 def first_call(arm: str, last: bool, args: argparse.Namespace, criterion, data, native: list[float]) -> None:
     """Time ``arm``'s first and second call; ``last``: the arm ``--profile`` and ``--phases`` look at."""
-    fast = optimize(criterion, passes=passes(arm, args.device))
+    fast = optimize(criterion, passes=passes(arm, args.device),
+                    store=f"{args.store}/{arm}" if args.store else None)
     if args.profile and last:
         profile_pipeline(args.profile)
     spent = time_phases() if args.phases and last else None
@@ -160,7 +165,9 @@ def first_call(arm: str, last: bool, args: argparse.Namespace, criterion, data, 
     seconds = {k: round(v, 2) for s in fast.specializations for k, v in s.seconds.items()}
     print(f"{arm}: first call {first:.2f} s ({first / statistics.median(native):.0f}x native; "
           f"{cpu:.2f} s CPU), "
-          f"second call {second:.3f} s; {seconds}; {len(fast.specializations)} specialization(s)")
+          f"second call {second:.3f} s; {seconds}; {len(fast.specializations)} specialization(s)"
+          + "".join(f"; store: {'read' if c.applied else c.codes[0]}" for c in fast.certificates
+                    if c.pass_name == "store"))
     if phases is not None:
         print("first call's phases (inclusive s, calls):",
               ", ".join(f"{k} {v[0]:.2f} ({v[1]})" for k, v in phases.items()))

@@ -17,7 +17,8 @@ results ``--merge`` then joins). Each process trains the nano pose model from sc
 the trainer's ``seed`` (``--seed``, 0 unless given: another seed gives the metrics' spread between
 native runs, which with one seed are identical), and the label caches removed first (every run scans its labels alike); ``fxpasses`` adds
 ``fxpasses.integrations.ultralytics.enable(model)`` before ``train`` (``--passes``: a subset of
-its passes, to tell which one a difference comes from); the control arm ``native-rounded`` (not
+its passes, to tell which one a difference comes from; ``--store DIR``: its passes' results kept
+in DIR across runs, :mod:`fxpasses.store`, each run recording whether it read or stored one); the control arm ``native-rounded`` (not
 run unless named in ``--arms``) trains with the native criterion's loss times 1 + 2**-20, which
 changes only the roundings of every gradient: the spread a rounding-level change gives a fit's
 metrics. ``--check-calls`` checks every training call of the fxpasses arm against the native
@@ -147,7 +148,7 @@ def child(args: argparse.Namespace) -> None:
 
         chosen = {"pair": PairRLE, "select": SelectRows, "capture": CaptureLoss}
         integration = fxu.enable(yolo, passes=None if args.passes is None
-                                 else [chosen[name]() for name in args.passes])
+                                 else [chosen[name]() for name in args.passes], store=args.store)
         if args.check_calls:
             yolo.add_callback("on_pretrain_routine_end", _check_criterion)
     elif args.child == "native-rounded":
@@ -192,8 +193,12 @@ def child(args: argparse.Namespace) -> None:
     if integration is not None and integration.criterion is not None:
         from fxpasses.integrations.ultralytics import summary
 
-        record["fxpasses"] = {"summary": summary(integration.criterion),
-                              "stats": integration.criterion.optimized.stats.as_dict()}
+        fast = integration.criterion.optimized
+        record["fxpasses"] = {"summary": summary(integration.criterion), "stats": fast.stats.as_dict(),
+                              "store": [{"decision": c.decision, "codes": list(c.codes)}
+                                        for c in fast.certificates if c.pass_name == "store"],
+                              "first_call_s": {k: round(v, 3) for s in fast.specializations[:1]
+                                               for k, v in s.seconds.items()}}
     if args.check_calls:
         from call_checks import CheckedCriterion, summary as checks_summary
         from ultralytics.utils.torch_utils import unwrap_model
@@ -236,6 +241,7 @@ def run_one(args: argparse.Namespace, arm: str, batch: int, index: int, work: Pa
            "--batch", str(batch), "--epochs", str(args.epochs), "--imgsz", str(args.imgsz),
            "--workers", str(args.workers), "--device", args.device, "--amp", args.amp,
            "--seed", str(args.seed), *(["--passes", *args.passes] if args.passes else []),
+           *(["--store", args.store] if args.store else []),
            *(["--check-calls"] if args.check_calls and arm == "fxpasses" else []),
            "--project", str(work / "runs"), "--name", name, "--progress-fd", str(progress)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -383,6 +389,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="the trainer's amp: true (its default, with its AMP check), bf16, false")
     parser.add_argument("--deadline-s", type=float, default=None,
                         help="start no pair that would end after this many seconds from the start")
+    parser.add_argument("--store", default=None, metavar="DIR",
+                        help="the fxpasses arm keeps the passes' results in DIR (fxpasses.store): "
+                             "a run that finds none stores it (cold), later runs read it (warm); "
+                             "each run records which")
     parser.add_argument("--work", default=None, help="folder for the dataset and runs (temporary)")
     parser.add_argument("--out", default="fit.json")
     parser.add_argument("--merge", nargs="+", metavar="JSON",

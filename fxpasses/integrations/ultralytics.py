@@ -35,6 +35,7 @@ How it holds for what the trainer does (ultralytics 8.4):
 from __future__ import annotations
 
 import operator
+import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -100,12 +101,13 @@ class Integration:
     ``criteria`` holds each criterion this process wrapped, last one last.
     """
 
-    def __init__(self, passes: Sequence[Pass] | None = None):
+    def __init__(self, passes: Sequence[Pass] | None = None, store: str | os.PathLike | None = None):
         self.passes = None if passes is None else list(passes)
+        self.store = store
         self.criteria: list[OptimizedCriterion] = []
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"passes": self.passes, "criteria": []}
+        return {"passes": self.passes, "store": self.store, "criteria": []}
 
     @property
     def criterion(self) -> OptimizedCriterion | None:
@@ -120,7 +122,8 @@ class Integration:
             return current
         try:
             native = current if current is not None else model.init_criterion()
-            optimized = optimize(native, default_passes() if self.passes is None else self.passes)
+            optimized = optimize(native, default_passes() if self.passes is None else self.passes,
+                                 store=self.store)
         except (AttributeError, NotImplementedError, TypeError, ValueError) as exc:
             note("integration-unsupported")
             _log().warning(f"fxpasses: integration-unsupported: the criterion of "
@@ -162,23 +165,27 @@ def summary(criterion: OptimizedCriterion) -> str:
     native = ", ".join(f"{code} {n}" for code, n in stats.native.most_common())
     recorded = sum(counters.get("recorded", 0) for counters in stats.sites.values())
     failed = sum(1 for counters in stats.sites.values() if counters.get("capture-failed"))
+    stored = [("read" if c.applied else c.codes[0]) for c in fast.certificates if c.pass_name == "store"]
     return (f"{type(criterion.native).__name__} with {', '.join(p.name for p in fast.passes)} "
             f"(applied: {', '.join(applied) or 'none'}): {stats.calls} calls, {stats.optimized} "
             f"optimized, {sum(stats.native.values())} native{f' ({native})' if native else ''}, "
             f"{len(fast.specializations)} traces, {recorded} recordings"
+            + (f", store: {', '.join(stored)}" if stored else "")
             + (f", {failed} regions not recorded (capture-failed: they ran eagerly; "
                f"FXPASSES_LOG=WARNING names why)" if failed else ""))
 
 
-def enable(model: Any, passes: Sequence[Pass] | None = None) -> Integration:
-    """Train ``model`` with its criterion optimized by ``passes`` (None: :func:`default_passes`).
+def enable(model: Any, passes: Sequence[Pass] | None = None,
+           store: str | os.PathLike | None = None) -> Integration:
+    """Train ``model`` with its criterion optimized by ``passes`` (None: :func:`default_passes`);
+    ``store``: a directory that keeps the passes' results across fits (:mod:`fxpasses.store`).
 
     ``model``: a ``YOLO`` object (call before ``model.train(...)``: registers the callbacks of
     :class:`Integration` for every later fit, replacing those of an earlier ``enable``), or an
     Ultralytics ``BaseModel`` (its criterion is wrapped now, unless it already is). Returns the
     :class:`Integration`, whose ``criterion`` tells what happened.
     """
-    integration = Integration(passes)
+    integration = Integration(passes, store)
     if callable(getattr(model, "add_callback", None)) and hasattr(model, "callbacks"):
         events: dict[str, Callable[[Any], None]] = {
             "on_pretrain_routine_end": integration.on_pretrain_routine_end,
