@@ -1,6 +1,7 @@
 """Real ``model.train()`` fits, with and without the integration, on a generated dataset.
 
-One module fixture runs each arm once on the CPU (8 train and 4 val images of 320 px, batch 4,
+One module fixture runs each arm once on the CPU, and the fxpasses arm a second time, reading
+the passes' result the first stored (``store``) (8 train and 4 val images of 320 px, batch 4,
 workers 0, plots off, val on, seed 0, deterministic): the schedule is two epochs, and a callback
 stops after the first, so that the checkpoint kept after it (``resume.pt``) is resumable.
 Augmentations that change the persons of an image (mosaic, scale, translate) are off, so the
@@ -52,13 +53,13 @@ def _keep_resumable(trainer):  # the run's end strips last.pt of its optimizer: 
     shutil.copy(trainer.last, trainer.wdir / "resume.pt")
 
 
-def _fit(data: Path, project: Path, name: str, enabled: bool) -> dict:
+def _fit(data: Path, project: Path, name: str, enabled: bool, store: Path | None = None) -> dict:
     from ultralytics import YOLO
     from ultralytics.utils import LOGGER
 
     yolo = YOLO("yolo26n-pose.yaml")
     before = yolo.model
-    integration = fxu.enable(yolo) if enabled else None
+    integration = fxu.enable(yolo, store=store) if enabled else None
     yolo.add_callback("on_fit_epoch_end", _stop_after_first_epoch)
     yolo.add_callback("on_model_save", _keep_resumable)
     log, fx_log = _Records(), _Records()
@@ -83,7 +84,8 @@ def fits(tmp_path_factory):
     data = write_dataset(root / "data", train=8, val=4, image_size=320, counts=COUNTS)
     return {"data": data, "root": root,
             "native": _fit(data, root / "runs", "native", enabled=False),
-            "fx": _fit(data, root / "runs", "fx", enabled=True)}
+            "fx": _fit(data, root / "runs", "fx", enabled=True, store=root / "store"),
+            "fx_read": _fit(data, root / "runs", "fx_read", enabled=True, store=root / "store")}
 
 
 def _train_columns(rows: list[dict]) -> list[dict[str, float]]:
@@ -116,6 +118,17 @@ def test_the_trained_criterion_is_wrapped_and_its_calls_ran_optimized(fits):
     assert not stats.exceptions
     assert len(crit.optimized.specializations) == 1  # batches of other counts and file names
     assert crit.native.updates == 1  # the trainer's epoch-end update() reached the criterion
+
+
+def test_a_second_fit_reads_the_stored_result_and_trains_to_the_same_bits(fits):
+    fx, read = fits["fx"]["integration"].criterion.optimized, fits["fx_read"]["integration"].criterion.optimized
+    stored = [c for c in fx.certificates if c.pass_name == "store"]
+    assert [c.codes for c in stored] == [("stored-result-absent",)], stored
+    assert [c.applied for c in read.certificates if c.pass_name == "store"] == [True]
+    assert read.stats.optimized == 2 and not read.stats.native, read.stats.render()
+    assert {k: float(v) for k, v in fits["fx_read"]["trainer"].tloss.items()} == \
+        {k: float(v) for k, v in fits["fx"]["trainer"].tloss.items()}
+    assert "store: read" in next(line for line in fits["fx_read"]["log"] if line.startswith("fxpasses:"))
 
 
 def test_one_log_line_and_the_report_beside_results_csv(fits):

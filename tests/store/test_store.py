@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -140,6 +141,30 @@ def test_a_function_without_an_importable_name_makes_the_key_fail_and_the_passes
     assert cert.codes == ("result-unkeyable",), cert
     assert "importable name" in checks["stored-result"].evidence["why"]
     assert not list(tmp_path.glob("*.fxresult"))
+
+
+class _ScaledLoss(nn.Module):
+    """Reads one item of a namespace that holds others (as a trainer's ``hyp`` holds the run's name)."""
+
+    def __init__(self, scale: int, name: str):
+        super().__init__()
+        self.hyp = SimpleNamespace(scale=scale, name=name)
+        self.head = nn.Linear(3, 3).double()
+
+    def forward(self, x):
+        return (self.head(x) * self.hyp.scale).square().mean()
+
+
+def test_an_item_the_trace_did_not_read_is_not_in_the_key_and_one_it_read_is(tmp_path):
+    x = torch.randn(4, 3, dtype=torch.float64)
+    for scale, name, read in [(2, "run1", False), (2, "run2", True), (3, "run1", False)]:
+        torch.manual_seed(0)
+        loss = _ScaledLoss(scale, name)
+        fast = optimize(loss, passes=[PairRLE()], store=tmp_path)
+        torch.testing.assert_close(fast(x), loss(x), rtol=0, atol=0)
+        cert, checks = _store_certificate(fast)
+        assert cert.applied == read, (scale, name, cert)
+    assert "graph" in checks["stored-result"].evidence["nearest_entry_differs_in"]
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -1,0 +1,59 @@
+"""Writing a pipeline's result: the loss's objects by path, what cannot travel refused."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from fxpasses.guards import TensorSeen
+from fxpasses.store.live import live_objects
+from fxpasses.store.pickling import NotStorable, StaleResult, dumps, loads
+
+
+class _Held:
+    """A plain object of a user class."""
+
+
+class _Loss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(2, 2)
+        self.register_buffer("weights", torch.arange(4.0))
+        self.branch = _Held()
+        self.branch.flow = self.head  # one module reached by two paths
+
+
+def test_the_loss_objects_come_back_as_the_other_loss_objects_at_their_paths():
+    first, second = _Loss(), _Loss()
+    data = dumps({"head": first.head, "bias": first.head.bias, "branch": first.branch,
+                  "kept": torch.ones(2)}, live_objects(first))
+    back = loads(data, second)
+    assert back["head"] is second.head and back["bias"] is second.head.bias
+    assert back["branch"] is second.branch and back["branch"].flow is second.head
+    assert torch.equal(back["kept"], torch.ones(2))  # not the loss's: written by value
+
+
+def test_a_folded_tensor_comes_back_only_while_it_holds_the_values_it_held():
+    first, second = _Loss(), _Loss()
+    data = dumps(TensorSeen.of(first.weights), live_objects(first))
+    seen = loads(data, second)
+    assert seen.tensor is second.weights and seen.version == second.weights._version
+    second.weights.add_(1)
+    with pytest.raises(StaleResult, match="other values"):
+        loads(data, second)
+
+
+@pytest.mark.parametrize("value", [threading.Lock(), _Held()], ids=["lock", "object-not-held"])
+def test_what_cannot_travel_is_not_stored(value):
+    with pytest.raises(NotStorable):
+        dumps({"value": value}, live_objects(_Loss()))
+
+
+def test_a_path_the_other_loss_lacks_is_a_stale_result():
+    first = _Loss()
+    data = dumps(first.branch, live_objects(first))
+    with pytest.raises(StaleResult):
+        loads(data, nn.Linear(2, 2))
