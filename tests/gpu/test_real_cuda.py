@@ -144,3 +144,29 @@ def test_a_parameter_hook_runs_once_per_backward_with_cuda_graphs():
             torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-6)
     recorded = sum(v.get("recorded", 0) for v in fast.stats.sites.values())
     assert recorded and sum(v.get("replayed", 0) for v in fast.stats.sites.values()), fast.stats.render()
+
+
+def test_a_result_read_from_the_store_records_replays_and_equals_native(tmp_path):
+    """Another model's criterion reads the passes' result a first one stored (fxpasses.store):
+    its regions record CUDA graphs of their own and replay them, equal to its native criterion."""
+    from fxpasses.workloads.ultralytics_pose import pose_model
+
+    torch.manual_seed(0)
+    writer = optimize(pose_model(device=DEVICE).init_criterion(),
+                      passes=[PairRLE(), SelectRows(), CaptureLoss()], store=tmp_path)
+    writer(*_inputs(0, torch.float32))
+    torch.manual_seed(1)
+    loss = pose_model(device=DEVICE).init_criterion()
+    fast = optimize(loss, passes=[PairRLE(), SelectRows(), CaptureLoss()], store=tmp_path)
+    flow = list(loss.one2many.flow_model.parameters())
+    rows = []
+    for seed in SEEDS:
+        preds, batch = _inputs(seed, torch.float32)
+        rows.append(_differences(_call(fast, preds, batch, False, flow), _call(loss, preds, batch, False, flow)))
+    MEASURED["fp32-read-from-store"] = {"per_call": rows}
+    (cert,) = [c for c in fast.certificates if c.pass_name == "store"]
+    assert cert.applied, cert
+    replays = {k: v.get("replayed", 0) for k, v in fast.stats.sites.items() if "capture_region" in k}
+    assert not fast.stats.native and replays and max(replays.values()) >= 3, fast.stats.render()
+    for loss_diff, grad_diff, flow_diff in rows:
+        assert loss_diff < FP32_LIMIT[0] and grad_diff < FP32_LIMIT[1] and flow_diff < FP32_LIMIT[1], rows
