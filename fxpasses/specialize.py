@@ -141,6 +141,10 @@ def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pas
     inputs = info.signature.inputs(leaves)
     try:  # the passes' analyses run the graph's modules: each is left as the trace left it
         lookup = store.lookup(loss, gm, special.assumptions, passes, inputs) if store else None
+        if lookup is not None and lookup.run is not None:  # what its rewrites relied on, now
+            failed = first_failure(relied_on(lookup.run.graph_module), special.roots(loss, leaves))
+            if failed is not None:
+                lookup.refuse(f"an assumption a rewrite relied on does not hold: {failed.describe()}")
         special.run = lookup.run if lookup is not None else None
         if special.run is None:
             own = [loss] if isinstance(loss, nn.Module) else []

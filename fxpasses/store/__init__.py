@@ -55,6 +55,11 @@ class Lookup:
     live: LiveObjects | None = None
     stored: Check | None = None
 
+    def refuse(self, why: str) -> None:
+        """Do not use the result read (it does not fit this loss): the passes run instead."""
+        self.run, self.code = None, "stored-result-unusable"
+        self.evidence["why"] = why[:400]
+
     def keep(self, run: PipelineRun, seconds: float) -> None:
         """Store ``run`` (a pipeline that ran on this key's trace), unless the key failed."""
         if self.key is None:

@@ -167,6 +167,47 @@ def test_an_item_the_trace_did_not_read_is_not_in_the_key_and_one_it_read_is(tmp
     assert "graph" in checks["stored-result"].evidence["nearest_entry_differs_in"]
 
 
+class _ScaledFlow(nn.Module):
+    """A density whose code reads a setting of its own (a rewrite's proof runs that code)."""
+
+    def __init__(self, scale: int):
+        super().__init__()
+        self.scale = scale
+        self.net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+
+    def log_prob(self, x):
+        return -(self.net(x) * self.scale).square().sum(-1)
+
+
+class _TwoBranchLoss(nn.Module):
+    def __init__(self, scale: int):
+        super().__init__()
+        self.flow = _ScaledFlow(scale)
+
+    def forward(self, a, b, visible_a, visible_b):
+        return -self.flow.log_prob(a[visible_a]).mean() - self.flow.log_prob(b[visible_b]).mean()
+
+
+def test_a_result_whose_proof_read_a_setting_this_loss_holds_otherwise_is_not_used(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(6, 2, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64),
+            torch.rand(6, generator=g) > 0.3, torch.rand(5, generator=g) > 0.3)
+    decisions = []
+    for scale in (2, 3):
+        torch.manual_seed(0)
+        loss = _TwoBranchLoss(scale)
+        fast = optimize(loss, passes=[PairRLE()], store=tmp_path)
+        torch.testing.assert_close(fast(*args), loss(*args), rtol=1e-12, atol=1e-12)
+        pair = [c for c in fast.certificates if c.pass_name == "PairRLE"]
+        assert pair and all(c.applied for c in pair), pair  # its proof ran log_prob, reading scale
+        cert, checks = _store_certificate(fast)
+        decisions.append((cert.codes, checks["stored-result"].evidence.get("why", "")))
+        fast(*args)
+        assert len(fast.specializations) == 1, fast.stats.render()  # no retrace on the next call
+    assert decisions[0][0] == ("stored-result-absent",)
+    assert decisions[1][0] == ("stored-result-unusable",) and "relied on" in decisions[1][1], decisions
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), counts=st.lists(st.integers(0, 3), min_size=2, max_size=2))
 def test_a_result_read_back_equals_native_on_any_batch(stored_reader, seed, counts):
