@@ -84,6 +84,10 @@ def _render_summary(report: dict[str, Any]) -> list[str]:
     for name, entry in totals.items():
         top = sorted(entry["codes"].items(), key=lambda kv: -kv[1])
         codes = ", ".join(f"{k} {v}" for k, v in top[:3]) + (", ..." if len(top) > 3 else "")
+        if name == "store":  # not a pass: the lookup of each trace's pipeline result
+            lines.append(f"  store: the passes' result read back for {entry['applied']} of "
+                         f"{entry['seen']} traces" + (f"; otherwise: {codes}" if codes else ""))
+            continue
         lines.append(f"  {name}: applied at {entry['applied']} of {entry['seen']} sites"
                      + (f"; refused: {codes}" if codes else ""))
     return lines

@@ -60,9 +60,7 @@ def _file_digest(path: str) -> str:
 
 
 def tensor_digest(t: torch.Tensor) -> str:
-    data = t.detach().to("cpu").contiguous()
-    if data.is_conj() or data.is_neg():
-        data = data.resolve_conj().resolve_neg()
+    data = t.detach().to("cpu").resolve_conj().resolve_neg().contiguous().reshape(-1)
     return hashlib.sha256(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"").hexdigest()
 
 

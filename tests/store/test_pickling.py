@@ -57,3 +57,11 @@ def test_a_path_the_other_loss_lacks_is_a_stale_result():
     data = dumps(first.branch, live_objects(first))
     with pytest.raises(StaleResult):
         loads(data, nn.Linear(2, 2))
+
+
+def test_a_zero_dim_constant_is_keyed_by_its_bytes():
+    from fxpasses.store.key import tensor_digest
+
+    assert tensor_digest(torch.tensor(1.0)) == tensor_digest(torch.tensor(1.0))
+    assert tensor_digest(torch.tensor(1.0)) != tensor_digest(torch.tensor(2.0))
+    assert tensor_digest(torch.ones(3)[::2]) == tensor_digest(torch.ones(2))

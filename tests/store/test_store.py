@@ -78,6 +78,7 @@ def test_a_second_loss_reads_the_stored_result_and_computes_with_its_own_modules
     first_modules = {id(m) for m in first.modules()}
     held = {id(m) for m in special.graph_module.modules()}
     assert not held & first_modules, "the result read back holds the first loss's modules"
+    assert "store: the passes' result read back for 1 of 1 traces" in reader.explain(verbose=False)
     counted = reader.stats
     assert counted.optimized == 4, counted.render()  # a selection's capacity may grow, as natively
     assert {c.pass_name for c in special.certificates} >= {p.name for p in _passes()}  # stored
