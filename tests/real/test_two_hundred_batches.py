@@ -20,28 +20,20 @@ above the symbolic-sizes issue's 1 %; the test holds what is reached, so that it
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from torch.utils._pytree import tree_leaves
 
 from fxpasses import optimize
+from fxpasses.cli import import_file
 from fxpasses.passes import CaptureLoss, PairRLE, SelectRows
 from fxpasses.runtime.emulated import EmulatedRecorder
-from fxpasses.workloads.ultralytics_pose import pose_batch, pose_preds
 
+calls = import_file(Path(__file__).parents[1] / "helpers" / "real_calls.py")
 pytestmark = pytest.mark.slow  # 200 calls of each arm: minutes on two CPU cores
 
 CALLS = 200
-
-
-def _call(loss, flow, size, seed, image_size):
-    preds = pose_preds(size, seed=seed, image_size=image_size)
-    batch = pose_batch(size, seed=seed, image_size=image_size, poison=seed % 3 == 0)
-    total, items = loss(preds, batch)
-    flow.zero_grad(set_to_none=True)
-    total.sum().backward()
-    grads = [t.grad for t in tree_leaves(preds) if isinstance(t, torch.Tensor) and t.requires_grad]
-    return total.detach(), items, grads, [p.grad for p in flow.parameters()]
 
 
 @pytest.fixture(scope="module", params=[128, 640])
@@ -57,19 +49,10 @@ def two_hundred(request, pose_model_module):
     grew_at, abandoned_at, unequal = [], [], []  # calls where a capacity grew; abandoned; differed
     for seed, size in enumerate(sizes.tolist()):
         before = fast.stats.abandoned
-        got = _call(fast, flow, size, 1000 + seed, image_size)
-        want = _call(crit, flow, size, 1000 + seed, image_size)
+        got = calls.call(fast, flow, size, 1000 + seed, image_size, poison=seed % 3 == 0)
+        want = calls.call(crit, flow, size, 1000 + seed, image_size, poison=seed % 3 == 0)
         try:
-            torch.testing.assert_close(got[0], want[0], equal_nan=True)
-            for key in want[1]:
-                torch.testing.assert_close(got[1][key], want[1][key], equal_nan=True)
-            assert len(got[2]) == len(want[2]) == 8
-            for g, w in zip(got[2], want[2]):
-                torch.testing.assert_close(g, w, equal_nan=True)
-            # a flow parameter's gradient sums both branches' rows, paired in one call: float32 in
-            # another order than native's two calls (1.8e-6 relative on one element, one CPU of two)
-            for g, w in zip(got[3], want[3]):
-                torch.testing.assert_close(g, w, equal_nan=True, rtol=1e-5, atol=1e-5)
+            calls.assert_equal_calls(got, want)
         except AssertionError as exc:
             unequal.append((seed, str(exc)[:500]))
         if any(k.startswith("selection-capacity") for k in fast.stats.abandoned - before):
