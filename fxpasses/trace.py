@@ -102,6 +102,9 @@ class TraceInfo:
     unread_inputs: tuple[str, ...] = ()
     # the grad mode the loss was traced in (the graph's grad switches restore it: its runs too)
     grad_enabled: bool = True
+    # the user source files whose code ran while tracing, the code of calls kept whole included
+    # (a stored pipeline result's key holds their digests: fxpasses.store)
+    code_files: tuple[str, ...] = ()
 
     def unflatten_output(self, flat: Any) -> Any:
         return pytree.tree_unflatten(list(flat), self.out_spec)
@@ -405,6 +408,6 @@ def _trace(loss_fn: Any, example_args: tuple, example_kwargs: dict | None,
                                   tuple(session.shadows.covered), tuple(session.shadows.refused.items()),
                                   _host_reads(rec.graph),
                                   tuple(path_name(p, positional_names(loss_fn)) for p in unread),
-                                  grad_enabled)
+                                  grad_enabled, tuple(sorted(rec.code_files)))
     return gm
 

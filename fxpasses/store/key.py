@@ -5,7 +5,9 @@ its run-time ops), the trace's assumptions and their recorded values, the loss's
 objects it holds, their classes, the metadata of its tensors), the source files of the classes
 and functions the graph refers to, the inputs' dtypes, devices, dimensions and ``requires_grad``,
 the device, the passes and their options, and the versions of fxpasses (a digest of its source),
-torch and Python. :func:`key_parts` writes each as canonical JSON data: objects the loss holds
+torch and Python. The source files are those of every user file whose code ran while tracing
+(the code of calls kept whole too, which the passes' proofs run again) and of the classes and
+functions the key names. :func:`key_parts` writes each as canonical JSON data: objects the loss holds
 by their path (:mod:`.live`), tensors not held by it by dtype, shape, device and a digest of their
 bytes, floats by ``repr``. A value it cannot write so (an object of a user class the loss does
 not hold, a fake tensor) makes the whole key :class:`Unkeyable`: nothing is looked up or stored.
@@ -23,6 +25,7 @@ import enum
 import functools
 import hashlib
 import json
+import os
 import platform
 import sys
 import types
@@ -35,6 +38,7 @@ from torch import nn
 
 from ..certificates.digest import canonical_json
 from ..ir.runtime_op import RuntimeOp
+from ..trace import META_KEY
 from .live import LiveObjects
 
 FORMAT = 1  # of the key and of the stored entries
@@ -54,8 +58,14 @@ def package_digest() -> str:
     return h.hexdigest()
 
 
-@functools.lru_cache(maxsize=None)
 def _file_digest(path: str) -> str:
+    stat = os.stat(path)
+    return _digest_of(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=None)
+def _digest_of(path: str, mtime_ns: int, size: int) -> str:
+    """The SHA-256 of a file's bytes, read once per version (path, modification time, size)."""
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
@@ -231,13 +241,16 @@ def key_parts(live: LiveObjects, gm: fx.GraphModule, assumptions: Sequence[Any],
         "loss": _structure(live, describe),
         "inputs": _inputs(inputs),
     }
-    sources = {}
-    for name in sorted(describe.modules):
+    files = set(getattr(gm.meta.get(META_KEY), "code_files", ()))
+    for name in describe.modules:
         file = getattr(sys.modules.get(name), "__file__", None)
         if not file:
             raise Unkeyable(f"module {name} has no source file")
-        sources[name] = _file_digest(file)
-    parts["sources"] = sources
+        files.add(file)
+    try:
+        parts["sources"] = sorted({_file_digest(f) for f in files})  # by content, wherever they are
+    except OSError as exc:
+        raise Unkeyable(f"a source file cannot be read: {exc}") from exc
     return parts
 
 

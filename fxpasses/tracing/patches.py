@@ -247,6 +247,7 @@ def patched(session: Any, leaf_functions: tuple[Callable, ...],
 
     def profile(frame: Any, event: str, arg: Any) -> None:
         if event == "call" and is_user_file(frame.f_code.co_filename):
+            rec.code_files.add(frame.f_code.co_filename)
             if not rec.paused:
                 shadows.cover(frame.f_globals)
                 tracker.frame_state(frame)

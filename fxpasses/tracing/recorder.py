@@ -104,6 +104,7 @@ class Recorder:
         self.paused = False  # user code runs outside the trace (an opaque call)
         # while a call kept whole runs: what its code reads from and writes to the loss's state
         self.kept_whole: KeptWhole | None = None
+        self.code_files: set[str] = set()  # user source files whose code ran while tracing
         self.thread = thread  # the thread that runs the trace: only it records
         self.opaque_modules: dict[int, nn.Module] = {}  # modules called as one node
         self.busy = False  # inside a torch call being recorded: the recorder's own calls are plain

@@ -4,7 +4,9 @@ equal to native; every miss, unusable entry and refusal certified with its reaso
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -207,6 +209,52 @@ def test_a_result_whose_proof_read_a_setting_this_loss_holds_otherwise_is_not_us
         assert len(fast.specializations) == 1, fast.stats.render()  # no retrace on the next call
     assert decisions[0][0] == ("stored-result-absent",)
     assert decisions[1][0] == ("stored-result-unusable",) and "relied on" in decisions[1][1], decisions
+
+
+class _Density(nn.Module):
+    """A density kept whole (``log_prob``) whose code calls a function of another file."""
+
+    def __init__(self, factor):
+        super().__init__()
+        self.factor = factor
+        self.head = nn.Linear(2, 2).double()
+
+    def log_prob(self, x):
+        return -(self.head(x) * self.factor()).square().sum(-1)
+
+
+class _DensityLoss(nn.Module):
+    def __init__(self, factor):
+        super().__init__()
+        self.density = _Density(factor)
+
+    def forward(self, x):
+        return -self.density.log_prob(x).sum()
+
+
+def test_a_changed_file_whose_code_a_call_kept_whole_ran_misses(tmp_path, monkeypatch):
+    """``log_prob`` is one node of the graph; the file its code calls into is in the key only
+    because the trace saw that code run."""
+    inner = tmp_path / "fx_inner.py"
+    inner.write_text("def factor():\n    return 0.5\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import fx_inner
+
+    x = torch.randn(3, 2, dtype=torch.float64)
+    found = []
+    for factor in ("0.5", "0.5", "0.25"):
+        if factor not in inner.read_text():
+            inner.write_text(f"def factor():\n    return {factor}\n")
+            os.utime(inner, ns=(inner.stat().st_atime_ns, inner.stat().st_mtime_ns + 10**9))
+            importlib.reload(fx_inner)
+        torch.manual_seed(0)
+        loss = _DensityLoss(fx_inner.factor)
+        fast = optimize(loss, passes=[PairRLE()], store=tmp_path / "store")
+        torch.testing.assert_close(fast(x), loss(x), rtol=0, atol=0)
+        cert, checks = _store_certificate(fast)
+        found.append((cert.applied, checks["stored-result"].evidence.get("nearest_entry_differs_in")))
+    assert [applied for applied, _ in found] == [False, True, False], found
+    assert found[2][1] == ("sources",), found
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
