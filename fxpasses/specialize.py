@@ -1,8 +1,9 @@
 """One specialization of a loss: a trace, its rewritten graph, its certificates, its assumptions.
 
 :func:`build` traces the loss on one call (:mod:`fxpasses.trace`), certifies the trace (every
-assumption it made is a guard of its certificate), and runs the pass pipeline on the graph. A
-trace that fails, or that writes to an input, a parameter or a buffer before a guard (a call that
+assumption it made is a guard of its certificate), and runs the pass pipeline on the graph, or
+reads the pipeline's result from a store (:mod:`fxpasses.store`) where one was stored for the
+trace's key and what its rewrites relied on holds for this loss. A trace that fails, or that writes to an input, a parameter or a buffer before a guard (a call that
 fails the guard could not be abandoned without a visible effect), is a refusal: calls of that
 structure run natively.
 """
