@@ -44,7 +44,7 @@ _SITE = Site((), (), "the pipeline's result")
 @dataclass
 class Lookup:
     """One trace's lookup: the result read (or None), its certificate's evidence so far, and
-    what :meth:`ResultStore.keep` needs to store the result of a pipeline that ran instead."""
+    what :meth:`keep` needs to store the result of a pipeline that ran instead."""
 
     store: "ResultStore"
     run: PipelineRun | None

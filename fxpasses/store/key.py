@@ -132,8 +132,9 @@ class Describer:
         if isinstance(value, type) or callable(value) and hasattr(value, "__qualname__") and \
                 not isinstance(value, (RuntimeOp, nn.Module)):
             bound = getattr(value, "__self__", None)
-            if bound is not None and not isinstance(bound, type) and \
-                    type(bound).__name__ != "module" and self.live.path_of(bound) is not None:
+            if bound is not None and not isinstance(bound, (type, types.ModuleType)):
+                if self.live.path_of(bound) is None:
+                    raise Unkeyable(f"a method of a {type(bound).__name__} the loss does not hold")
                 return ["method", self(bound), value.__name__]
             return self.ref(value)
         if id(value) in self._inside:

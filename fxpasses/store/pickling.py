@@ -15,7 +15,8 @@ targets and cannot name fxpasses' run-time ops):
 * a :class:`~fxpasses.guards.TensorSeen` (a tensor a rewrite folded) as the tensor and a digest
   of its values: read back only where the tensor now holds those values, seen at its version now.
 
-Anything else of a user class, a fake tensor, a symbolic size or a lock is :class:`NotStorable`.
+Anything else of a user class, a method of an object the loss does not hold (written by value it
+would call a copy), a fake tensor, a symbolic size or a lock is :class:`NotStorable`.
 Reading executes pickle: a store directory must be as trusted as the code that reads it.
 """
 
@@ -25,6 +26,7 @@ import io
 import pickle
 import sys
 import threading
+import types
 from typing import Any
 
 import torch
@@ -149,6 +151,12 @@ class _Writer(pickle.Pickler):
             raise NotStorable(f"a fake or symbolic value ({type(obj).__name__})")
         if isinstance(obj, _LOCKS):
             raise NotStorable("a lock")
+        bound = getattr(obj, "__self__", None)
+        if isinstance(obj, (types.MethodType, types.BuiltinMethodType)) and bound is not None and \
+                not isinstance(bound, (type, types.ModuleType)) and self.live.path_of(bound) is None \
+                and not type(bound).__module__.startswith("fxpasses."):
+            raise NotStorable(f"a method of a {type(bound).__name__} the loss does not hold "
+                              "(written by value, it would call a copy)")
         if not isinstance(obj, type) and is_user_class(type(obj)):
             raise NotStorable(f"a {type(obj).__module__}.{type(obj).__qualname__} the loss does not hold")
         return NotImplemented

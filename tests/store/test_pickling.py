@@ -46,7 +46,8 @@ def test_a_folded_tensor_comes_back_only_while_it_holds_the_values_it_held():
         loads(data, second)
 
 
-@pytest.mark.parametrize("value", [threading.Lock(), _Held()], ids=["lock", "object-not-held"])
+@pytest.mark.parametrize("value", [threading.Lock(), _Held(), {"gain": 1.0}.get],
+                         ids=["lock", "object-not-held", "method-of-a-dict-not-held"])
 def test_what_cannot_travel_is_not_stored(value):
     with pytest.raises(NotStorable):
         dumps({"value": value}, live_objects(_Loss()))
@@ -65,3 +66,13 @@ def test_a_zero_dim_constant_is_keyed_by_its_bytes():
     assert tensor_digest(torch.tensor(1.0)) == tensor_digest(torch.tensor(1.0))
     assert tensor_digest(torch.tensor(1.0)) != tensor_digest(torch.tensor(2.0))
     assert tensor_digest(torch.ones(3)[::2]) == tensor_digest(torch.ones(2))
+
+
+def test_a_method_is_keyed_by_the_path_of_its_object_and_only_then():
+    from fxpasses.store.key import Describer, Unkeyable
+
+    loss = _Loss()
+    describe = Describer(live_objects(loss))
+    assert describe(loss.head.forward) == ["method", ["live", [".head"]], "forward"]
+    with pytest.raises(Unkeyable, match="does not hold"):
+        describe({"gain": 1.0}.get)
