@@ -18,7 +18,9 @@ the trainer's ``seed`` (``--seed``, 0 unless given: another seed gives the metri
 native runs, which with one seed are identical), and the label caches removed first (every run scans its labels alike); ``fxpasses`` adds
 ``fxpasses.integrations.ultralytics.enable(model)`` before ``train`` (``--passes``: a subset of
 its passes, to tell which one a difference comes from; ``--store DIR``: its passes' results kept
-in DIR across runs, :mod:`fxpasses.store`, each run recording whether it read or stored one); the control arm ``native-rounded`` (not
+in DIR across runs, :mod:`fxpasses.store`, each run recording whether it read or stored one: the
+first run with an empty DIR stores, so fill it first with ``--epochs 1 --pairs 1 --arms fxpasses
+--store DIR`` to time runs that read it); the control arm ``native-rounded`` (not
 run unless named in ``--arms``) trains with the native criterion's loss times 1 + 2**-20, which
 changes only the roundings of every gradient: the spread a rounding-level change gives a fit's
 metrics. ``--check-calls`` checks every training call of the fxpasses arm against the native
