@@ -12,6 +12,10 @@ why it could not be. The passes' own certificates are the stored ones: their evi
 runs included) was taken in the process that stored them, on its first call, as within one
 process it serves every later call.
 
+A directory's entries (about 2.5 MB each for the real criterion) are kept under
+:data:`MAX_BYTES`: the least recently read or written are removed first. Reading one runs
+pickle: a store directory must be as trusted as the code that reads it.
+
 This is what torch's own caches do for compiled code (Inductor's FX graph cache), with the key
 written by hand: no platform cache keys a concretely traced graph with run-time guards.
 """
@@ -39,6 +43,7 @@ from .live import LiveObjects, live_objects
 from .pickling import NotStorable, StaleResult, dumps, loads
 
 _SITE = Site((), (), "the pipeline's result")
+MAX_BYTES = 2**30  # a directory's entries beyond this: the least recently used are removed
 
 
 @dataclass
@@ -134,7 +139,27 @@ class ResultStore:
         partial.write_bytes(json.dumps({"format": FORMAT, "key": key, "made": made}).encode() + b"\n" + data)
         os.replace(partial, target)
         target.with_suffix(".parts.json").write_text(canonical_json(parts))
+        self._evict(keep=target)
         return target
+
+    def _evict(self, keep: Path) -> None:
+        """Remove the least recently used entries (read or written) while the directory's
+        entries hold more than :data:`MAX_BYTES`; never ``keep``."""
+        entries = []
+        for entry in self.directory.glob("*.fxresult"):
+            try:
+                stat = entry.stat()
+            except OSError:  # removed by another process meanwhile
+                continue
+            entries.append((stat.st_mtime, stat.st_size, entry))
+        total = sum(size for _, size, _ in entries)
+        for _, size, entry in sorted(entries, key=lambda e: e[0]):
+            if total <= MAX_BYTES:
+                break
+            if entry != keep:
+                for path in (entry, entry.with_suffix(".parts.json")):
+                    path.unlink(missing_ok=True)
+                total -= size
 
     def read(self, key: str, loss: Any) -> PipelineRun:
         """The result stored under ``key``, rebound to ``loss``; raises StaleResult."""
@@ -148,6 +173,10 @@ class ResultStore:
         run = loads(data, loss)
         if not isinstance(run, PipelineRun) or fingerprint(run.graph_module) != header["made"]["code"]:
             raise StaleResult("the graph read back does not generate the code stored")
+        try:
+            os.utime(self.path(key))  # used now: the last to be removed (_evict)
+        except OSError:
+            pass
         for module in run.graph_module.modules():  # counts are this process's own
             if isinstance(module, fx.GraphModule):
                 for node in module.graph.nodes:

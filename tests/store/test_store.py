@@ -257,6 +257,21 @@ def test_a_changed_file_whose_code_a_call_kept_whole_ran_misses(tmp_path, monkey
     assert found[2][1] == ("sources",), found
 
 
+def test_the_least_recently_used_entries_go_when_the_directory_is_full(tmp_path, monkeypatch):
+    import fxpasses.store as store
+
+    batch = _batch(0)
+    optimize(_loss(0), passes=_passes(), store=tmp_path)(batch)  # entry a
+    (first,) = tmp_path.glob("*.fxresult")
+    monkeypatch.setattr(store, "MAX_BYTES", int(1.5 * first.stat().st_size))
+    os.utime(first, (1, 1))  # long unused
+    loss = _loss(0)
+    fast = optimize(loss, passes=_passes(max_recordings=2), store=tmp_path)  # entry b: a goes
+    _assert_native(fast, loss, batch)
+    assert not first.exists() and not first.with_suffix(".parts.json").exists()
+    assert len(list(tmp_path.glob("*.fxresult"))) == 1
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), counts=st.lists(st.integers(0, 3), min_size=2, max_size=2))
 def test_a_result_read_back_equals_native_on_any_batch(stored_reader, seed, counts):
