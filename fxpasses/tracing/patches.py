@@ -20,8 +20,10 @@ when the loss has run (:func:`patched`) or, for the modules met, when the sessio
   :mod:`.impure_calls`) is refused;
 * a profile hook records the globals of every user function the trace executes (garbage
   collection is off meanwhile, and a collection the loss's code asks for runs with recording
-  paused, so that no collection callback's or finalizer's globals are taken for the loss's;
-  a profiler already installed with ``sys.setprofile`` is off during the trace).
+  paused, as does a finalizer a reference count's drop runs (``__del__``, a
+  ``weakref.finalize``), so that no collection callback's or finalizer's globals are taken for
+  the loss's; a plain ``weakref.ref`` callback is not told apart from a call the loss makes; a
+  profiler already installed with ``sys.setprofile`` is off during the trace).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import contextlib
 import gc
 import sys
 import threading
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -43,6 +46,7 @@ from .impure_calls import per_call_sources
 from .input_reads import InputReads
 from .values import TracedScalar, TracedTensor, active_recorder
 
+_FINALIZE_CALL = weakref.finalize.__call__.__code__  # runs a finalizer registered with weakref.finalize
 FACTORIES = ("zeros ones empty full rand randn randint randperm arange linspace logspace eye tensor "
              "as_tensor scalar_tensor empty_strided tril_indices triu_indices normal").split()
 SIZE_ARGUMENTS = ("bincount",)  # torch functions with a tensor and an int argument that may be traced
@@ -244,8 +248,16 @@ def patched(session: Any, leaf_functions: tuple[Callable, ...],
     rec, tracker, shadows, journal = session.recorder, session.tracker, session.shadows, session.journal
     thread = session.thread
     previous_profile = sys.getprofile()
+    finalizing: list[tuple[Any, bool, Any]] = []  # (frame, paused, kept_whole) of finalizers running
 
     def profile(frame: Any, event: str, arg: Any) -> None:
+        if finalizing and event == "return" and frame is finalizing[-1][0]:
+            _, rec.paused, rec.kept_whole = finalizing.pop()
+            return
+        if event == "call" and (frame.f_code.co_name == "__del__" or frame.f_code is _FINALIZE_CALL):
+            finalizing.append((frame, rec.paused, rec.kept_whole))  # not the loss: recording paused
+            rec.paused, rec.kept_whole = True, None
+            return
         if event == "call" and is_user_file(frame.f_code.co_filename):
             rec.code_files.add(frame.f_code.co_filename)
             if not rec.paused:

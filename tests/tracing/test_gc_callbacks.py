@@ -3,12 +3,15 @@ but code the loss calls may collect explicitly (Dynamo compiling a submodule run
 ``gc.collect(1)``); the callbacks and the finalizers of what it freed then ran on the tracing
 thread as if the loss had called them: the trace stood in for the globals they read, and a float
 global one updated kept a traced number for good (found: hypothesis's
-``junkdrawer._gc_cumulative_time``, a ``TracedScalar`` at exit)."""
+``junkdrawer._gc_cumulative_time``, a ``TracedScalar`` at exit). So are the finalizers a dropped
+reference runs (``__del__``, ``weakref.finalize``)."""
 
 from __future__ import annotations
 
 import gc
+import weakref
 
+import pytest
 import torch
 
 from fxpasses import optimize
@@ -81,3 +84,41 @@ def test_a_finalizer_run_by_a_collection_inside_the_trace_runs_outside_it():
         gc.enable()
     assert out.item() == 6.0
     assert type(_finalized) is float and _finalized > before
+
+
+_dropped = 0.0  # a float global the finalizers below update
+
+
+class _Resource:
+    """Freed when its last reference goes: its finalizer runs at once, inside the loss's call."""
+
+    def __del__(self):
+        global _dropped
+        _dropped += _gc_scale
+
+
+def _drop_global():
+    global _dropped
+    _dropped += _gc_scale
+
+
+def _drops(x):
+    resource = _Resource()
+    del resource  # __del__ runs here, on the tracing thread
+    return (x * 2).sum()
+
+
+def _finalizes(x):
+    owner = _Cycle.__new__(_Cycle)  # a plain object (no cycle made)
+    weakref.finalize(owner, _drop_global)
+    del owner  # the finalizer runs here
+    return (x * 2).sum()
+
+
+@pytest.mark.parametrize("loss", [_drops, _finalizes], ids=["__del__", "weakref.finalize"])
+def test_a_finalizer_a_dropped_reference_runs_inside_the_trace_runs_outside_it(loss):
+    before = _dropped
+    out = optimize(loss)(torch.ones(3))
+    assert out.item() == 6.0
+    assert type(_dropped) is float and _dropped == before + _gc_scale  # it ran, on plain numbers
+    assert type(_gc_scale) is float
