@@ -36,6 +36,11 @@ class LiveObjects:
     aliases: list[tuple[tuple[Step, ...], tuple[Step, ...]]] = field(default_factory=list)
     truncated: bool = False
 
+    @property
+    def root(self) -> Any:
+        """The loss (the object at the empty path)."""
+        return next(self.objects[k] for k, path in self.paths.items() if path == ())
+
     def path_of(self, obj: Any) -> tuple[Step, ...] | None:
         return self.paths.get(id(obj)) if self.objects.get(id(obj)) is obj else None
 

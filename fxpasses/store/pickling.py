@@ -13,7 +13,10 @@ targets and cannot name fxpasses' run-time ops):
 * a run-time op through its ``__getstate__``: configuration, never a call's state (recordings,
   locks, kept tensors; :meth:`~fxpasses.ir.runtime_op.RuntimeOp.fresh_state`);
 * a :class:`~fxpasses.guards.TensorSeen` (a tensor a rewrite folded) as the tensor and a digest
-  of its values: read back only where the tensor now holds those values, seen at its version now.
+  of its values: read back only where the tensor now holds those values, seen at its version now;
+* an identity assumption on an object neither held by the loss nor named (a module's lock that
+  kept-whole code reads) as its source and the object's class: recorded again on the object the
+  source holds in the reading process, which must be of that class.
 
 Anything else of a user class, a method of an object the loss does not hold (written by value it
 would call a copy), a fake tensor, a symbolic size or a lock is :class:`NotStorable`.
@@ -33,7 +36,8 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ..guards import TensorSeen
+from ..guards import Assumption, TensorSeen
+from ..ir.sources import Roots
 from ..ir.proofs import KEPT_WHOLE, PROVEN, RELIED_ON
 from ..locations import is_user_class
 from .key import tensor_digest
@@ -115,6 +119,28 @@ def _aten(namespace: str, name: str, overload: str) -> Any:
     return getattr(packet, overload) if overload else packet
 
 
+def _class_name(value: Any) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def _identity_again(kind: Any, source: Any, cls: str, location: str, shown: str, loss: Any) -> Assumption:
+    """An identity assumption on an object neither held by the loss nor named (a module's lock):
+    recorded again on the object its source holds in this process, which must be of the class
+    the stored one was (its settings, where code read them, are assumptions of their own)."""
+    try:
+        now = source.read(Roots(loss, ()))
+    except Exception as exc:
+        raise StaleResult(f"{source} cannot be read: {type(exc).__name__}") from exc
+    if _class_name(now) != cls:
+        raise StaleResult(f"{source} is a {_class_name(now)}, was a {cls}")
+    return Assumption(kind, source, now, location, shown)
+
+
+def _named(value: Any) -> bool:
+    """Whether pickle writes ``value`` by its importable name (a class, function or module)."""
+    return isinstance(value, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType))
+
+
 def _seen_again(tensor: torch.Tensor, digest: str) -> TensorSeen:
     if tensor_digest(tensor) != digest:
         raise StaleResult("a tensor a rewrite folded holds other values than when it was stored")
@@ -145,6 +171,10 @@ class _Writer(pickle.Pickler):
         if isinstance(obj, torch._ops.OpOverloadPacket):
             namespace, name = obj._qualified_op_name.split("::")
             return (_aten, (namespace, name, ""))
+        if isinstance(obj, Assumption) and obj.kind.compares_identity and \
+                self.live.path_of(obj.expected) is None and not _named(obj.expected):
+            return (_identity_again, (obj.kind, obj.source, _class_name(obj.expected), obj.location,
+                                      obj.shown, self.live.root))
         if isinstance(obj, TensorSeen):
             return (_seen_again, (obj.tensor, tensor_digest(obj.tensor)))
         if isinstance(obj, (FakeTensor, torch.SymInt, torch.SymFloat, torch.SymBool)):

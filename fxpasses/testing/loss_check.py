@@ -148,7 +148,7 @@ class CaseReport:
 
 
 def check_case(case: LossCase, *, arms: dict[str, Callable[[], list]] | None = None,
-               rtol: float = 1e-9, atol: float = 1e-12) -> CaseReport:
+               rtol: float = 1e-9, atol: float = 1e-12, store: Any = None) -> CaseReport:
     """Every arm against the native module on ``case`` (see the module docstring).
 
     Args:
@@ -157,6 +157,8 @@ def check_case(case: LossCase, *, arms: dict[str, Callable[[], list]] | None = N
             :data:`ARMS`).
         rtol (float): relative tolerance of each observation.
         atol (float): absolute tolerance of each observation.
+        store (optional): each arm's ``optimize(..., store=)`` (:mod:`fxpasses.store`): a second
+            check of the case with the same directory reads the results the first stored.
 
     Returns:
         CaseReport: each arm's comparisons, loud refusal and coverage; ``report.ok`` when no
@@ -176,7 +178,8 @@ def check_case(case: LossCase, *, arms: dict[str, Callable[[], list]] | None = N
         for name, passes in (arms or ARMS).items():
             arm_start = time.perf_counter()
             module = case.module()
-            fast = optimize(module, passes=passes(), leaf_functions=[passthrough])
+            fast = optimize(module, passes=passes(), leaf_functions=[passthrough],
+                            store=None if store is None else f"{store}/{name}")
             observed = run_protocol(fast, module, case)
             results[name] = ArmResult(name, _compare(reference, observed, rtol, atol),
                                       _refusal(observed) if observed.loud else None,
@@ -258,10 +261,13 @@ def _disabled_after_bad_call(stats: dict[str, RunStats]) -> Comparison | None:
 
 
 def coverage(fast: OptimizedLoss) -> Counter:
-    """Applied certificates per pass, calls by path, and the run-time sites' counters, summed."""
+    """Applied certificates per pass (the store's lookups by outcome too), calls by path, and
+    the run-time sites' counters, summed."""
     counts: Counter = Counter()
     for cert in fast.certificates:
         counts[f"{cert.pass_name} {'applied' if cert.applied else 'refused'}"] += 1
+        if cert.pass_name == "store":  # the lookup of a trace's pipeline result, by outcome
+            counts[f"store: {'read' if cert.applied else cert.codes[0]}"] += 1
     stats = fast.stats
     counts["optimized calls"] += stats.optimized
     for reason, n in stats.native.items():

@@ -76,3 +76,23 @@ def test_a_method_is_keyed_by_the_path_of_its_object_and_only_then():
     assert describe(loss.head.forward) == ["method", ["live", [".head"]], "forward"]
     with pytest.raises(Unkeyable, match="does not hold"):
         describe({"gain": 1.0}.get)
+
+
+_LOCK = threading.Lock()  # a module's lock that a loss's code reads
+
+
+def test_an_identity_on_an_unnamed_object_is_recorded_again_on_what_its_source_holds(monkeypatch):
+    import sys
+
+    from fxpasses.guards import Assumption
+    from fxpasses.ir.sources import GlobalRoot, Source
+
+    module = sys.modules[__name__]
+    source = Source(GlobalRoot(vars(module), "_LOCK"))
+    data = dumps(Assumption("identity", source, _LOCK, "here", "lock"), live_objects(_Loss()))
+    other = threading.Lock()
+    monkeypatch.setattr(module, "_LOCK", other)
+    assert loads(data, _Loss()).expected is other  # this process's object at that source
+    monkeypatch.setattr(module, "_LOCK", threading.RLock())
+    with pytest.raises(StaleResult, match="was a _thread.lock"):
+        loads(data, _Loss())
