@@ -26,6 +26,7 @@ import datetime
 import json
 import os
 import platform
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,7 +136,7 @@ class ResultStore:
                 "code": run.snapshots[-1].fingerprint}
         self.directory.mkdir(parents=True, exist_ok=True)
         target = self.path(key)
-        partial = target.with_suffix(f".{os.getpid()}.partial")
+        partial = target.with_suffix(f".{os.getpid()}.{threading.get_ident()}.partial")
         partial.write_bytes(json.dumps({"format": FORMAT, "key": key, "made": made}).encode() + b"\n" + data)
         os.replace(partial, target)
         target.with_suffix(".parts.json").write_text(canonical_json(parts))
