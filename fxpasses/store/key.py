@@ -171,12 +171,13 @@ class Describer:
         nodes = []
         for node in gm.graph.nodes:
             target = self(node.target) if node.op == "call_function" else node.target
-            fetched = self(_fetch(gm, node.target)) if node.op in ("get_attr", "call_module") else None
+            fetched = self(fetch_attr(gm, node.target)) if node.op in ("get_attr", "call_module") else None
             nodes.append([node.op, node.name, target, self(node.args), self(node.kwargs), fetched])
         return [type(gm.graph._codegen).__name__, nodes]
 
 
-def _fetch(gm: fx.GraphModule, target: str) -> Any:
+def fetch_attr(gm: fx.GraphModule, target: str) -> Any:
+    """What a ``get_attr`` or ``call_module`` node of ``gm`` fetches (a dotted path)."""
     value: Any = gm
     for name in target.split("."):
         value = getattr(value, name)

@@ -40,7 +40,7 @@ from ..guards import Assumption, TensorSeen
 from ..ir.sources import Roots
 from ..ir.proofs import KEPT_WHOLE, PROVEN, RELIED_ON
 from ..locations import is_user_class
-from .key import tensor_digest
+from .key import fetch_attr, tensor_digest
 from .live import LiveObjects
 
 KEPT_NODE_META = ("stack_trace", PROVEN, KEPT_WHOLE)  # what the run time and reports read
@@ -74,17 +74,9 @@ def _graph_state(gm: fx.GraphModule) -> tuple:
         kwargs = fx.node.map_arg(node.kwargs, lambda n: _NodeRef(n.name))
         nodes.append((node.op, node.name, node.target, args, kwargs, meta))
         if node.op in ("get_attr", "call_module"):
-            attrs[node.target] = gm.get_submodule(node.target) if node.op == "call_module" \
-                else _fetch(gm, node.target)
+            attrs[node.target] = fetch_attr(gm, node.target)
     meta = {k: gm.meta[k] for k in KEPT_GRAPH_META if k in gm.meta}
     return (type(gm).__name__, attrs, nodes, gm.graph._codegen, meta)
-
-
-def _fetch(gm: fx.GraphModule, target: str) -> Any:
-    value: Any = gm
-    for name in target.split("."):
-        value = getattr(value, name)
-    return value
 
 
 def _graph_module(class_name: str, attrs: dict, nodes: list, codegen: Any, meta: dict) -> fx.GraphModule:
