@@ -14,9 +14,10 @@ targets and cannot name fxpasses' run-time ops):
   locks, kept tensors; :meth:`~fxpasses.ir.runtime_op.RuntimeOp.fresh_state`);
 * a :class:`~fxpasses.guards.TensorSeen` (a tensor a rewrite folded) as the tensor and a digest
   of its values: read back only where the tensor now holds those values, seen at its version now;
-* an identity assumption on an object neither held by the loss nor named (a module's lock that
-  kept-whole code reads) as its source and the object's class: recorded again on the object the
-  source holds in the reading process, which must be of that class.
+* an identity assumption on an object that is neither held by the loss nor picklable (a module's
+  lock that kept-whole code reads) as its source and the object's class: recorded again on the
+  object the source holds in the reading process, which must be of that class (one pickle writes
+  by name, a dtype or a function, stays the object it names, so its identity still compares).
 
 Anything else of a user class, a method of an object the loss does not hold (written by value it
 would call a copy), a fake tensor, a symbolic size or a lock is :class:`NotStorable`.
@@ -128,9 +129,15 @@ def _identity_again(kind: Any, source: Any, cls: str, location: str, shown: str,
     return Assumption(kind, source, now, location, shown)
 
 
-def _named(value: Any) -> bool:
-    """Whether pickle writes ``value`` by its importable name (a class, function or module)."""
-    return isinstance(value, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType))
+def _picklable(value: Any) -> bool:
+    """Whether pickle can write ``value`` itself: by its name (a class, a function, a dtype, an
+    enum member: the same object read back, so an identity still compares) or by value (a copy,
+    so an identity with it never holds and the result is not used)."""
+    try:
+        pickle.dumps(value)
+    except Exception:  # noqa: BLE001 - any failure means no
+        return False
+    return True
 
 
 def _seen_again(tensor: torch.Tensor, digest: str) -> TensorSeen:
@@ -164,7 +171,7 @@ class _Writer(pickle.Pickler):
             namespace, name = obj._qualified_op_name.split("::")
             return (_aten, (namespace, name, ""))
         if isinstance(obj, Assumption) and obj.kind.compares_identity and \
-                self.live.path_of(obj.expected) is None and not _named(obj.expected):
+                self.live.path_of(obj.expected) is None and not _picklable(obj.expected):
             return (_identity_again, (obj.kind, obj.source, _class_name(obj.expected), obj.location,
                                       obj.shown, self.live.root))
         if isinstance(obj, TensorSeen):

@@ -96,3 +96,19 @@ def test_an_identity_on_an_unnamed_object_is_recorded_again_on_what_its_source_h
     monkeypatch.setattr(module, "_LOCK", threading.RLock())
     with pytest.raises(StaleResult, match="was a _thread.lock"):
         loads(data, _Loss())
+
+
+def test_an_identity_on_a_named_object_still_compares_after_reading_back():
+    """A dtype is written by name: read back, it is the same object, and a source that holds
+    another dtype now fails the assumption (it is not recorded again on what the source holds)."""
+    from fxpasses.guards import Assumption
+    from fxpasses.ir.sources import Attr, LossRoot, Roots, Source
+
+    loss = _Loss()
+    loss.dtype = torch.float32
+    source = Source(LossRoot(), (Attr("dtype"),))
+    data = dumps(Assumption("identity", source, torch.float32, "here", "float32"), live_objects(loss))
+    other = _Loss()
+    other.dtype = torch.float16
+    back = loads(data, other)
+    assert back.expected is torch.float32 and not back.holds(Roots(other, ()))
