@@ -120,6 +120,19 @@ def test_an_entry_that_cannot_be_used_is_refused_and_replaced(tmp_path, damage):
     assert _store_certificate(again)[0].applied
 
 
+def test_a_store_that_cannot_be_written_is_certified_and_the_passes_result_still_runs(tmp_path):
+    blocked = tmp_path / "store"
+    blocked.write_text("a file where the store's directory should be")
+    loss = _loss(0)
+    fast = optimize(loss, passes=_passes(), store=blocked)
+    _assert_native(fast, loss, _batch(0))
+    cert, checks = _store_certificate(fast)
+    assert cert.codes == ("stored-result-absent", "result-not-storable"), cert
+    assert not checks["result-stored"].ok and "Error" in checks["result-stored"].evidence["why"]
+    assert fast.stats.optimized == 1, fast.stats.render()
+    assert blocked.read_text().startswith("a file")
+
+
 class _AreaLoss(nn.Module):
     """A box regressor whose area function is given (a leaf when optimized)."""
 
