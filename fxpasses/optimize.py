@@ -82,15 +82,17 @@ from .runtime.module_state import MODULE_STATE
 from .ir.trace_ops import undone_on_failure
 from .signature import flatten_call
 from .specialization_cache import DISABLE_AFTER, SpecializationCache
-from .specialize import Specialization, build
+from .specialize import Specialization, build, complete
 from .stats import RecordedException, RunStats
 from .store import ResultStore
 from .trace import LeafPolicy
+from .background import PipelineJob
 
 _RETRACE_AFTER = 2  # the 2nd call since the last trace that every trace abandons is traced
 _RETRIES = 6  # runs again at least of a call whose run-time op adjusted itself (three nested
 # selection levels in each branch of a two-branch loss, a level learning its need once its parent fits)
 _MAX_EXCEPTIONS = 64  # failures kept in stats.exceptions (all are counted in stats.native)
+PIPELINE_RUNNING = "pipeline-running"  # a call of a specialization whose job runs (native)
 
 
 class OptimizedLoss(nn.Module):
@@ -112,7 +114,8 @@ class OptimizedLoss(nn.Module):
     """
 
     def __init__(self, loss_fn: Any, passes: Sequence[Pass], policy: LeafPolicy,
-                 max_specializations: int, store: ResultStore | None = None):
+                 max_specializations: int, store: ResultStore | None = None,
+                 background: bool = False):
         super().__init__()
         object.__setattr__(self, "_loss", loss_fn)
         if isinstance(loss_fn, nn.Module):
@@ -128,6 +131,8 @@ class OptimizedLoss(nn.Module):
         self._policy = policy
         self._max_specializations = max_specializations
         self._store = store
+        self._background = background
+        self._background_failures: list[str] = []  # why a job stored no result (then not again)
         self._guard_whole_loss([])
         self._cache = SpecializationCache(max_specializations)
         self._stats = RunStats()
@@ -153,11 +158,13 @@ class OptimizedLoss(nn.Module):
     # -- pickling: the loss and the options travel; optimization happens again after loading ---
     def __getstate__(self) -> dict[str, Any]:
         return {"loss": self._loss, "passes": self._passes, "policy": self._policy,
-                "max_specializations": self._max_specializations, "store": self._store}
+                "max_specializations": self._max_specializations, "store": self._store,
+                "background": self._background}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         OptimizedLoss.__init__(self, state["loss"], state["passes"], state["policy"],
-                               state["max_specializations"], state.get("store"))
+                               state["max_specializations"], state.get("store"),
+                               state.get("background", False))
 
     # -- the call ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -208,6 +215,8 @@ class OptimizedLoss(nn.Module):
             made = self._specialize(args, kwargs)
             if isinstance(made, Refused):
                 return made
+            if made.pending is not None:
+                return Refused(PIPELINE_RUNNING)
             if made.refusal == "trace-failed":
                 return TraceFailed(made)
             outcome = self._try(made, args, kwargs, made.signature.flatten(args, kwargs)[0])
@@ -244,6 +253,12 @@ class OptimizedLoss(nn.Module):
             if bad is not None:
                 failed = failed or bad
                 continue
+            if special.pending is not None:
+                special = self._settle(special, leaves)
+                if special is None:  # dropped: traced again if nothing else covers the call
+                    continue
+                if special.pending is not None:
+                    return Refused(PIPELINE_RUNNING)
             outcome = self._try(special, args, kwargs, leaves)
             if not isinstance(outcome, Abandoned):
                 return outcome
@@ -264,13 +279,35 @@ class OptimizedLoss(nn.Module):
         with MODULE_STATE.exclusive() as alone:
             if not alone:  # this thread is inside a native call of another loss
                 return Refused("concurrent-call")
+            background = self._start_job(args, kwargs) \
+                if self._background and not self._background_failures else None
             with isolated():
                 special = build(self._loss, args, kwargs, len(self._cache), self._passes,
-                                self._policy, self._store)
+                                self._policy, self._store, background)
             if special.info is not None:
                 self._guard_whole_loss([*self._guarded_modules, *special.info.modules])
             self._abandoned_since_trace = 0
             return self._cache.add(special)
+
+    def _start_job(self, args: tuple, kwargs: dict) -> Callable[[str], PipelineJob | str]:
+        """What starts the pipeline of a trace of this call in another process (fxpasses.background)."""
+        return functools.partial(PipelineJob.start, self._store, loss=self._loss, args=args,
+                                 kwargs=kwargs, passes=self._passes, policy=self._policy)
+
+    def _settle(self, special: Specialization, leaves: list[Any]) -> Specialization | None:
+        """``special`` while its job runs; the specialization its job's result makes once it
+        ended; None where the job stored none for it (dropped, and no job started again:
+        the next trace runs its pipeline here)."""
+        if not special.pending[0].done():
+            return special
+        done = complete(special, self._loss, leaves, self._passes, self._store)
+        if isinstance(done, str):
+            logger.warning("the passes' pipeline in another process gave no result (%s): "
+                           "traced again, its pipeline run in this process", done)
+            self._background_failures.append(done)
+            self._cache.remove(special)
+            return None
+        return self._cache.replace(special, done)
 
     def _try(self, special: Specialization, args: tuple, kwargs: dict,
              leaves: list[Any]) -> CallOutcome:
@@ -525,7 +562,7 @@ def _validate(loss_fn: Any, passes: Sequence[Any]) -> tuple[Pass, ...]:
 def optimize(loss_fn: Callable, passes: Sequence[Pass] = (), *,
              leaf_functions: Sequence[Callable] = (), leaf_modules: Sequence[Any] = (),
              density_methods: Sequence[str] = ("log_prob",), max_specializations: int = 8,
-             store: str | os.PathLike | None = None) -> OptimizedLoss:
+             store: str | os.PathLike | None = None, background: bool = False) -> OptimizedLoss:
     """Optimize ``loss_fn`` with ``passes``; tracing happens at the first call.
 
     Nothing is traced here: each call traces the loss on its own inputs when no specialization
@@ -546,6 +583,11 @@ def optimize(loss_fn: Callable, passes: Sequence[Pass] = (), *,
             across processes (:mod:`fxpasses.store`): a later process whose trace has the same
             key reads the result back instead of running the passes. None (the default): the
             passes run in every process.
+        background (bool): with a ``store``: a trace whose result is not stored runs its
+            passes in another process while the calls it covers run natively
+            (``pipeline-running``), and the first call after that process ends reads the result
+            back (:mod:`fxpasses.background`). False (the default): the first call of a trace
+            waits for its passes.
 
     Returns:
         OptimizedLoss: a module with ``loss_fn``'s call signature, parameters and buffers.
@@ -554,7 +596,7 @@ def optimize(loss_fn: Callable, passes: Sequence[Pass] = (), *,
         TypeError: ``loss_fn`` is a class or not callable; a pass is a class or not a pass; an
             option is not a list or tuple of the right items. The message names it.
         ValueError: a pass appears twice; ``max_specializations`` is below 1; a density
-            method is not an identifier.
+            method is not an identifier; ``background`` without a ``store``.
     """
     passes = _validate(loss_fn, passes)
     options.count("max_specializations", max_specializations, 1)
@@ -567,5 +609,10 @@ def optimize(loss_fn: Callable, passes: Sequence[Pass] = (), *,
     if store is not None and not isinstance(store, (str, os.PathLike)):
         raise TypeError(f"store must be a directory path (str or os.PathLike), got "
                         f"{type(store).__name__}: {store!r}")
+    if not isinstance(background, bool):
+        raise TypeError(f"background must be True or False, got {background!r}")
+    if background and store is None:
+        raise ValueError("background=True needs a store: the other process hands its result "
+                         "back through it (optimize(..., store='~/.cache/fxpasses', background=True))")
     return OptimizedLoss(loss_fn, passes, policy, max_specializations,
-                         ResultStore(store) if store is not None else None)
+                         ResultStore(store) if store is not None else None, background)

@@ -36,6 +36,7 @@ def _specialization(special: "Specialization", disabled: str | None) -> dict[str
         "index": special.index,
         "inputs": list(special.signature.placeholder_names) if special.signature else [],
         "disabled": disabled,
+        "pipeline_running": special.pending is not None,
         "seconds": {k: round(v, 6) for k, v in special.seconds.items()},
         "snapshots": [{"step": s.step, "fingerprint": s.fingerprint, "modified": s.modified,
                        "seconds": round(s.seconds, 6), "code": s.code}
@@ -59,6 +60,7 @@ def build_report(opt: "OptimizedLoss") -> dict[str, Any]:
         "guards": [to_json_data(as_evidence(g)) for g in opt.guards()],
         "specializations": [_specialization(s, opt.disabled(s)) for s in opt.specializations],
         "stats": opt.stats.as_dict(),
+        "background_failures": list(opt._background_failures),
     }
     report["digest"] = content_digest(report)
     return report
@@ -73,6 +75,13 @@ def _render_summary(report: dict[str, Any]) -> list[str]:
     rate = f" ({100 * len(specials) / stats['calls']:.1f} per 100 calls)" if stats["calls"] else ""
     lines.append(f"summary: {stats['calls']} calls, {stats['optimized']} optimized, {native} native, "
                  f"{len(specials)} specialization{'s' * (len(specials) != 1)}{rate}")
+    running = sum(s.get("pipeline_running", False) for s in specials)
+    if running:
+        lines.append(f"  background: the passes' pipeline of {running} trace(s) running in another "
+                     "process (their calls run natively until it ends)")
+    for failure in report.get("background_failures", ()):
+        lines.append(f"  background: a pipeline in another process gave no result, so it ran in "
+                     f"this one: {failure}")
     totals: dict[str, dict[str, Any]] = {}
     for special in specials:
         for name, c in special["counters"].items():

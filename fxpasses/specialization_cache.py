@@ -51,6 +51,15 @@ class SpecializationCache:
         self._order.insert(0, special)
         return special
 
+    def replace(self, old: Specialization, new: Specialization) -> Specialization:
+        """``new`` in ``old``'s place (a pending specialization, completed), its ``check_key``
+        found again (completing may add assumptions); returns it as kept."""
+        i = self._order.index(old)
+        others = [s for s in self._order if s is not old]
+        key = next((s.check_key for s in others if same_checks(s, new)), new.index)
+        self._order[i] = dataclasses.replace(new, check_key=key)
+        return self._order[i]
+
     def remove(self, special: Specialization) -> None:
         """Drop ``special`` (a refusal that would wrongly send later calls to native)."""
         self._order.remove(special)

@@ -60,6 +60,9 @@ class Specialization:
     # what the code of calls kept whole read, where a rewrite's proof ran that code (also among
     # ``assumptions``): checked again when a region holding such code is recomputed later
     relied: tuple[Assumption, ...] = ()
+    # while its pipeline runs in another process (fxpasses.background): the job, and the store
+    # lookup whose key its result is read back under; the specialization does not run until then
+    pending: tuple[Any, Any] | None = None
 
     @functools.cached_property
     def adjustments(self) -> int:
@@ -107,11 +110,15 @@ def _same_assumption(x: Assumption, y: Assumption) -> bool:
 
 
 def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pass],
-          policy: LeafPolicy, store: ResultStore | None = None) -> Specialization:
+          policy: LeafPolicy, store: ResultStore | None = None,
+          background: Callable[[str], Any] | None = None) -> Specialization:
     """Trace, certify and optimize (see the module docstring); failures are recorded on it.
     The hooks, methods, submodules and modes of the modules the trace depends on
     (``info.modules``) are the caller's whole-loss guards. With a ``store``, the pipeline's
-    result is read from it where one was stored for this trace's key, else stored there."""
+    result is read from it where one was stored for this trace's key, else stored there.
+    ``background(key)``: where none is stored, start the pipeline in another process (returns
+    the job, or why it could not start: then it runs here); the specialization is then
+    ``pending`` until :func:`complete` reads the job's result."""
     special = Specialization(index, CallSignature.of_call(args, kwargs, positional_names(loss)))
     logger.info("specialization %d of %s: tracing and running %d pass(es) (a new call structure: "
                 "this call takes longer)", index, type(loss).__name__, len(passes))
@@ -147,6 +154,13 @@ def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pas
             if failed is not None:
                 lookup.refuse(f"an assumption a rewrite relied on does not hold: {failed.describe()}")
         special.run = lookup.run if lookup is not None else None
+        if special.run is None and background is not None and lookup is not None and lookup.key:
+            job = background(lookup.key)
+            if not isinstance(job, str):
+                special.pending = job, lookup
+                special.seconds["pipeline"] = time.perf_counter() - start
+                return special
+            lookup.evidence["background"] = job
         if special.run is None:
             own = [loss] if isinstance(loss, nn.Module) else []
             with module_state_kept([*own, *gm.children(), *info.modules]), one_intra_op_thread():
@@ -157,6 +171,47 @@ def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pas
     finally:
         put_back(info.written_state)  # the first call makes the loss's writes, once
     special.seconds["pipeline"] = time.perf_counter() - start
+    _adopt(special, lookup)
+    logger.info("specialization %d of %s: %d certificate(s), %s", index, type(loss).__name__,
+                len(special.certificates), ", ".join(f"{k} {v:.2f} s" for k, v in special.seconds.items()))
+    return special
+
+
+def complete(special: Specialization, loss: Any, leaves: list[Any], passes: Sequence[Pass],
+             store: ResultStore) -> Specialization | str:
+    """``special`` (pending, its job ended) with the job's result read back from ``store``
+    under the key of this process's trace, as :func:`build` reads one; or why there is none.
+    The key is the one found when tracing: the calls run natively since may have changed the
+    loss's objects (an attribute a call caches), as they may after any trace; the
+    specialization's assumptions, checked on every call, say whether its graph still holds."""
+    (job, lookup), info = special.pending, special.info
+    failure = job.failure()
+    job.close()
+    if failure is not None:
+        return failure
+    start = time.perf_counter()
+    lookup = store.look_again(lookup, loss)
+    if lookup.run is not None:
+        failed = first_failure(relied_on(lookup.run.graph_module), special.roots(loss, leaves))
+        if failed is not None:
+            return f"an assumption a rewrite relied on does not hold: {failed.describe()}"
+    if lookup.run is None:
+        why = lookup.evidence.get("why") or \
+            f"the newest entry's key differs in {lookup.evidence.get('nearest_entry_differs_in')}"
+        return f"the job's result was not read back: {lookup.code}: {why}"
+    lookup.run.graph_module.meta[META_KEY] = info
+    lookup.evidence["background_s"] = round(job.seconds(), 2)
+    done = dataclasses.replace(special, pending=None, run=lookup.run,
+                               certificates=list(special.certificates),
+                               seconds={**special.seconds, "read": time.perf_counter() - start})
+    _adopt(done, lookup)
+    logger.info("specialization %d of %s: the pipeline's result of another process read back "
+                "after %.1f s", special.index, type(loss).__name__, job.seconds())
+    return done
+
+
+def _adopt(special: Specialization, lookup: Any) -> None:
+    """``special`` takes its pipeline run's graph, what its rewrites relied on and certificates."""
     special.graph_module = special.run.graph_module
     special.relied = relied_on(special.graph_module)
     relied = [a for a in special.relied if not any(a is b for b in special.assumptions)]
@@ -166,9 +221,6 @@ def build(loss: Any, args: tuple, kwargs: dict, index: int, passes: Sequence[Pas
     special.certificates.extend(special.run.certificates)
     if lookup is not None:
         special.certificates.append(lookup.certificate)
-    logger.info("specialization %d of %s: %d certificate(s), %s", index, type(loss).__name__,
-                len(special.certificates), ", ".join(f"{k} {v:.2f} s" for k, v in special.seconds.items()))
-    return special
 
 
 def _symbolic_sizes(info: TraceInfo) -> dict[str, Any]:

@@ -443,6 +443,11 @@ _CODES = (
          "loss reads with a profile hook of its own, so this call ran natively and is traced on "
          "a later call without the profiler (specializations made before keep running).",
          "Make the first call outside the profiler, or profile with torch.profiler."),
+    Code("pipeline-running", "guard",
+         "The passes' pipeline for the trace covering this call runs in another process "
+         "(optimize(..., background=True)); the call ran natively. The first call after that "
+         "process ends reads its result back from the store and runs optimized.",
+         "Expected for the seconds the pipeline takes, once per trace a store holds no result for."),
     Code("concurrent-call", "guard",
          "Another thread was inside the same optimized loss or captured region; this call ran "
          "natively.", "Expected when threads share one optimized loss."),

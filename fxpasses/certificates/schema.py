@@ -32,7 +32,8 @@ CERTIFICATE = {
 }
 COUNTS = {"*": "int"}
 SPECIALIZATION = {
-    "index": "int", "inputs": ["str"], "disabled": ("str", "NoneType"), "seconds": {"*": NUMBER},
+    "index": "int", "inputs": ["str"], "disabled": ("str", "NoneType"), "pipeline_running": "bool",
+    "seconds": {"*": NUMBER},
     "snapshots": [{"step": "str", "fingerprint": "str", "modified": "bool", "seconds": NUMBER,
                    "code": "str"}],
     "counters": {"*": {"seen": "int", "applied": "int", "refused": COUNTS, "failed": COUNTS}},
@@ -50,6 +51,7 @@ REPORT = {
               "exceptions": [{"type": "str", "message": "str", "node": "str",
                               "specialization": "int", "statement": "str", "location": "str"}],
               "sites": {"*": COUNTS}, "rerecorded": {"*": COUNTS}},
+    "background_failures": ["str"],
     "digest": "str",
 }
 

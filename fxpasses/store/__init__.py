@@ -110,10 +110,14 @@ class ResultStore:
         key = key_of(parts)
         evidence: dict[str, Any] = {"key": key, "directory": str(self.directory),
                                     "key_s": round(time.perf_counter() - start, 3)}
-        found = Lookup(self, None, evidence, None, key, parts, live)
+        return self.look_again(Lookup(self, None, evidence, None, key, parts, live), loss)
+
+    def look_again(self, found: Lookup, loss: Any) -> Lookup:
+        """``found`` (a lookup's key, made earlier) with the entry stored under it now, if any."""
+        key, evidence = found.key, found.evidence
         if not self.path(key).exists():
             found.code = "stored-result-absent"
-            evidence["nearest_entry_differs_in"] = self._nearest_differences(parts)
+            evidence["nearest_entry_differs_in"] = self._nearest_differences(found.parts)
             return found
         start = time.perf_counter()
         try:
@@ -123,6 +127,7 @@ class ResultStore:
             evidence["why"] = str(exc)[:400]
             logger.warning("stored pipeline result %s not used: %s", key[:12], exc)
             return found
+        found.code = None
         evidence["read_s"] = round(time.perf_counter() - start, 3)
         evidence["made"] = self._made(key)
         return found

@@ -45,3 +45,23 @@ def test_another_models_criterion_reads_the_stored_result_and_equals_its_native(
     assert fingerprint(reader.specializations[0].graph_module) == \
         fingerprint(writer.specializations[0].graph_module)
     assert reader.stats.optimized == 5, reader.stats.render()
+
+
+def test_the_real_criterions_pipeline_runs_in_another_process_and_its_result_equals_native(tmp_path):
+    torch.manual_seed(0)
+    model = pose_model()
+    native, flow = model.init_criterion(), model.model[-1].flow_model
+    fast = optimize(model.init_criterion(), passes=[PairRLE(), SelectRows(), CaptureLoss(
+        devices=("cpu",), recorder=EmulatedRecorder())], store=tmp_path, background=True)
+    sizes = [4, 2, 3, 4, 1, 3]
+    got = calls.call(fast, flow, sizes[0], 200, 320, poison=True)
+    calls.assert_equal_calls(got, calls.call(native, flow, sizes[0], 200, 320, poison=True))
+    assert fast.stats.native == {"pipeline-running": 1}, fast.stats.render()
+    (special,) = fast.specializations
+    assert special.pending[0].process.wait(timeout=600) == 0, special.pending[0].log.read_text()[-2000:]
+    for seed, size in enumerate(sizes[1:], start=1):
+        got = calls.call(fast, flow, size, 200 + seed, 320, poison=seed % 2 == 0)
+        calls.assert_equal_calls(got, calls.call(native, flow, size, 200 + seed, 320, poison=seed % 2 == 0))
+    assert fast.stats.optimized == len(sizes) - 1, fast.stats.render()
+    cert = _store_certificate(fast)
+    assert cert.applied and cert.checks[0].evidence["background_s"] > 0, cert

@@ -19,7 +19,7 @@ from fxpasses.ir.runtime_op import RuntimeOp
 
 samples = import_file(Path(__file__).with_name("samples.py"))
 
-# Frozen copies of the structures of report schema 4 / certificate schema 2. A change of
+# Frozen copies of the structures of report schema 5 / certificate schema 2. A change of
 # fxpasses.certificates.schema must bump the versions and update these.
 EVIDENCE = {"*": "json"}
 CERTIFICATE_2 = {
@@ -35,14 +35,14 @@ CERTIFICATE_2 = {
     "message": "str", "graph_fingerprint": "str", "schema_version": "int", "digest": "str",
 }
 COUNTS = {"*": "int"}
-REPORT_4 = {
+REPORT_5 = {
     "report_schema": "int", "certificate_schema": "int", "created": "str",
     "versions": {"fxpasses": "str", "torch": "str", "python": "str"},
     "loss": "str", "pipeline": ["str"],
     "guards": [{"id": "str", "description": "str", "code": "str", "evidence": EVIDENCE}],
     "specializations": [{
         "index": "int", "inputs": ["str"], "disabled": ("str", "NoneType"),
-        "seconds": {"*": "number"},
+        "pipeline_running": "bool", "seconds": {"*": "number"},
         "snapshots": [{"step": "str", "fingerprint": "str", "modified": "bool",
                        "seconds": "number", "code": "str"}],
         "counters": {"*": {"seen": "int", "applied": "int", "refused": COUNTS, "failed": COUNTS}},
@@ -52,13 +52,14 @@ REPORT_4 = {
               "exceptions": [{"type": "str", "message": "str", "node": "str",
                               "specialization": "int", "statement": "str", "location": "str"}],
               "sites": {"*": COUNTS}, "rerecorded": {"*": COUNTS}},
+    "background_failures": ["str"],
     "digest": "str",
 }
 
 
 def test_the_schema_is_the_frozen_one_of_its_version():
-    assert (REPORT_SCHEMA, SCHEMA_VERSION) == (4, 2), "freeze the new structures above"
-    assert schema.REPORT == REPORT_4 and schema.CERTIFICATE == CERTIFICATE_2
+    assert (REPORT_SCHEMA, SCHEMA_VERSION) == (5, 2), "freeze the new structures above"
+    assert schema.REPORT == REPORT_5 and schema.CERTIFICATE == CERTIFICATE_2
 
 
 class _Raise(RuntimeOp):

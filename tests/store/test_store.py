@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -326,3 +327,90 @@ def test_another_process_reads_the_result_a_first_one_stored(tmp_path):
     assert runs[0][:2] == ["refused", ["stored-result-absent"]]
     assert runs[1][:2] == ["applied", []]
     assert runs[0][2] < 1e-10 and runs[1][2] < 1e-10, runs
+
+
+def _wait_for_job(fast, timeout=240):
+    """The pending specialization's job, ended (it runs in another process)."""
+    (special,) = fast.specializations
+    assert special.pending is not None, "no job: the pipeline ran in this process"
+    assert special.pending[0].process.wait(timeout=timeout) is not None
+
+
+def test_a_background_pipeline_runs_in_another_process_while_the_calls_run_natively(tmp_path):
+    loss = _loss(0)
+    fast = optimize(loss, passes=_passes(), store=tmp_path, background=True)
+    _assert_native(fast, loss, _batch(0))
+    assert fast.stats.native == {"pipeline-running": 1} and fast.stats.optimized == 0
+    assert "running in another process" in fast.explain(verbose=False)
+    _wait_for_job(fast)
+    for seed in range(1, 4):
+        _assert_native(fast, loss, _batch(seed))
+    assert fast.stats.optimized == 3, fast.stats.render()  # read back at the first call after
+    cert, checks = _store_certificate(fast)
+    assert cert.applied and checks["stored-result"].evidence["made"]["pid"] != os.getpid(), cert
+    assert checks["stored-result"].evidence["background_s"] > 0
+    assert not list(tmp_path.glob("*.job")) and not list(tmp_path.glob("*.log"))
+    assert {c.pass_name for c in fast.specializations[0].certificates} >= {p.name for p in _passes()}
+
+
+class _LockedLoss(nn.Module):
+    """A loss that holds a lock (pickle cannot write one): no job can carry it."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(3, 3).double()
+        self.lock = threading.Lock()
+
+    def forward(self, x):
+        return self.head(x).square().mean()
+
+
+def test_a_loss_that_cannot_travel_runs_its_pipeline_here_and_says_why(tmp_path):
+    loss = _LockedLoss()
+    fast = optimize(loss, passes=[PairRLE()], store=tmp_path, background=True)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    torch.testing.assert_close(fast(x), loss(x), rtol=0, atol=0)
+    assert fast.stats.optimized == 1 and fast.specializations[0].pending is None
+    cert, checks = _store_certificate(fast)
+    assert "lock" in checks["stored-result"].evidence["background"], cert
+
+
+BACKGROUND_SCALE = 1.0  # the job's process imports this module anew: 1.0 there
+
+
+class _GlobalScaleLoss(nn.Module):
+    """Takes another path where the global is above 1.5: another graph, another key."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(3, 3).double()
+
+    def forward(self, x):
+        y = self.head(x)
+        if BACKGROUND_SCALE > 1.5:
+            y = y.exp()
+        return y.square().mean()
+
+
+def test_a_job_whose_trace_differs_stores_nothing_for_this_trace_which_is_traced_again(tmp_path, monkeypatch):
+    monkeypatch.setitem(globals(), "BACKGROUND_SCALE", 2.0)  # this process only
+    loss = _GlobalScaleLoss()
+    fast = optimize(loss, passes=[PairRLE()], store=tmp_path, background=True)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    torch.testing.assert_close(fast(x), loss(x), rtol=0, atol=0)
+    _wait_for_job(fast)
+    for _ in range(2):
+        torch.testing.assert_close(fast(x), loss(x), rtol=0, atol=0)
+    assert fast.stats.native == {"pipeline-running": 1} and fast.stats.optimized == 2, fast.stats.render()
+    (special,) = fast.specializations
+    assert special.pending is None and special.index == 0
+    assert "not" in fast._background_failures[0] and "key" in fast._background_failures[0]
+    assert "gave no result" in fast.explain(verbose=False)
+    assert list(tmp_path.glob("*.log")), "the failed job's log is kept"
+
+
+def test_background_needs_a_store():
+    with pytest.raises(ValueError, match="needs a store"):
+        optimize(_loss(0), passes=_passes(), background=True)
+    with pytest.raises(TypeError, match="background"):
+        optimize(_loss(0), passes=_passes(), store="x", background="yes")
