@@ -20,7 +20,9 @@ native runs, which with one seed are identical), and the label caches removed fi
 its passes, to tell which one a difference comes from; ``--store DIR``: its passes' results kept
 in DIR across runs, :mod:`fxpasses.store`, each run recording whether it read or stored one: the
 first run with an empty DIR stores, so fill it first with ``--epochs 1 --pairs 1 --arms fxpasses
---store DIR`` to time runs that read it); the control arm ``native-rounded`` (not
+--store DIR`` to time runs that read it; ``--background`` with ``--store``: a run that finds none
+trains natively while the passes run in another process, :mod:`fxpasses.background`, and
+records after how many seconds and calls their result was read back); the control arm ``native-rounded`` (not
 run unless named in ``--arms``) trains with the native criterion's loss times 1 + 2**-20, which
 changes only the roundings of every gradient: the spread a rounding-level change gives a fit's
 metrics. ``--check-calls`` checks every training call of the fxpasses arm against the native
@@ -150,7 +152,8 @@ def child(args: argparse.Namespace) -> None:
 
         chosen = {"pair": PairRLE, "select": SelectRows, "capture": CaptureLoss}
         integration = fxu.enable(yolo, passes=None if args.passes is None
-                                 else [chosen[name]() for name in args.passes], store=args.store)
+                                 else [chosen[name]() for name in args.passes], store=args.store,
+                                 background=args.background)
         if args.check_calls:
             yolo.add_callback("on_pretrain_routine_end", _check_criterion)
     elif args.child == "native-rounded":
@@ -197,7 +200,8 @@ def child(args: argparse.Namespace) -> None:
 
         fast = integration.criterion.optimized
         record["fxpasses"] = {"summary": summary(integration.criterion), "stats": fast.stats.as_dict(),
-                              "store": [{"decision": c.decision, "codes": list(c.codes)}
+                              "store": [{"decision": c.decision, "codes": list(c.codes),
+                                         "background_s": c.checks[0].evidence.get("background_s")}
                                         for c in fast.certificates if c.pass_name == "store"],
                               "first_call_s": {k: round(v, 3) for s in fast.specializations[:1]
                                                for k, v in s.seconds.items()}}
@@ -244,6 +248,7 @@ def run_one(args: argparse.Namespace, arm: str, batch: int, index: int, work: Pa
            "--workers", str(args.workers), "--device", args.device, "--amp", args.amp,
            "--seed", str(args.seed), *(["--passes", *args.passes] if args.passes else []),
            *(["--store", args.store] if args.store else []),
+           *(["--background"] if args.background else []),
            *(["--check-calls"] if args.check_calls and arm == "fxpasses" else []),
            "--project", str(work / "runs"), "--name", name, "--progress-fd", str(progress)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -395,6 +400,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="the fxpasses arm keeps the passes' results in DIR (fxpasses.store): "
                              "a run that finds none stores it (cold), later runs read it (warm); "
                              "each run records which")
+    parser.add_argument("--background", action="store_true",
+                        help="with --store: a run that finds no stored result trains natively "
+                             "while the passes run in another process (fxpasses.background)")
     parser.add_argument("--work", default=None, help="folder for the dataset and runs (temporary)")
     parser.add_argument("--out", default="fit.json")
     parser.add_argument("--merge", nargs="+", metavar="JSON",
@@ -461,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
         return merge(args.merge, out)
     if args.pairs < 1:
         parser.error("--pairs must be at least 1")
+    if args.background and not args.store:
+        parser.error("--background needs --store DIR (the other process hands its result back through it)")
     begin = time.perf_counter()
     sys.path.insert(0, str(ROOT))
     work = Path(args.work or tempfile.mkdtemp(prefix="fxpasses_fit_"))

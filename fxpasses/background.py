@@ -5,7 +5,7 @@ thread cannot hide them: the pipeline is Python, and a busy Python thread stalls
 thread's every op on the GIL (bench/RESULTS.md, thirty-ninth session). A process can. With a
 store (:mod:`fxpasses.store`) and ``background=True``, a trace whose key has no stored result
 writes a *job* beside the store (the loss, the call's arguments, the passes and the tracer's
-policy, by ``torch.save``) and starts ``python -m fxpasses.background JOB`` on it. That process
+policy, by ``torch.save``) and starts a Python process on it (:func:`main`). That process
 traces the loss on those arguments again, runs the pipeline and stores the result under the key
 of its own trace (never under another: a result is stored only under the key of what produced
 it). Meanwhile the calls the new specialization covers run natively (``pipeline-running``);
@@ -22,15 +22,17 @@ be another key).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
+from .guards import ambient_state
 from .isolation import isolated
 from .log import logger
 from .pipeline import Pass
@@ -39,6 +41,7 @@ from .store import ResultStore
 from .trace import LeafPolicy
 
 _STORED, _OTHER_KEY, _NOT_STORED = 0, 3, 4  # the job's exit codes (any other: it failed)
+_MAIN = "import sys; from fxpasses.background import main; sys.exit(main(sys.argv[1:]))"
 
 
 class PipelineJob:
@@ -56,7 +59,8 @@ class PipelineJob:
         job = store.directory / f"{key}.{os.getpid()}.job"
         try:
             torch.save({"loss": loss, "args": args, "kwargs": kwargs, "passes": tuple(passes),
-                        "policy": policy, "key": key, "store": str(store.directory)}, job)
+                        "policy": policy, "key": key, "store": str(store.directory),
+                        "ambient": ambient_state()}, job)
         except Exception as exc:  # what pickle raises for an object it cannot write varies
             job.unlink(missing_ok=True)
             return f"the job could not be written: {type(exc).__name__}: {exc}"[:300]
@@ -65,7 +69,7 @@ class PipelineJob:
                    OMP_NUM_THREADS="1")
         try:
             with open(log, "wb") as out:
-                process = subprocess.Popen([sys.executable, "-m", "fxpasses.background", str(job)],
+                process = subprocess.Popen([sys.executable, "-c", _MAIN, str(job)],
                                            stdout=out, stderr=subprocess.STDOUT, env=env,
                                            stdin=subprocess.DEVNULL)
         except OSError as exc:
@@ -94,17 +98,43 @@ class PipelineJob:
 
     def close(self) -> None:
         """Remove the job's files (the log stays where it failed)."""
-        self.log.with_suffix(".job").unlink(missing_ok=True)
-        if self.process.returncode == _STORED:
-            self.log.unlink(missing_ok=True)
+        _remove(self.log.with_suffix(".job"), self.log, self.process.returncode)
+
+
+def _remove(job: Path, log: Path, code: int | None) -> None:
+    """The job's file, and its log unless the job failed."""
+    job.unlink(missing_ok=True)
+    if code == _STORED:
+        log.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _ambient(state: tuple) -> Iterator[None]:
+    """The caller's grad mode and autocast (:func:`~fxpasses.guards.ambient_state`): the trace and
+    the pipeline run under them, and the key holds them."""
+    grad, *autocasts = state
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.set_grad_enabled(grad))
+        for device, (enabled, dtype) in zip(("cuda", "cpu"), autocasts):
+            if enabled:
+                stack.enter_context(torch.autocast(device, dtype=getattr(torch, dtype.split(".")[-1])))
+        yield
 
 
 def main(argv: Sequence[str]) -> int:
-    """Run one job (see the module docstring); the exit code says whether it stored its key."""
+    """Run one job (see the module docstring); the exit code says whether it stored its key.
+    It cleans up after itself: a job outlives a process that ends first (its result then
+    serves the next process whose trace has its key)."""
+    code = _run(Path(argv[0]))
+    _remove(Path(argv[0]), Path(argv[0]).with_suffix(".log"), code)
+    return code
+
+
+def _run(path: Path) -> int:
     torch.set_num_threads(1)
-    job = torch.load(argv[0], weights_only=False)
+    job = torch.load(path, weights_only=False)
     store = ResultStore(job["store"])
-    with isolated():
+    with isolated(), _ambient(job["ambient"]):
         special = build(job["loss"], job["args"], job["kwargs"], 0, job["passes"], job["policy"], store)
     certificates = [c for c in special.certificates if c.pass_name == "store"]
     if not certificates:
@@ -121,7 +151,3 @@ def main(argv: Sequence[str]) -> int:
         print(f"no result stored: {certificates[0].codes}", flush=True)
         return _NOT_STORED
     return _STORED
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -101,13 +101,19 @@ class Integration:
     ``criteria`` holds each criterion this process wrapped, last one last.
     """
 
-    def __init__(self, passes: Sequence[Pass] | None = None, store: str | os.PathLike | None = None):
+    def __init__(self, passes: Sequence[Pass] | None = None, store: str | os.PathLike | None = None,
+                 background: bool = False):
         self.passes = None if passes is None else list(passes)
         self.store = store
+        self.background = background
         self.criteria: list[OptimizedCriterion] = []
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"passes": self.passes, "store": self.store, "criteria": []}
+        return {"passes": self.passes, "store": self.store, "background": self.background,
+                "criteria": []}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["passes"], state["store"], state.get("background", False))
 
     @property
     def criterion(self) -> OptimizedCriterion | None:
@@ -123,7 +129,7 @@ class Integration:
         try:
             native = current if current is not None else model.init_criterion()
             optimized = optimize(native, default_passes() if self.passes is None else self.passes,
-                                 store=self.store)
+                                 store=self.store, background=self.background)
         except (AttributeError, NotImplementedError, TypeError, ValueError) as exc:
             note("integration-unsupported")
             _log().warning(f"fxpasses: integration-unsupported: the criterion of "
@@ -176,16 +182,22 @@ def summary(criterion: OptimizedCriterion) -> str:
 
 
 def enable(model: Any, passes: Sequence[Pass] | None = None,
-           store: str | os.PathLike | None = None) -> Integration:
+           store: str | os.PathLike | None = None, background: bool = False) -> Integration:
     """Train ``model`` with its criterion optimized by ``passes`` (None: :func:`default_passes`);
-    ``store``: a directory that keeps the passes' results across fits (:mod:`fxpasses.store`).
+    ``store``: a directory that keeps the passes' results across fits (:mod:`fxpasses.store`);
+    ``background`` (with a ``store``): a fit that finds no stored result trains natively while
+    the passes run in another process, and optimized from the first step after
+    (:mod:`fxpasses.background`).
 
     ``model``: a ``YOLO`` object (call before ``model.train(...)``: registers the callbacks of
     :class:`Integration` for every later fit, replacing those of an earlier ``enable``), or an
     Ultralytics ``BaseModel`` (its criterion is wrapped now, unless it already is). Returns the
     :class:`Integration`, whose ``criterion`` tells what happened.
     """
-    integration = Integration(passes, store)
+    if background and store is None:
+        raise ValueError("enable(..., background=True) needs a store: the other process hands "
+                         "its result back through it (store='~/.cache/fxpasses')")
+    integration = Integration(passes, store, background)
     if callable(getattr(model, "add_callback", None)) and hasattr(model, "callbacks"):
         events: dict[str, Callable[[Any], None]] = {
             "on_pretrain_routine_end": integration.on_pretrain_routine_end,

@@ -4,8 +4,9 @@ The pipeline is a function of the traced graph (its code, its constants, the con
 its run-time ops), the trace's assumptions and their recorded values, the loss's structure (the
 objects it holds, their classes, the metadata of its tensors), the source files of the classes
 and functions the graph refers to, the inputs' dtypes, devices, dimensions and ``requires_grad``,
-the device, the passes and their options, and the versions of fxpasses (a digest of its source),
-torch and Python. The source files are those of every user file whose code ran while tracing
+the device, grad mode and autocast (the pipeline's shape propagation runs under the call's: an
+operation's dtype under autocast steers what a pass decides), the passes and their options, and
+the versions of fxpasses (a digest of its source), torch and Python. The source files are those of every user file whose code ran while tracing
 (the code of calls kept whole too, which the passes' proofs run again) and of the classes and
 functions the key names. :func:`key_parts` writes each as canonical JSON data: objects the loss holds
 by their path (:mod:`.live`), tensors not held by it by dtype, shape, device and a digest of their
@@ -37,6 +38,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..certificates.digest import canonical_json
+from ..guards import ambient_state
 from ..ir.runtime_op import RuntimeOp
 from ..trace import META_KEY
 from .live import LiveObjects
@@ -236,7 +238,7 @@ def key_parts(live: LiveObjects, gm: fx.GraphModule, assumptions: Sequence[Any],
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
-        "grad_enabled": torch.is_grad_enabled(),
+        "ambient": list(ambient_state()),  # grad mode, cuda and cpu autocast
         "passes": [[describe.ref(type(p)), describe(dict(vars(p)))] for p in passes],
         "graph": describe.graph(gm),
         "assumptions": [_assumption(a, describe) for a in assumptions],

@@ -414,3 +414,41 @@ def test_background_needs_a_store():
         optimize(_loss(0), passes=_passes(), background=True)
     with pytest.raises(TypeError, match="background"):
         optimize(_loss(0), passes=_passes(), store="x", background="yes")
+
+
+class _Float32Loss(nn.Module):
+    """A float32 linear head: CPU autocast runs it in bfloat16."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.head(x).float().square().mean()
+
+
+def _under_bfloat16(fn, x):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return fn(x)
+
+
+def test_a_result_stored_without_autocast_is_not_read_under_it(tmp_path):
+    x = torch.randn(4, 3)
+    optimize(_Float32Loss(), passes=[PairRLE()], store=tmp_path)(x)
+    loss = _Float32Loss()
+    fast = optimize(loss, passes=[PairRLE()], store=tmp_path)
+    torch.testing.assert_close(_under_bfloat16(fast, x), _under_bfloat16(loss, x), rtol=0, atol=0)
+    cert, checks = _store_certificate(fast)
+    assert cert.codes == ("stored-result-absent",), cert
+    assert "ambient" in checks["stored-result"].evidence["nearest_entry_differs_in"], cert
+
+
+def test_a_background_job_traces_under_the_callers_autocast(tmp_path):
+    loss = _Float32Loss()
+    fast = optimize(loss, passes=[PairRLE()], store=tmp_path, background=True)
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(_under_bfloat16(fast, x), _under_bfloat16(loss, x), rtol=0, atol=0)
+    _wait_for_job(fast)
+    torch.testing.assert_close(_under_bfloat16(fast, x), _under_bfloat16(loss, x), rtol=0, atol=0)
+    assert fast.stats.optimized == 1 and not fast._background_failures, fast.stats.render()
+    assert _store_certificate(fast)[0].applied
