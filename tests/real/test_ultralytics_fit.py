@@ -53,13 +53,14 @@ def _keep_resumable(trainer):  # the run's end strips last.pt of its optimizer: 
     shutil.copy(trainer.last, trainer.wdir / "resume.pt")
 
 
-def _fit(data: Path, project: Path, name: str, enabled: bool, store: Path | None = None) -> dict:
+def _fit(data: Path, project: Path, name: str, enabled: bool, store: Path | None = None,
+         background: bool = False) -> dict:
     from ultralytics import YOLO
     from ultralytics.utils import LOGGER
 
     yolo = YOLO("yolo26n-pose.yaml")
     before = yolo.model
-    integration = fxu.enable(yolo, store=store) if enabled else None
+    integration = fxu.enable(yolo, store=store, background=background) if enabled else None
     yolo.add_callback("on_fit_epoch_end", _stop_after_first_epoch)
     yolo.add_callback("on_model_save", _keep_resumable)
     log, fx_log = _Records(), _Records()
@@ -85,7 +86,9 @@ def fits(tmp_path_factory):
     return {"data": data, "root": root,
             "native": _fit(data, root / "runs", "native", enabled=False),
             "fx": _fit(data, root / "runs", "fx", enabled=True, store=root / "store"),
-            "fx_read": _fit(data, root / "runs", "fx_read", enabled=True, store=root / "store")}
+            "fx_read": _fit(data, root / "runs", "fx_read", enabled=True, store=root / "store"),
+            "fx_background": _fit(data, root / "runs", "fx_background", enabled=True,
+                                  store=root / "background_store", background=True)}
 
 
 def _train_columns(rows: list[dict]) -> list[dict[str, float]]:
@@ -129,6 +132,21 @@ def test_a_second_fit_reads_the_stored_result_and_trains_to_the_same_bits(fits):
     assert {k: float(v) for k, v in fits["fx_read"]["trainer"].tloss.items()} == \
         {k: float(v) for k, v in fits["fx"]["trainer"].tloss.items()}
     assert "store: read" in next(line for line in fits["fx_read"]["log"] if line.startswith("fxpasses:"))
+
+
+def test_a_fit_in_the_background_trains_natively_until_its_job_stored_the_result(fits):
+    """Two calls, fewer than the job takes: both native, the training losses native's own; the
+    job, run on in its process, stores the result under the fit's key."""
+    fast = fits["fx_background"]["integration"].criterion.optimized
+    assert fast.stats.native == {"pipeline-running": 2} and not fast._background_failures, fast.stats.render()
+    assert {k: float(v) for k, v in fits["fx_background"]["trainer"].tloss.items()} == \
+        {k: float(v) for k, v in fits["native"]["trainer"].tloss.items()}
+    (special,) = fast.specializations
+    job, lookup = special.pending
+    assert job.process.wait(timeout=600) == 0, job.log.read_text()[-2000:]
+    assert (fits["root"] / "background_store" / f"{lookup.key}.fxresult").exists()
+    assert "pipeline-running 2" in next(line for line in fits["fx_background"]["log"]
+                                        if line.startswith("fxpasses:"))
 
 
 def test_one_log_line_and_the_report_beside_results_csv(fits):
