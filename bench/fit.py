@@ -22,7 +22,8 @@ in DIR across runs, :mod:`fxpasses.store`, each run recording whether it read or
 first run with an empty DIR stores, so fill it first with ``--epochs 1 --pairs 1 --arms fxpasses
 --store DIR`` to time runs that read it; ``--background`` with ``--store``: a run that finds none
 trains natively while the passes run in another process, :mod:`fxpasses.background`, and
-records after how many seconds and calls their result was read back); the control arm ``native-rounded`` (not
+records after how many seconds and calls their result was read back; ``{run}`` in DIR is the
+run's name, a directory of its own: every run then starts cold); the control arm ``native-rounded`` (not
 run unless named in ``--arms``) trains with the native criterion's loss times 1 + 2**-20, which
 changes only the roundings of every gradient: the spread a rounding-level change gives a fit's
 metrics. ``--check-calls`` checks every training call of the fxpasses arm against the native
@@ -247,7 +248,7 @@ def run_one(args: argparse.Namespace, arm: str, batch: int, index: int, work: Pa
            "--batch", str(batch), "--epochs", str(args.epochs), "--imgsz", str(args.imgsz),
            "--workers", str(args.workers), "--device", args.device, "--amp", args.amp,
            "--seed", str(args.seed), *(["--passes", *args.passes] if args.passes else []),
-           *(["--store", args.store] if args.store else []),
+           *(["--store", args.store.replace("{run}", name)] if args.store else []),
            *(["--background"] if args.background else []),
            *(["--check-calls"] if args.check_calls and arm == "fxpasses" else []),
            "--project", str(work / "runs"), "--name", name, "--progress-fd", str(progress)]

@@ -2,7 +2,7 @@
 # One session's GPU work on the lent H200, in three calls of at most 10 minutes each (see
 # bench/RESULTS.md for what each produced). Run from the repository root with the wheels of
 # ultralytics, ultralytics-thop, ultralytics-platform, polars and polars-runtime-32 in .whl/
-# (the machine has no package index):  bash bench/h200_session.sh census|bench|memory|kernels|diagnose|host-ab|fit|fit-seeds|fit-check|amp-bisect|first-call|headroom
+# (the machine has no package index):  bash bench/h200_session.sh census|bench|memory|kernels|diagnose|host-ab|fit|fit-background|fit-seeds|fit-check|amp-bisect|first-call|headroom
 # first-call and host-ab alternate this tree with an older one on one host (hosts differ by 2x): before
 # the device call, `mkdir -p ab/old && git archive REV fxpasses | tar -x -C ab/old` and carry "ab"
 set -uo pipefail
@@ -13,7 +13,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 unset PYTHONDONTWRITEBYTECODE
 export PYTHONPATH=/tmp/site:. YOLO_OFFLINE=1 PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pyc}
 python -c "import torch, ultralytics; print('torch', torch.__version__, 'ultralytics', ultralytics.__version__, torch.cuda.get_device_name())"
-case "${1:?census, bench, memory, kernels, diagnose, host-ab, fit, fit-seeds, fit-check, amp-bisect, first-call or headroom}" in
+case "${1:?census, bench, memory, kernels, diagnose, host-ab, fit, fit-background, fit-seeds, fit-check, amp-bisect, first-call or headroom}" in
 census)  # the random-loss census on 13 of the 16 CPUs, the GPU tests beside it
     python -m fxpasses.testing.census --cases 10000 --jobs 13 --seed 500 --minutes "${MINUTES:-8.3}" \
         --examples "$OUT/census_examples.txt" > "$OUT/census.txt" 2>&1 &
@@ -52,6 +52,11 @@ host-ab)  # host time per step of the real criterion (batch 16), this tree and a
     done ;;
 fit)  # complete-fit time of a real model.train(), native against the integration
     python bench/fit.py ${FIT_ARGS:?set FIT_ARGS} --device 0 --out "$OUT/fit" ;;
+fit-background)  # complete fits, native against cold fxpasses runs whose passes run in another process
+    # (each fxpasses run a store of its own: none reads an earlier one's result), BATCH (4 unless set), PAIRS (3)
+    python bench/fit.py --batch ${BATCH:-4} --epochs 5 --pairs ${PAIRS:-3} --deadline-s ${DEADLINE_S:-570} --device 0 \
+        --work /tmp/fitw --store "/tmp/fitstores/{run}" --background --out "$OUT/fit_background_b${BATCH:-4}.json" \
+        2>&1 | grep -E "fit [0-9]|mAP|FAILED|vs native" ;;
 fit-seeds|fit-check)  # the batch-16 AMP fit over trainer seeds, ARMS (native fxpasses unless set; ~50 s an arm),
     # the fxpasses arm with PASSES (e.g. "select"; all three unless set); fit-check: the fxpasses arm alone (seed 0
     # unless SEEDS), every loss call checked against native at equal inputs (~135 s)

@@ -170,3 +170,34 @@ def test_a_result_read_from_the_store_records_replays_and_equals_native(tmp_path
     assert not fast.stats.native and replays and max(replays.values()) >= 3, fast.stats.render()
     for loss_diff, grad_diff, flow_diff in rows:
         assert loss_diff < FP32_LIMIT[0] and grad_diff < FP32_LIMIT[1] and flow_diff < FP32_LIMIT[1], rows
+
+
+def test_a_pipeline_run_in_another_process_under_autocast_is_read_back_and_replayed(tmp_path):
+    """``background=True`` as the trainer calls the criterion (fp16 autocast): the first call
+    runs natively while another process (with a CUDA context of its own) traces and runs the
+    passes; the calls after it read the result back, record, replay and match native AMP."""
+    from fxpasses.workloads.ultralytics_pose import pose_model
+
+    torch.manual_seed(0)
+    loss = pose_model(device=DEVICE).init_criterion()
+    fast = optimize(loss, passes=[PairRLE(), SelectRows(), CaptureLoss()], store=tmp_path, background=True)
+    flow = list(loss.one2many.flow_model.parameters())
+    first = _inputs(0, torch.float16)
+    _call(fast, *first, True, flow)
+    assert fast.stats.native == {"pipeline-running": 1}, fast.stats.render()
+    job, _ = fast.specializations[0].pending
+    assert job.process.wait(timeout=300) == 0, job.log.read_text()[-2000:]
+    rows = []
+    for seed in SEEDS:
+        preds, batch = _inputs(seed, torch.float16)
+        want = _call(loss, preds, batch, True, flow)
+        got = _call(fast, preds, batch, True, flow)
+        full = pytree.tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) else t, preds)
+        rows.append((_differences(got, want), _differences(want, _call(loss, full, batch, False, flow))))
+    MEASURED["fp16-autocast-background"] = {"per_call": rows, "job_s": round(job.seconds(), 2)}
+    assert fast.stats.optimized == len(SEEDS) and not fast._background_failures, fast.stats.render()
+    replays = {k: v.get("replayed", 0) for k, v in fast.stats.sites.items() if "capture_region" in k}
+    assert replays and max(replays.values()) >= 3, fast.stats.render()
+    for got, control in rows:
+        for value, bound in zip(got, control):
+            assert value <= max(AMP_FLOOR, CONTROL_FACTOR * bound), rows
