@@ -300,7 +300,10 @@ class OptimizedLoss(nn.Module):
         the next trace runs its pipeline here)."""
         if not special.pending[0].done():
             return special
-        done = complete(special, self._loss, leaves, self._passes, self._store)
+        try:
+            done = complete(special, self._loss, leaves, self._passes, self._store)
+        except Exception as exc:  # never lose the training step: an entry removed meanwhile, say
+            done = f"reading the job's result raised {type(exc).__name__}: {exc}"[:400]
         if isinstance(done, str):
             logger.warning("the passes' pipeline in another process gave no result (%s): "
                            "traced again, its pipeline run in this process", done)

@@ -452,3 +452,16 @@ def test_a_background_job_traces_under_the_callers_autocast(tmp_path):
     torch.testing.assert_close(_under_bfloat16(fast, x), _under_bfloat16(loss, x), rtol=0, atol=0)
     assert fast.stats.optimized == 1 and not fast._background_failures, fast.stats.render()
     assert _store_certificate(fast)[0].applied
+
+
+def test_a_job_result_removed_before_it_was_read_leaves_the_trace_to_be_made_here(tmp_path):
+    loss = _loss(0)
+    fast = optimize(loss, passes=_passes(), store=tmp_path, background=True)
+    _assert_native(fast, loss, _batch(0))
+    _wait_for_job(fast)
+    for entry in tmp_path.glob("*.fxresult"):  # evicted by another process meanwhile
+        entry.unlink()
+    _assert_native(fast, loss, _batch(1))
+    assert fast.stats.optimized == 1 and fast.specializations[0].pending is None, fast.stats.render()
+    assert "stored-result-absent" in fast._background_failures[0]
+    assert len(list(tmp_path.glob("*.fxresult"))) == 1  # stored again, by this process
