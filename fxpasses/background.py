@@ -45,10 +45,10 @@ _MAIN = "import sys; from fxpasses.background import main; sys.exit(main(sys.arg
 
 
 class PipelineJob:
-    """One pipeline running in another process for the trace of key ``key``."""
+    """One pipeline running in another process (:meth:`start`), its output in ``log``."""
 
-    def __init__(self, store: ResultStore, key: str, process: subprocess.Popen, log: Path):
-        self.store, self.key, self.process, self.log = store, key, process, log
+    def __init__(self, process: subprocess.Popen, log: Path):
+        self.process, self.log = process, log
         self.started = time.perf_counter()
 
     @classmethod
@@ -77,7 +77,7 @@ class PipelineJob:
             return f"the job's process could not start: {exc}"[:300]
         logger.info("pipeline of trace %s running in process %d (log %s); calls run natively "
                     "until it ends", key[:12], process.pid, log)
-        return cls(store, key, process, log)
+        return cls(process, log)
 
     def done(self) -> bool:
         return self.process.poll() is not None
@@ -136,18 +136,14 @@ def _run(path: Path) -> int:
     store = ResultStore(job["store"])
     with isolated(), _ambient(job["ambient"]):
         special = build(job["loss"], job["args"], job["kwargs"], 0, job["passes"], job["policy"], store)
-    certificates = [c for c in special.certificates if c.pass_name == "store"]
-    if not certificates:
+    looked = [c.checks[0].evidence for c in special.certificates if c.pass_name == "store"]
+    if not looked:
         print(f"no result stored: the trace was refused ({special.refusal})", flush=True)
         return _NOT_STORED
-    checks = {check.id: check for check in certificates[0].checks}
-    key = checks["stored-result"].evidence.get("key")
-    if key != job["key"]:
-        print(f"this process's trace has key {key}, not {job['key']}", flush=True)
+    if looked[0].get("key") != job["key"]:
+        print(f"this process's trace has key {looked[0].get('key')}, not {job['key']}", flush=True)
         return _OTHER_KEY
-    stored = checks.get("result-stored")
-    if special.run is None or (stored is None and not certificates[0].applied) or \
-            (stored is not None and not stored.ok):
-        print(f"no result stored: {certificates[0].codes}", flush=True)
+    if not store.path(job["key"]).exists():
+        print(f"no result stored: {looked[0]}"[:400], flush=True)
         return _NOT_STORED
     return _STORED

@@ -191,14 +191,13 @@ def complete(special: Specialization, loss: Any, leaves: list[Any], passes: Sequ
         return failure
     start = time.perf_counter()
     lookup = store.look_again(lookup, loss)
-    if lookup.run is not None:
-        failed = first_failure(relied_on(lookup.run.graph_module), special.roots(loss, leaves))
-        if failed is not None:
-            return f"an assumption a rewrite relied on does not hold: {failed.describe()}"
     if lookup.run is None:
         why = lookup.evidence.get("why") or \
             f"the newest entry's key differs in {lookup.evidence.get('nearest_entry_differs_in')}"
         return f"the job's result was not read back: {lookup.code}: {why}"
+    failed = first_failure(relied_on(lookup.run.graph_module), special.roots(loss, leaves))
+    if failed is not None:
+        return f"an assumption a rewrite relied on does not hold: {failed.describe()}"
     lookup.run.graph_module.meta[META_KEY] = info
     lookup.evidence["background_s"] = round(job.seconds(), 2)
     done = dataclasses.replace(special, pending=None, run=lookup.run,
