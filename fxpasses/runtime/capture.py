@@ -717,6 +717,12 @@ class CapturedRegion(RuntimeOp):
                 return SIGNATURE_RECURRED.code, None, flat
             if self._pending is not None:
                 return BACKWARD_DONE.code, None, flat
+            # what moved, told against the recordings held before any goes (recording_change)
+            held = sorted(self.recordings, key=lambda k: self.recordings[k].used)
+            change = describe_change(key, held, self.input_names, starts) if held else None
+            # outgrown recordings go before this one is captured: its capture takes their
+            # memory in the region's pool instead of growing the pool
+            self._evict_outgrown(flat, starts)
             if len(self.recordings) >= self.max_recordings and not self._evict():
                 return SIGNATURE.code, None, flat
             with MODULE_STATE.exclusive() as alone:  # the recording swaps parameters for aliases
@@ -733,12 +739,10 @@ class CapturedRegion(RuntimeOp):
                                    "from now on (capture-failed): %s", self.op_id, self.failure)
                     return CAPTURE_OK.code, None, flat
             recording.used = next(self._clock)
-            if self.recordings:  # what moved (recording_change)
-                held = sorted(self.recordings, key=lambda k: self.recordings[k].used)
-                self.changes[describe_change(key, held, self.input_names, starts)] += 1
+            if change is not None:
+                self.changes[change] += 1
             self.recordings[key] = recording
             self.count_event("recorded")
-            self._evict_outgrown(flat, starts)
         if self._pending is not None:
             return BACKWARD_DONE.code, None, flat
         if any(r.referenced() for r in self.recordings.values()):  # one pool: see _record

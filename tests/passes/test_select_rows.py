@@ -435,12 +435,29 @@ def test_the_witness_computes_in_float64_through_a_dtype_written_in_the_graph():
     assert cert.witness.max_abs_value_diff <= 1e-12
 
 
-def test_a_recording_made_for_a_capacity_since_grown_is_dropped():
+def test_a_recording_made_for_a_capacity_since_grown_is_dropped(monkeypatch):
     """Capacities only grow: a region's recording made for a smaller one cannot be replayed
-    again, and is evicted when the region records for the grown one (its memory freed then,
-    not after max_recordings newer recordings)."""
+    again, and is evicted when the region records for the grown one, before capturing it (its
+    memory freed then, for that capture to take in the region's pool, not after max_recordings
+    newer recordings)."""
     from fxpasses.runtime.capture import CapturedRegion
 
+    from fxpasses.runtime.capture import _size
+
+    outgrown_at_capture = []  # (region, recordings it held for a capacity below the call's)
+    record = CapturedRegion._record
+
+    def spy(self, flat, starts, *args, **kwargs):
+        places = [(k, d) for i, dims in self.growing.items() for k in range(starts[i], starts[i + 1])
+                  for d in (dims or (None,))]
+        now = [_size(flat[k], d) for k, d in places]
+        outgrown_at_capture.append((self, sum(
+            any(type(a) is int and type(b) is int and a < b
+                for a, b in zip([_size(r.inputs[k], d) for k, d in places], now))
+            for r in self.recordings.values())))
+        return record(self, flat, starts, *args, **kwargs)
+
+    monkeypatch.setattr(CapturedRegion, "_record", spy)
     loss = FiveLevels().double()
     fast = optimize(loss, passes=[SelectRows(min_bucket=4), CaptureLoss(
         devices=("cpu",), recorder=EmulatedRecorder(), min_region_ops=1, record_after=1)])
@@ -453,4 +470,6 @@ def test_a_recording_made_for_a_capacity_since_grown_is_dropped():
     assert growing and all(r.counters["evicted"] >= 1 for r in growing), [dict(r.counters) for r in growing]
     # what is held: the current capacities' recording alone (one shape of rows per call here)
     assert all(len(r.recordings) == 1 for r in growing), [len(r.recordings) for r in growing]
+    assert len(outgrown_at_capture) > len(growing)  # captures after a capacity grew
+    assert not any(n for _, n in outgrown_at_capture), [(r.op_id, n) for r, n in outgrown_at_capture]
     assert not fast.stats.native
