@@ -30,6 +30,12 @@ Each call of an OptimizedLoss:
    specialization (no optimized call of it succeeding in between) disable it for good
    (``optimized-path-disabled``).
 
+With ``background`` (and a store), a new trace whose pipeline result is not stored is *pending*
+while another process runs its passes (:mod:`fxpasses.background`): the calls it covers run
+natively (``pipeline-running``), and the first one after that process ended reads its result back
+and runs it; where it stored none, the pending specialization is dropped and the next call traces
+again, its passes run in this process.
+
 Steps 2 and 3 come to one :mod:`~fxpasses.call_outcome` (ran, abandoned, refused, raised), which
 one method turns into the call's result; the specializations' order and which of them are disabled
 are kept by a :class:`~fxpasses.specialization_cache.SpecializationCache`.

@@ -6,9 +6,9 @@ objects it holds, their classes, the metadata of its tensors), the source files 
 and functions the graph refers to, the inputs' dtypes, devices, dimensions and ``requires_grad``,
 the device, grad mode and autocast (the pipeline's shape propagation runs under the call's: an
 operation's dtype under autocast steers what a pass decides), the passes and their options, and
-the versions of fxpasses (a digest of its source), torch and Python. The source files are those of every user file whose code ran while tracing
-(the code of calls kept whole too, which the passes' proofs run again) and of the classes and
-functions the key names. :func:`key_parts` writes each as canonical JSON data: objects the loss holds
+the versions of fxpasses (a digest of its source), torch and Python. The source files are those
+of every user file whose code ran while tracing (the code of calls kept whole too, which the
+passes' proofs run again) and of the classes and functions the key names. :func:`key_parts` writes each as canonical JSON data: objects the loss holds
 by their path (:mod:`.live`), tensors not held by it by dtype, shape, device and a digest of their
 bytes, floats by ``repr``. A value it cannot write so (an object of a user class the loss does
 not hold, a fake tensor) makes the whole key :class:`Unkeyable`: nothing is looked up or stored.
