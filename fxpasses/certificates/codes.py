@@ -24,6 +24,7 @@ class Code:
     kind: str
     explanation: str
     hint: str
+    needs: str | None = None  # the optional package without which nothing can make it occur
 
 
 _CODES = (
@@ -472,7 +473,8 @@ _CODES = (
     Code("integration-unsupported", "refusal",
          "A training framework's integration could not wrap the model's criterion (no "
          "init_criterion, or optimize() refused it); training runs with the native criterion.",
-         "The trainer's log line names the reason; pass the criterion to optimize() yourself."),
+         "The trainer's log line names the reason; pass the criterion to optimize() yourself.",
+         needs="ultralytics"),
 )
 
 REGISTRY: dict[str, Code] = {code.name: code for code in _CODES}
