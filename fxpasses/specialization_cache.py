@@ -46,8 +46,7 @@ class SpecializationCache:
     def add(self, special: Specialization) -> Specialization:
         """``special``, tried first from now on, with the ``check_key`` of an earlier one that
         checks the same assumptions against the same values (else its own index)."""
-        key = next((s.check_key for s in self._order if same_checks(s, special)), special.index)
-        special = dataclasses.replace(special, check_key=key)
+        special = _keyed(special, self._order)
         self._order.insert(0, special)
         return special
 
@@ -55,9 +54,7 @@ class SpecializationCache:
         """``new`` in ``old``'s place (a pending specialization, completed), its ``check_key``
         found again (completing may add assumptions); returns it as kept."""
         i = self._order.index(old)
-        others = [s for s in self._order if s is not old]
-        key = next((s.check_key for s in others if same_checks(s, new)), new.index)
-        self._order[i] = dataclasses.replace(new, check_key=key)
+        self._order[i] = _keyed(new, [s for s in self._order if s is not old])
         return self._order[i]
 
     def remove(self, special: Specialization) -> None:
@@ -102,3 +99,10 @@ class SpecializationCache:
         self._recent_runs.clear()
         self._failures.clear()
         self._disabled.clear()
+
+
+def _keyed(special: Specialization, others: list[Specialization]) -> Specialization:
+    """``special`` with the ``check_key`` of the first of ``others`` that checks the same
+    assumptions against the same values, else its own index."""
+    key = next((s.check_key for s in others if same_checks(s, special)), special.index)
+    return dataclasses.replace(special, check_key=key)
